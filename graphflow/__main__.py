@@ -1,0 +1,5 @@
+import sys
+
+from graphflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""graphflow's exceptions: small classes that subclass a meaningful built-in.
+
+Each keeps the pieces of its message as attributes, so tools and tests read the
+element, phase or rank instead of parsing text.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GraphflowError", "PlanError", "CaptureError", "DivergenceError"]
+
+
+class GraphflowError(Exception):
+    """Base of every error graphflow raises on purpose."""
+
+
+class PlanError(GraphflowError, ValueError):
+    """A plan cannot be read: bad YAML, an unknown key, a wrong type, a bad template.
+
+    ``str()`` gives ``file:line: element: message`` so the CLI prints it as is.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None, element: str | None = None):
+        self.message = message
+        self.file = file
+        self.line = line
+        self.element = element
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file is not None:
+            where = f"{self.file}:{self.line}: " if self.line is not None else f"{self.file}: "
+        elem = f"{self.element}: " if self.element else ""
+        return f"{where}{elem}{self.message}"
+
+
+class CaptureError(GraphflowError, RuntimeError):
+    """The capture pipeline failed and was rolled back.
+
+    Names the phase, descriptor, segment and rank where it failed, and what to do.
+    """
+
+    def __init__(self, message: str, *, phase: str | None = None, descriptor=None, segment: str | None = None,
+                 rank: int | None = None, hint: str | None = None):
+        self.message = message
+        self.phase = phase
+        self.descriptor = descriptor
+        self.segment = segment
+        self.rank = rank
+        self.hint = hint
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = [f"{k}={v}" for k, v in (("phase", self.phase), ("descriptor", self.descriptor),
+                                           ("segment", self.segment), ("rank", self.rank)) if v is not None]
+        text = f"[{' '.join(where)}] {self.message}" if where else self.message
+        return f"{text} — {self.hint}" if self.hint else text
+
+
+class DivergenceError(CaptureError):
+    """Ranks disagreed at a barrier or did not reach it in time.
+
+    ``ranks`` lists the ranks that differ (or never arrived); ``event`` is the first
+    differing trace event, as a dict, when one is known.
+    """
+
+    def __init__(self, message: str, *, ranks=(), event: dict | None = None, **kwargs):
+        self.ranks = tuple(ranks)
+        self.event = event
+        super().__init__(message, **kwargs)

@@ -1,0 +1,68 @@
+"""Events the capture pipeline emits, and the listener protocol that consumes them.
+
+The engine emits one event at every pipeline, phase, descriptor and region boundary.
+Listeners drive the progress display, the per-rank trace and the cross-rank phase
+barriers: each reads the same events, so none needs to reach into the engine. A
+listener that raises fails the pipeline, which then rolls back like any other failure.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Protocol
+
+import attrs
+
+__all__ = ["EventKind", "Event", "Listener", "Phase"]
+
+
+class Phase(enum.Enum):
+    """The pipeline's phases, in the order they run (see ``graphflow.engine``)."""
+
+    ALLOCATE = "allocate"
+    WARMUP = "warmup"
+    PREWARM = "prewarm"
+    CAPTURE = "capture"
+    VERIFY = "verify"
+    COMMIT = "commit"
+    ROLLBACK = "rollback"
+
+
+class EventKind(enum.Enum):
+    PIPELINE_BEGIN = "pipeline_begin"
+    PHASE_BEGIN = "phase_begin"
+    DESCRIPTOR_BEGIN = "descriptor_begin"
+    REGION_BEGIN = "region_begin"
+    REGION_END = "region_end"
+    DESCRIPTOR_END = "descriptor_end"
+    PHASE_END = "phase_end"
+    PIPELINE_END = "pipeline_end"
+    ROLLBACK = "rollback"
+
+
+@attrs.frozen
+class Event:
+    """One boundary. ``descriptor`` and ``region`` are set where they apply.
+
+    ``index``/``total`` count descriptors within a phase (for progress);
+    ``elapsed_s`` is seconds since the phase began; ``pool_bytes`` is the capture pool's
+    size when known. ``defer`` registers an undo on the pipeline's rollback stack: a
+    listener that takes a resource at an event gives it back through it.
+    """
+
+    kind: EventKind
+    rank: int = 0
+    phase: Phase | None = None
+    descriptor: Any = None
+    region: str | None = None
+    index: int | None = None
+    total: int | None = None
+    elapsed_s: float = 0.0
+    pool_bytes: int | None = None
+    error: str | None = None
+    defer: Callable[[str, Callable[[], None]], None] | None = attrs.field(default=None, eq=False, repr=False)
+
+
+class Listener(Protocol):
+    def on_event(self, event: Event) -> None: ...

@@ -1,0 +1,477 @@
+"""The capture plan: what a model declares, as small frozen attrs classes.
+
+A plan is data only. It knows nothing of YAML (see ``graphflow.loader``), of checks
+(see ``graphflow.validate``) or of GPUs (see ``graphflow.engine``), and it imports no
+torch, so ``graphflow validate`` starts in milliseconds and runs where torch is absent.
+
+Two derived views are computed here because every consumer needs the same answer:
+
+* ``Plan.dag()``: a networkx DiGraph over segment names. Segments run in the order
+  listed; a buffer is versioned at each write, so a reader depends on the writer of the
+  version it reads (``raw`` edge) and a writer depends on the readers of the version it
+  replaces (``war`` edge). An in-place update therefore orders segments instead of
+  making a cycle. ``after`` adds explicit ordering edges (``after`` kind).
+* ``Plan.regions(mode)``: PIECEWISE regions are maximal runs of graph segments between
+  eager breaks, per family; the FULL region of a family is its whole step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import re
+from collections.abc import Iterator, Mapping
+from typing import Union
+
+import attrs
+import networkx as nx
+
+__all__ = [
+    "Buffer",
+    "BufferRole",
+    "CaptureRegion",
+    "CaptureSettings",
+    "Channel",
+    "ChannelKind",
+    "Descriptor",
+    "Dim",
+    "Family",
+    "Mode",
+    "Origin",
+    "Plan",
+    "Prewarm",
+    "Segment",
+    "SegmentKind",
+    "Stream",
+    "WarmupPolicy",
+    "DTYPE_BYTES",
+    "eval_dim",
+    "dim_symbols",
+]
+
+
+class SegmentKind(enum.Enum):
+    GRAPH = "graph"
+    EAGER = "eager"
+
+
+class Mode(enum.Enum):
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+
+
+class WarmupPolicy(enum.Enum):
+    """What a channel's collective does during warmup (see BRIEF, seed 000)."""
+
+    REAL = "real"  # run the real collective
+    PREPARE = "prepare"  # run the channel's prewarm hook; no communication
+    PLACEHOLDER = "placeholder"  # allocate (deterministically filled) only
+
+
+class ChannelKind(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    P2P = "p2p"
+
+
+class BufferRole(enum.Enum):
+    INPUT = "input"  # filled by the runtime before each step
+    OUTPUT = "output"  # read by the runtime after each step
+    STATE = "state"  # persists across steps (a KV cache); snapshotted around verify
+    INTERNAL = "internal"  # written and read inside the step only
+
+
+#: Bytes per element of each dtype a plan may name (torch's names, without ``torch.``).
+DTYPE_BYTES: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+#: A shape dimension: an int, a symbol (``"B"``) or a product of both (``"2*B"``).
+Dim = Union[int, str]
+
+_DIM_TERM = re.compile(r"^\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*))\s*$")
+
+
+def dim_symbols(dim: Dim) -> tuple[str, ...]:
+    """The symbols a dimension uses; raises ValueError on anything but ``a*b*...``."""
+    if isinstance(dim, int):
+        return ()
+    names = []
+    for term in str(dim).split("*"):
+        match = _DIM_TERM.match(term)
+        if match is None:
+            raise ValueError(f"bad shape dimension {dim!r}: use an int, a symbol or a product like '2*B'")
+        if match.group(2):
+            names.append(match.group(2))
+    return tuple(names)
+
+
+def eval_dim(dim: Dim, values: Mapping[str, int]) -> int:
+    """Evaluate a dimension with the given symbol values (KeyError for an unknown one)."""
+    if isinstance(dim, int):
+        return dim
+    result = 1
+    for term in str(dim).split("*"):
+        match = _DIM_TERM.match(term)
+        if match is None:
+            raise ValueError(f"bad shape dimension {dim!r}")
+        result *= int(match.group(1)) if match.group(1) else values[match.group(2)]
+    return result
+
+
+def _tuple(value) -> tuple:
+    return tuple(value)
+
+
+def _dims(value) -> tuple[Dim, ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Origin:
+    """Where an element was declared, so diagnostics can name file and line."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@attrs.frozen
+class Buffer:
+    """A static tensor, allocated once at its largest descriptor size before capture.
+
+    ``capacity`` caps symbols for this buffer (a KV cache sized for at most 64
+    sequences); descriptors above it cannot be captured. ``alias_of`` declares that
+    this buffer is a view of another's storage: writes to either are writes to both.
+    """
+
+    name: str
+    shape: tuple[Dim, ...] = attrs.field(converter=_dims)
+    dtype: str
+    device: str
+    role: BufferRole = BufferRole.INTERNAL
+    capacity: Mapping[str, int] = attrs.field(factory=dict, converter=lambda m: dict(sorted(dict(m).items())), hash=False)
+    alias_of: str | None = None
+
+    def symbols(self) -> tuple[str, ...]:
+        return tuple(s for dim in self.shape for s in dim_symbols(dim))
+
+    def numel(self, values: Mapping[str, int]) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= eval_dim(dim, values)
+        return n
+
+    def nbytes(self, values: Mapping[str, int]) -> int:
+        return self.numel(values) * DTYPE_BYTES.get(self.dtype, 0)
+
+
+@attrs.frozen
+class Stream:
+    """An explicit capture stream; capture on a non-default GPU needs one (seed 002)."""
+
+    name: str
+    device: str
+
+
+@attrs.frozen
+class Channel:
+    """A communication channel owned by one family, with a semantic id.
+
+    ``jit`` marks a collective whose kernel is specialized at first launch (CuTe DSL,
+    Triton): it must be warmed by a real warmup or by the ``prewarm`` hook it names.
+    """
+
+    name: str
+    kind: ChannelKind
+    group: str
+    id: int
+    family: str
+    warmup: WarmupPolicy = WarmupPolicy.REAL
+    prewarm: str | None = None
+    jit: bool = False
+
+
+@attrs.frozen
+class Segment:
+    """A unit of work: a capturable ``graph`` segment or an ``eager`` break.
+
+    ``call`` is an attribute path on the model (``layers.3.pre_attention``).
+    ``data_dependent`` marks work whose tensor values decide its path (top-k routing,
+    argmax). ``ranks`` limits the segment to some ranks (None: all of them).
+    ``after`` adds ordering edges that no buffer expresses.
+    """
+
+    name: str
+    kind: SegmentKind
+    call: str
+    reads: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    writes: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    stream: str | None = None
+    channels: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    family: str = "target"
+    data_dependent: bool = False
+    device: str | None = None
+    ranks: tuple[int, ...] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else tuple(v)
+    )
+    after: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+
+    @property
+    def is_graph(self) -> bool:
+        return self.kind is SegmentKind.GRAPH
+
+    def runs_on(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+@attrs.frozen
+class Family:
+    """A group of segments captured together, owning its channels (target, draft...)."""
+
+    name: str
+
+
+@attrs.frozen
+class Prewarm:
+    """A hook run once per specialization during the prewarm phase, with no communication.
+
+    ``call`` is an attribute path on the model; it is called with the descriptor size
+    when ``per_size`` is true, else once with no argument.
+    """
+
+    name: str
+    call: str
+    per_size: bool = True
+
+
+@attrs.frozen(order=True)
+class Descriptor:
+    """A capture key. Ordered by mode then size, so sorting is deterministic."""
+
+    mode: Mode = attrs.field(order=lambda m: m.value)
+    size: int
+
+    def __str__(self) -> str:
+        return f"{self.mode.value}(B={self.size})"
+
+
+@attrs.frozen
+class CaptureSettings:
+    """How to capture: which modes and sizes, how many warmups, how to verify."""
+
+    modes: tuple[Mode, ...] = attrs.field(default=(Mode.PIECEWISE,), converter=_tuple)
+    sizes: tuple[int, ...] = attrs.field(default=(1,), converter=_tuple)
+    size_symbol: str = "B"
+    warmup_iters: int = 2
+    atol: float = 0.0
+    rtol: float = 0.0
+    barrier_timeout_s: float = 60.0
+
+
+@attrs.frozen
+class CaptureRegion:
+    """One graph to capture per descriptor: a run of segments of one family."""
+
+    mode: Mode
+    family: str
+    index: int
+    segments: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        if len(self.segments) == 1:
+            return f"{self.family}:{self.segments[0]}"
+        return f"{self.family}:{self.segments[0]}..{self.segments[-1]}"
+
+
+def _element_key(kind: str, name: str) -> str:
+    return f"{kind}:{name}"
+
+
+@attrs.frozen
+class Plan:
+    """A whole capture plan. Segment order is execution order.
+
+    ``model`` names the factory (``pkg.mod:function``) that ``graphflow run`` imports and
+    calls with ``model_args``; nothing else ever imports code named by a plan.
+    ``origins`` maps ``"kind:name"`` (``"segment:L3.pre"``) to where the element was
+    declared; it is not part of equality, so a plan equals its YAML round trip.
+    """
+
+    name: str
+    buffers: tuple[Buffer, ...] = attrs.field(default=(), converter=_tuple)
+    streams: tuple[Stream, ...] = attrs.field(default=(), converter=_tuple)
+    channels: tuple[Channel, ...] = attrs.field(default=(), converter=_tuple)
+    segments: tuple[Segment, ...] = attrs.field(default=(), converter=_tuple)
+    families: tuple[Family, ...] = attrs.field(default=(Family("target"),), converter=_tuple)
+    prewarm: tuple[Prewarm, ...] = attrs.field(default=(), converter=_tuple)
+    symbols: Mapping[str, int] = attrs.field(factory=dict, converter=lambda m: dict(sorted(dict(m).items())), hash=False)
+    capture: CaptureSettings = attrs.field(factory=CaptureSettings)
+    model: str | None = None
+    model_args: Mapping[str, object] = attrs.field(factory=dict, hash=False)
+    world_size: int = 1
+    origins: Mapping[str, Origin] = attrs.field(factory=dict, eq=False, repr=False)
+
+    # -- lookups -------------------------------------------------------------------
+    @functools.cached_property
+    def _index(self) -> dict[str, dict]:
+        index: dict[str, dict] = {}
+        for kind, items in (
+            ("buffer", self.buffers),
+            ("stream", self.streams),
+            ("channel", self.channels),
+            ("segment", self.segments),
+            ("family", self.families),
+            ("prewarm", self.prewarm),
+        ):
+            table: dict = {}
+            for item in items:
+                table.setdefault(item.name, item)
+            index[kind] = table
+        return index
+
+    def buffer(self, name: str) -> Buffer | None:
+        return self._index["buffer"].get(name)
+
+    def stream(self, name: str | None) -> Stream | None:
+        return self._index["stream"].get(name) if name is not None else None
+
+    def channel(self, name: str) -> Channel | None:
+        return self._index["channel"].get(name)
+
+    def segment(self, name: str) -> Segment | None:
+        return self._index["segment"].get(name)
+
+    def family(self, name: str) -> Family | None:
+        return self._index["family"].get(name)
+
+    def hook(self, name: str) -> Prewarm | None:
+        return self._index["prewarm"].get(name)
+
+    def origin(self, kind: str, name: str) -> Origin | None:
+        return self.origins.get(_element_key(kind, name))
+
+    def segment_device(self, segment: Segment) -> str | None:
+        """A segment's device: declared, else its stream's, else its first known buffer's."""
+        if segment.device is not None:
+            return segment.device
+        stream = self.stream(segment.stream)
+        if stream is not None:
+            return stream.device
+        for name in (*segment.reads, *segment.writes):
+            buffer = self.buffer(name)
+            if buffer is not None:
+                return buffer.device
+        return None
+
+    def family_segments(self, family: str) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.family == family)
+
+    # -- descriptors ---------------------------------------------------------------
+    def symbol_values(self, size: int) -> dict[str, int]:
+        """Every symbol's value for a descriptor of this batch size."""
+        values = dict(self.symbols)
+        values[self.capture.size_symbol] = size
+        return values
+
+    def descriptors(self) -> tuple[Descriptor, ...]:
+        """Every capture key, PIECEWISE before FULL, each mode's sizes largest first."""
+        sizes = sorted(set(self.capture.sizes), reverse=True)
+        order = [m for m in (Mode.PIECEWISE, Mode.FULL) if m in self.capture.modes]
+        return tuple(Descriptor(mode, size) for mode in order for size in sizes)
+
+    @property
+    def max_size(self) -> int:
+        return max(self.capture.sizes, default=0)
+
+    # -- derived graph views ---------------------------------------------------------
+    def dag(self) -> nx.DiGraph:
+        """The dataflow DAG over segment names (see the module docstring)."""
+        return _build_dag(self)
+
+    def regions(self, mode: Mode) -> tuple[CaptureRegion, ...]:
+        """The regions captured as one graph each, for every family, in step order."""
+        regions: list[CaptureRegion] = []
+        for family in self.families:
+            segments = self.family_segments(family.name)
+            if mode is Mode.FULL:
+                if segments:
+                    regions.append(CaptureRegion(mode, family.name, 0, tuple(s.name for s in segments)))
+                continue
+            for index, run in enumerate(_graph_runs(segments)):
+                regions.append(CaptureRegion(mode, family.name, index, run))
+        return tuple(regions)
+
+    def step(self, family: str, mode: Mode) -> Iterator[CaptureRegion | Segment]:
+        """A family's step as the runtime executes it: regions and eager breaks, in order."""
+        regions = {r.segments[0]: r for r in self.regions(mode) if r.family == family}
+        skip: set[str] = set()
+        for segment in self.family_segments(family):
+            if segment.name in skip:
+                continue
+            region = regions.get(segment.name)
+            if region is not None:
+                skip.update(region.segments)
+                yield region
+            else:
+                yield segment
+
+
+def _graph_runs(segments: tuple[Segment, ...]) -> Iterator[tuple[str, ...]]:
+    run: list[str] = []
+    for segment in segments:
+        if segment.is_graph:
+            run.append(segment.name)
+        elif run:
+            yield tuple(run)
+            run = []
+    if run:
+        yield tuple(run)
+
+
+def _build_dag(plan: Plan) -> nx.DiGraph:
+    dag = nx.DiGraph()
+    writer: dict[str, tuple[str, int]] = {}  # buffer -> (segment, version) of its latest write
+    readers: dict[str, list[str]] = {}  # buffer -> readers of its latest version
+    for segment in plan.segments:
+        dag.add_node(segment.name, segment=segment)
+    for segment in plan.segments:
+        for name in segment.reads:
+            if name in writer:
+                source, version = writer[name]
+                _add_edge(dag, source, segment.name, name, version, "raw")
+            readers.setdefault(name, []).append(segment.name)
+        for name in segment.writes:
+            version = writer[name][1] + 1 if name in writer else 1
+            for reader in readers.get(name, ()):
+                _add_edge(dag, reader, segment.name, name, version - 1, "war")
+            writer[name] = (segment.name, version)
+            readers[name] = []
+        for before in segment.after:
+            if before in dag:
+                _add_edge(dag, before, segment.name, None, None, "after")
+    return dag
+
+
+def _add_edge(dag: nx.DiGraph, source: str, target: str, buffer, version, kind: str) -> None:
+    if source == target:
+        return
+    if dag.has_edge(source, target):
+        dag.edges[source, target]["buffers"].append((buffer, version, kind))
+    else:
+        dag.add_edge(source, target, buffers=[(buffer, version, kind)])
