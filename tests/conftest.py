@@ -1,0 +1,34 @@
+"""Shared test settings.
+
+Tests marked ``cuda`` prove CUDA behaviour and run only where a GPU is present (on the
+device machine, through ``scripts/gpu_check.sh``); everywhere else they are skipped
+with that reason, never faked.
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", deadline=None, max_examples=25)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.sh on the device)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
