@@ -157,6 +157,8 @@ class Buffer:
     ``capacity`` caps symbols for this buffer (a KV cache sized for at most 64
     sequences); descriptors above it cannot be captured. ``alias_of`` declares that
     this buffer is a view of another's storage: writes to either are writes to both.
+    ``values`` is the half-open range ``[low, high)`` that verify draws random inputs
+    from (token ids need ``[0, vocab)``); floats default to a standard normal.
     """
 
     name: str
@@ -166,6 +168,7 @@ class Buffer:
     role: BufferRole = BufferRole.INTERNAL
     capacity: Mapping[str, int] = attrs.field(factory=dict, converter=lambda m: dict(sorted(dict(m).items())), hash=False)
     alias_of: str | None = None
+    values: tuple[float, float] | None = attrs.field(default=None, converter=lambda v: None if v is None else tuple(v))
 
     def symbols(self) -> tuple[str, ...]:
         return tuple(s for dim in self.shape for s in dim_symbols(dim))
