@@ -15,6 +15,17 @@ from __future__ import annotations
 
 import importlib
 
+from graphflow.decorators import (
+    buffer,
+    channel,
+    eager_break,
+    plan_from_module,
+    position,
+    prewarm,
+    segment,
+    step,
+    stream,
+)
 from graphflow.errors import CaptureError, DivergenceError, GraphflowError, PlanError
 from graphflow.loader import dump_plan, load_plan, loads_plan
 from graphflow.plan import (
@@ -58,5 +69,7 @@ __all__ = [
     "ChannelKind", "Descriptor", "Diagnostic", "DivergenceError", "Family", "GraphflowError",
     "Mode", "Plan", "PlanError", "Prewarm", "Report", "Segment", "SegmentKind", "Severity",
     "Stream", "WarmupPolicy", "dump_plan", "load_plan", "loads_plan", "validate",
+    "buffer", "channel", "eager_break", "plan_from_module", "position", "prewarm", "segment", "step",
+    "stream",
     *_LAZY,
 ]

@@ -7,6 +7,10 @@ with that reason, never faked.
 
 import os
 
+# One intra-op thread: CI machines have two cores, and torch's default pool thrashes
+# on the many tiny ops of the CPU-backend pipeline tests (minutes instead of seconds).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 from hypothesis import HealthCheck, settings
 

@@ -1,0 +1,48 @@
+"""``graphflow export --module pkg.mod:factory``: a decorated model's plan, written as YAML.
+
+The YAML is what ``graphflow.loader.dump_plan`` writes (expanded, no ``for_each``),
+so loading it back gives a plan equal to the one the decorators declare. Given a
+plan file instead of ``--module``, it writes that plan expanded. Exit 2 when the
+plan cannot be built or read, with the error naming the module and method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from graphflow.decorators import add_plan_source_arguments, plan_source
+from graphflow.errors import PlanError
+from graphflow.loader import dump_plan
+
+__all__ = ["register"]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="write the plan a decorated model declares (--module) as YAML",
+        description="Write a capture plan as YAML: the plan a decorated model declares (--module "
+                    "pkg.mod:factory), or a plan file expanded.",
+    )
+    add_plan_source_arguments(parser)
+    parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of standard output")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = dump_plan(plan_source(args))
+    except PlanError as err:
+        print(f"graphflow: {err}", file=sys.stderr)
+        return 2
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        Path(args.output).write_text(text)
+    except OSError as err:
+        print(f"graphflow: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,205 @@
+"""``graphflow run PLAN``: the whole capture pipeline, a phase-by-phase report, and timings.
+
+Load, validate (stop on errors), run allocate → warmup → prewarm → capture → verify →
+commit with a progress display on stderr, then report: descriptors captured, time per
+phase, pool bytes, verify results, and eager versus graph step time per descriptor
+(the median of a few steps of each: the runner's step program against the eager step).
+Exit 0 on success, 1 when the plan has errors or capture failed (rolled back; the
+error names phase, descriptor, segment and what to do, with no traceback), 2 when the
+plan cannot be read or the arguments are bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from graphflow.errors import CaptureError, PlanError
+from graphflow.loader import load_plan
+from graphflow.progress import format_bytes
+from graphflow.validate import validate
+
+__all__ = ["register"]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="capture a plan: allocate, warmup, prewarm, capture, verify, commit; report and time it",
+        description="Run the capture pipeline on a plan and report it. Exit 0: captured; 1: plan errors or "
+                    "capture failed (rolled back); 2: the plan cannot be read or bad arguments.",
+    )
+    parser.add_argument("plan", metavar="PLAN", help="plan YAML file")
+    parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when a GPU is present, else cpu (regions replayed eagerly)")
+    parser.add_argument("--sizes", metavar="N,N,...", help="capture only these descriptor sizes, e.g. 1,2,4")
+    parser.add_argument("--no-verify", action="store_true", help="skip comparing replay with eager")
+    parser.add_argument("--no-detectors", action="store_true", help="do not watch segments for capture hazards")
+    parser.add_argument("--disable-check", action="append", default=[], metavar="NAME",
+                        help="turn off one capture-safety check (repeat), e.g. host_sync")
+    parser.add_argument("--steps", type=int, default=10, metavar="N",
+                        help="steps timed per descriptor, eager and graph (default 10; 0 skips timing)")
+    parser.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
+    parser.add_argument("--quiet", action="store_true", help="print only the result line")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = load_plan(args.plan)
+    except PlanError as err:
+        print(f"graphflow: {err}", file=sys.stderr)
+        return 2
+    try:
+        sizes = None if args.sizes is None else tuple(int(s) for s in args.sizes.split(",") if s.strip())
+    except ValueError:
+        print(f"graphflow: --sizes: expected comma-separated integers (got {args.sizes!r})", file=sys.stderr)
+        return 2
+    report = validate(plan)
+    if not report.ok:
+        for diagnostic in report.diagnostics:
+            print(diagnostic, file=sys.stderr)
+        print(f"graphflow: {args.plan}: {len(report.errors)} error(s): fix them before capture "
+              f"(graphflow validate {args.plan})", file=sys.stderr)
+        return 1
+
+    # torch loads only now: reading and validating a plan stays fast.
+    from graphflow.engine import make_backend, run_pipeline
+    from graphflow.progress import ProgressDisplay
+    from graphflow.runtime import Runner
+
+    try:
+        backend = make_backend(args.backend)
+    except ValueError as err:
+        print(f"graphflow: --backend {args.backend}: {err}", file=sys.stderr)
+        return 2
+    if args.disable_check:
+        from graphflow.detectors import Check
+
+        known = {c.value for c in Check}
+        unknown = [name for name in args.disable_check if name.lower() not in known]
+        if unknown:
+            print(f"graphflow: --disable-check: unknown check {', '.join(unknown)} "
+                  f"(the checks are {', '.join(sorted(known))})", file=sys.stderr)
+            return 2
+    listeners = [] if args.quiet or args.json else [ProgressDisplay()]
+    start = time.perf_counter()
+    try:
+        engine = run_pipeline(plan, backend=backend, listeners=listeners, verify=not args.no_verify,
+                              detectors=not args.no_detectors, disabled_checks=args.disable_check, sizes=sizes)
+    except CaptureError as err:
+        print(f"graphflow: capture failed, rolled back: {err}", file=sys.stderr)
+        for note in getattr(err, "__notes__", ()):
+            print(f"graphflow: {note}", file=sys.stderr)
+        if args.json:
+            _dump({"plan": plan.name, "file": args.plan, "ok": False, "error": {
+                "message": err.message, "phase": err.phase, "descriptor": _str(err.descriptor),
+                "segment": err.segment, "rank": err.rank, "hint": err.hint}})
+        return 1
+    except ValueError as err:
+        print(f"graphflow: {err}", file=sys.stderr)
+        return 2
+    total_s = time.perf_counter() - start
+    with engine:
+        timings = _time_steps(engine, Runner(engine), args.steps)
+        document = _document(args.plan, engine, timings, total_s)
+    if args.json:
+        _dump(document)
+    elif args.quiet:
+        print(document["result"])
+    else:
+        print(_text(document))
+    return 0
+
+
+def _time_steps(engine, runner, steps: int) -> dict:
+    """Median seconds per step, eager and graph, for each captured descriptor."""
+    if steps <= 0 or not engine.programs:
+        return {}
+    first = next(iter(engine.buffers.tensors.values()), None)
+    timer = engine.backend.timer(first.device if first is not None else None)
+    timings = {}
+    for descriptor, program in engine.programs.items():
+        eager = _loop(engine.eager_calls(descriptor.size))
+        graph = _loop(program)
+        for call in (eager, graph):  # one untimed run each: caches, lazy modules
+            call()
+        timings[descriptor] = (statistics.median(timer(eager, steps)), statistics.median(timer(graph, steps)))
+    return timings
+
+
+def _loop(calls):
+    def step() -> None:
+        for call in calls:
+            call()
+
+    return step
+
+
+def _document(path: str, engine, timings: dict, total_s: float) -> dict:
+    report = engine.report
+    verify = {r.descriptor: r for r in report.verify}
+    descriptors = []
+    for descriptor in report.descriptors:
+        row = {"mode": descriptor.mode.value, "size": descriptor.size, "verify": None,
+               "eager_ms": None, "graph_ms": None, "speedup": None}
+        if descriptor in verify:
+            row["verify"] = {"bit_exact": verify[descriptor].bit_exact, "max_abs_diff": verify[descriptor].max_abs_diff}
+        if descriptor in timings:
+            eager_s, graph_s = timings[descriptor]
+            row.update(eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3, speedup=eager_s / graph_s if graph_s else None)
+        descriptors.append(row)
+    verified = [r for r in report.verify]
+    exact = sum(r.bit_exact for r in verified)
+    what = "graphs" if report.captures_graphs else "regions (no graph captured: CPU backend replays eagerly)"
+    result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {report.graphs} {what}, "
+              f"in {total_s:.2f} s on {report.backend}"
+              + (f"; verify {exact}/{len(verified)} bit-exact" if verified else "; not verified"))
+    return {
+        "plan": engine.plan.name, "file": path, "ok": True, "backend": report.backend,
+        "graphs_captured": report.captures_graphs, "remapped": dict(report.remapped), "rank": report.rank,
+        "graphs": report.graphs, "pool_bytes": report.pool_bytes, "buffer_bytes": report.buffer_bytes,
+        "total_s": total_s,
+        "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.duration} for r in report.phases],
+        "descriptors": descriptors, "result": result,
+    }
+
+
+def _text(document: dict) -> str:
+    lines = [f"plan {document['plan']} ({document['file']}), backend {document['backend']}"]
+    if not document["graphs_captured"]:
+        lines.append("  no CUDA graph was captured: the CPU backend runs every phase and replays each region eagerly")
+    for device, mapped in document["remapped"].items():
+        lines.append(f"  device {device} mapped to {mapped}")
+    lines.append("")
+    lines.append(f"{'phase':<10}{'outcome':<10}{'seconds':>10}")
+    for phase in document["phases"]:
+        lines.append(f"{phase['phase']:<10}{phase['outcome']:<10}{phase['seconds']:>10.3f}")
+    lines.append("")
+    lines.append(f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}, "
+                 f"static buffers {format_bytes(document['buffer_bytes'])}")
+    lines.append("")
+    lines.append(f"{'descriptor':<18}{'verify':<22}{'eager ms':>10}{'graph ms':>10}{'speed-up':>10}")
+    for row in document["descriptors"]:
+        name = f"{row['mode']}(B={row['size']})"
+        verify = row["verify"]
+        check = ("not verified" if verify is None else "bit-exact" if verify["bit_exact"]
+                 else f"max|diff| {verify['max_abs_diff']:.2g}")
+        timing = (f"{row['eager_ms']:>10.3f}{row['graph_ms']:>10.3f}{row['speedup']:>9.2f}x"
+                  if row["eager_ms"] is not None else f"{'-':>10}{'-':>10}{'-':>10}")
+        lines.append(f"{name:<18}{check:<22}{timing}")
+    lines.append("")
+    lines.append(document["result"])
+    return "\n".join(lines)
+
+
+def _dump(document: dict) -> None:
+    json.dump(document, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _str(value) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,87 @@
+"""``graphflow trace diff TRACE...``: the first event where per-rank traces differ.
+
+Each TRACE is a rank's JSON-lines file or a directory of them (``GRAPHFLOW_TRACE=DIR``
+writes ``DIR/rank{N}.jsonl``). Fields that legitimately differ between ranks (rank,
+timestamps, a p2p peer) are ignored. Exit status: 0 the traces agree, 1 they differ, 2
+a trace could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from graphflow.trace import TraceReadError, comparable, describe, diff_traces, read_trace
+
+__all__ = ["register"]
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("trace", help="inspect per-rank capture traces",
+                                   description="Inspect the per-rank traces written by GRAPHFLOW_TRACE=DIR or --trace DIR.")
+    actions = parser.add_subparsers(dest="trace_command", metavar="ACTION")
+    actions.required = True
+    diff = actions.add_parser("diff", help="name the first event where ranks differ",
+                              description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    diff.add_argument("traces", nargs="+", metavar="TRACE", help="a rank's .jsonl trace, or a directory of them")
+    diff.add_argument("--context", type=int, default=3, metavar="N", help="events shown before the difference (3)")
+    diff.set_defaults(func=run_diff)
+
+
+def _files(arguments: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for argument in arguments:
+        path = Path(argument)
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"), key=lambda p: (len(p.name), p.name))
+            if not found:
+                raise TraceReadError(f"{path}: no .jsonl trace files in this directory")
+            files.extend(found)
+        else:
+            files.append(path)
+    return files
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    try:
+        files = _files(args.traces)
+        traces = [read_trace(f) for f in files]
+    except TraceReadError as e:
+        print(f"graphflow trace diff: {e}", file=sys.stderr)
+        return 2
+    if len(traces) < 2:
+        print("graphflow trace diff: give at least two traces (one per rank) or a directory of them", file=sys.stderr)
+        return 2
+    labels = [_label(f, t) for f, t in zip(files, traces)]
+    found = diff_traces(traces)
+    if found is None:
+        print(f"{len(traces)} traces agree: {len(traces[0])} events each ({', '.join(labels)})")
+        return 0
+    index = found.index
+    differing = ", ".join(labels[i] for i in found.differing)
+    majority = ", ".join(labels[i] for i in found.majority)
+    verb = "differs" if len(found.differing) == 1 else "differ"
+    print(f"traces differ at event {index}: {differing} {verb} from {majority}")
+    for label, path, trace in zip(labels, files, traces):
+        print(f"  {label}: {path} ({len(trace)} events)")
+    print()
+    start = max(0, index - max(0, args.context))
+    for i in range(start, index + 3):
+        column = [t[i] if i < len(t) else None for t in traces]
+        if all(e is None for e in column):
+            break
+        keys = {None if e is None else tuple(sorted((k, str(v)) for k, v in comparable(e).items())) for e in column}
+        mark = ">" if i == index else " "
+        if len(keys) == 1:
+            print(f"{mark} {i:>6}  all     {describe(column[0])}")
+            continue
+        for label, event in zip(labels, column):
+            print(f"{mark} {i:>6}  {label:<7} {describe(event)}")
+            mark = " "
+    return 1
+
+
+def _label(path: Path, trace: list[dict]) -> str:
+    rank = trace[0].get("rank") if trace else None
+    return f"rank {rank}" if isinstance(rank, int) else path.stem

@@ -1,0 +1,305 @@
+"""Backends capture and replay one region; everything else belongs to the pipeline.
+
+A backend knows how to record a region's calls into a replayable graph on a stream, into
+a memory pool, and how to give those back. It never decides which descriptor, which
+region or what to do on failure: the pipeline drives it, and the runtime replays what
+it returned without ever asking which backend it has.
+
+Lifecycle of a backend, as the pipeline drives it:
+
+1. ``device(name)`` maps each device a plan names to a ``torch.device``
+   (the CPU backend maps every ``cuda:N`` to ``cpu`` and records that it did).
+2. ``memory_allocated(device)`` is read once per device: the baseline rollback returns to.
+3. ``new_stream(device)`` and ``new_pool(device)``, once per stream and once per device,
+   in the allocate phase.
+4. ``on_stream(stream)`` wraps every eager run (warmup, prewarm, verify's eager step):
+   it orders the stream after the caller's current stream on entry, and back on exit.
+5. ``capture(calls, recording, stream, pool)``, once per region per descriptor, returns a
+   ``Graph``: its ``replay`` is a bare callable the runtime calls in its hot loop.
+6. ``Graph.destroy()`` on rollback or close; then ``release_pool(pool)`` per device.
+7. ``synchronize(device)`` at phase boundaries; ``is_capturing(stream)`` for checks.
+
+The choice between backends lives in ``make_backend`` (one table, ``BACKENDS``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import enum
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar
+
+import torch
+
+__all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "make_backend"]
+
+Call = Callable[[], object]
+
+
+class Graph(abc.ABC):
+    """One captured region. ``replay`` is an attribute, so the hot loop calls it directly."""
+
+    replay: Callable[[], None]
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Free the graph; replay is invalid afterwards. Safe to call twice."""
+
+
+class Backend(abc.ABC):
+    """Captures and replays single regions (see the module docstring for the lifecycle)."""
+
+    name: ClassVar[str]
+    #: Whether ``capture`` records a real graph; reports say plainly when it does not.
+    captures_graphs: ClassVar[bool]
+
+    def __init__(self) -> None:
+        #: Plan device names this backend replaced (``cuda:0 -> cpu``), for the report.
+        self.remapped: dict[str, str] = {}
+
+    @abc.abstractmethod
+    def device(self, name: str) -> torch.device: ...
+
+    @abc.abstractmethod
+    def new_stream(self, device: torch.device) -> object: ...
+
+    @abc.abstractmethod
+    def new_pool(self, device: torch.device) -> object: ...
+
+    @abc.abstractmethod
+    def on_stream(self, stream: object) -> contextlib.AbstractContextManager[None]: ...
+
+    @abc.abstractmethod
+    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object) -> Graph:
+        """Record ``recording`` (the region's ``calls``, wrapped by the detectors) as a graph.
+
+        ``calls`` are the same calls bare: a backend that cannot record replays them.
+        """
+
+    @abc.abstractmethod
+    def release_pool(self, pool: object) -> None: ...
+
+    @abc.abstractmethod
+    def synchronize(self, device: torch.device) -> None: ...
+
+    @abc.abstractmethod
+    def is_capturing(self, stream: object) -> bool: ...
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return 0
+
+    def pool_bytes(self, pool: object) -> int | None:
+        """Bytes the pool holds, when the backend can tell."""
+        return None
+
+    def timer(self, device: torch.device) -> Callable[[Call, int], list[float]]:
+        """A function timing ``n`` runs of a call, seconds each (wall clock here)."""
+
+        def run(call: Call, n: int) -> list[float]:
+            times = []
+            for _ in range(n):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            return times
+
+        return run
+
+
+class _EagerGraph(Graph):
+    """The CPU backend's "graph": the region's bound calls, replayed eagerly."""
+
+    __slots__ = ("calls", "replay")
+
+    def __init__(self, calls: Sequence[Call]):
+        self.calls = tuple(calls)
+        self.replay = self._replay if len(self.calls) != 1 else self.calls[0]
+
+    def _replay(self) -> None:
+        for call in self.calls:
+            call()
+
+    def destroy(self) -> None:
+        self.calls = ()
+        self.replay = _destroyed
+
+
+def _destroyed() -> None:
+    raise RuntimeError("replay of a destroyed graph")
+
+
+class CpuBackend(Backend):
+    """Runs the same phases with no graphs: each region is replayed as its calls.
+
+    Capture runs the region once, as CUDA capture runs its Python once, so faults and
+    detectors fire in the same phase on both backends. It exists so the pipeline, its
+    wiring and its rollback run in CI on machines without a GPU.
+    """
+
+    name = "cpu"
+    captures_graphs = False
+
+    def device(self, name: str) -> torch.device:
+        device = torch.device(name)
+        if device.type != "cpu":
+            self.remapped[name] = "cpu"
+        return torch.device("cpu")
+
+    def new_stream(self, device: torch.device) -> object:
+        return _CpuStream(device)
+
+    def new_pool(self, device: torch.device) -> object:
+        return _CpuPool(device)
+
+    def on_stream(self, stream: object) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object) -> Graph:
+        recording()
+        return _EagerGraph(calls)
+
+    def release_pool(self, pool: object) -> None:
+        pass
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
+    def is_capturing(self, stream: object) -> bool:
+        return False
+
+
+class _CpuStream:
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+
+class _CpuPool:
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+
+class _CudaGraph(Graph):
+    __slots__ = ("graph", "replay")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph):
+        self.graph = graph
+        self.replay = graph.replay
+
+    def destroy(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+            self.replay = _destroyed
+
+
+class CudaBackend(Backend):
+    """``torch.cuda.CUDAGraph`` regions on explicit per-device streams and one pool per device.
+
+    Capture on a non-default GPU needs a stream created on that device: with only
+    ``set_device`` the graph records nothing or replays stale data (seed 002).
+    """
+
+    name = "cuda"
+    captures_graphs = True
+
+    def device(self, name: str) -> torch.device:
+        device = torch.device(name)
+        if device.type != "cuda":
+            raise ValueError(f"device {name!r} is not a CUDA device — use the cpu backend for CPU plans")
+        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+    def new_stream(self, device: torch.device) -> object:
+        return torch.cuda.Stream(device=device)
+
+    def new_pool(self, device: torch.device) -> object:
+        with torch.cuda.device(device):
+            return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: object) -> Iterator[None]:
+        caller = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            yield
+        caller.wait_stream(stream)
+
+    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object) -> Graph:
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.current_stream(stream.device)
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                recording()
+        except BaseException:
+            # torch.cuda.graph skips restoring the stream when capture_end raises; end a
+            # capture still open so no stream is left capturing, then drop the graph.
+            if self.is_capturing(stream):
+                with contextlib.suppress(RuntimeError), torch.cuda.stream(stream):
+                    graph.capture_end()
+            if torch.cuda.current_stream(stream.device) != before:
+                torch.cuda.set_stream(before)
+            graph.reset()
+            raise
+        return _CudaGraph(graph)
+
+    def release_pool(self, pool: object) -> None:
+        # The pool has no handle to free: its blocks return once every graph using it is
+        # reset; emptying the cache hands them back to the driver. cuBLAS keeps a
+        # workspace per stream it ran on (32 MiB on Hopper), so the capture streams'
+        # would outlive the pipeline: clear them, as torch's own leak checks do.
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def is_capturing(self, stream: object) -> bool:
+        with torch.cuda.stream(stream):
+            return torch.cuda.is_current_stream_capturing()
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def pool_bytes(self, pool: object) -> int | None:
+        segments = torch.cuda.memory_snapshot()
+        if segments and "segment_pool_id" not in segments[0]:
+            return None
+        return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == tuple(pool))
+
+    def timer(self, device: torch.device) -> Callable[[Call, int], list[float]]:
+        def run(call: Call, n: int) -> list[float]:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+            torch.cuda.synchronize(device)
+            for start, stop in events:
+                start.record()
+                call()
+                stop.record()
+            torch.cuda.synchronize(device)
+            return [start.elapsed_time(stop) / 1000.0 for start, stop in events]
+
+        return run
+
+
+class BackendKind(enum.Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+#: Which class serves each kind; AUTO picks CUDA when a GPU is present.
+BACKENDS: dict[BackendKind, type[Backend]] = {BackendKind.CPU: CpuBackend, BackendKind.CUDA: CudaBackend}
+
+
+def make_backend(kind: BackendKind | str = BackendKind.AUTO) -> Backend:
+    kind = BackendKind(kind)
+    if kind is BackendKind.AUTO:
+        kind = BackendKind.CUDA if torch.cuda.is_available() else BackendKind.CPU
+    if kind is BackendKind.CUDA and not torch.cuda.is_available():
+        raise ValueError("the cuda backend needs a CUDA GPU, and torch sees none — use --backend cpu or auto")
+    return BACKENDS[kind]()

@@ -1,0 +1,86 @@
+"""Binding a plan to code: import the model factory, build the model, resolve ``call`` paths.
+
+This is the only place graphflow imports code a plan names. Resolution happens once, in
+the allocate phase, so a typo in ``call`` fails before any warmup or capture, naming
+the segment, the path and how far it got.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+
+from graphflow.errors import PlanError
+from graphflow.plan import Plan
+
+__all__ = ["FACTORY_KEYWORDS", "build_model", "import_factory", "resolve"]
+
+#: Keyword arguments the engine offers a model factory; each is passed only if accepted.
+FACTORY_KEYWORDS = ("device", "channels", "rank", "world_size", "plan")
+
+
+def import_factory(ref: str, *, plan: Plan | None = None) -> Callable[..., object]:
+    """Import ``pkg.mod:attr`` (attr may be dotted); PlanError names the plan's ``model``."""
+    where = _where(plan, "model", "model")
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise PlanError(f"model {ref!r} must be 'package.module:factory'", **where)
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PlanError(f"cannot import module {module_name!r} for model {ref!r}: {exc}", **where) from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise PlanError(f"module {module_name!r} has no attribute {attr!r} (model {ref!r})", **where) from exc
+    if not callable(obj):
+        raise PlanError(f"model {ref!r} is not callable", **where)
+    return obj
+
+
+def build_model(plan: Plan, offered: Mapping[str, object]) -> object:
+    """Call the plan's factory with ``model_args`` and the offered keywords it accepts."""
+    if plan.model is None:
+        raise PlanError("the plan names no model factory: set 'model: package.module:factory' "
+                        "or pass model= to the engine", **_where(plan, "model", "model"))
+    factory = import_factory(plan.model, plan=plan)
+    kwargs = dict(plan.model_args)
+    kwargs.update({k: v for k, v in offered.items() if k in FACTORY_KEYWORDS and _accepts(factory, k)})
+    return factory(**kwargs)
+
+
+def resolve(model: object, path: str, *, kind: str, name: str, plan: Plan | None = None) -> Callable[..., object]:
+    """The callable at ``path`` on the model; digits index ModuleLists and sequences."""
+    obj = model
+    walked: list[str] = []
+    for part in path.split("."):
+        try:
+            obj = obj[int(part)] if part.isdigit() and hasattr(obj, "__getitem__") else getattr(obj, part)
+        except (AttributeError, IndexError, KeyError, TypeError) as exc:
+            at = ".".join(walked) or "the model"
+            raise PlanError(f"call {path!r}: {at} ({type(obj).__name__}) has no {'item' if part.isdigit() else 'attribute'} "
+                            f"{part!r} — fix the call path or the model", **_where(plan, kind, name)) from exc
+        walked.append(part)
+    if not callable(obj):
+        raise PlanError(f"call {path!r} is a {type(obj).__name__}, not a callable", **_where(plan, kind, name))
+    return obj
+
+
+def _accepts(factory: Callable[..., object], keyword: str) -> bool:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    if keyword in params and params[keyword].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        return True
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _where(plan: Plan | None, kind: str, name: str) -> dict:
+    origin = plan.origin(kind, name) if plan is not None else None
+    element = f"{kind} {name}" if kind != "model" else "model"
+    if origin is None:
+        return {"element": element}
+    return {"file": origin.file, "line": origin.line, "element": element}

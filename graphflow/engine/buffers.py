@@ -1,0 +1,104 @@
+"""Static buffers: allocated once at their largest size, then only ever viewed.
+
+A captured graph bakes in the addresses it reads and writes, so a buffer must never be
+reallocated after capture. Each buffer is allocated once, with the size symbol at the
+largest descriptor (or at the buffer's ``capacity`` when that is larger: a KV cache
+sized for 64 sequences); a descriptor of batch size ``b`` sees a view that narrows every
+dimension using the size symbol to its value at ``b``. Views share storage, so a
+smaller descriptor's graph reads the leading rows of the same memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from graphflow.plan import Buffer, Plan, dim_symbols, eval_dim
+
+__all__ = ["StaticBuffers", "torch_dtype"]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class StaticBuffers:
+    """Every buffer of a plan, keyed by name, with cached per-size views."""
+
+    def __init__(self, plan: Plan, max_size: int, device_of: Callable[[str], torch.device]):
+        self.plan = plan
+        self.symbol = plan.capture.size_symbol
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.alloc_values: dict[str, dict[str, int]] = {}
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        for buffer in sorted(plan.buffers, key=lambda b: b.alias_of is not None):  # targets before aliases
+            values = {**plan.symbol_values(max_size), **buffer.capacity}
+            values[self.symbol] = max(max_size, buffer.capacity.get(self.symbol, 0))
+            self.alloc_values[buffer.name] = values
+            shape = tuple(eval_dim(d, values) for d in buffer.shape)
+            dtype = torch_dtype(buffer.dtype)
+            if buffer.alias_of is None:
+                # Zeros, not empty: warmup reads inputs before the runtime ever fills them.
+                self.tensors[buffer.name] = torch.zeros(shape, dtype=dtype, device=device_of(buffer.device))
+            else:
+                self.tensors[buffer.name] = _alias(self.tensors[buffer.alias_of], shape, dtype, buffer)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def capacity(self, name: str) -> int:
+        """The largest batch size this buffer's allocation holds."""
+        return self.alloc_values[name][self.symbol]
+
+    def uses_size(self, name: str) -> bool:
+        return self.symbol in self.plan.buffer(name).symbols()
+
+    def views(self, size: int) -> dict[str, torch.Tensor]:
+        """Every buffer narrowed to batch ``size`` (cached: the same view objects each call)."""
+        views = self._views.get(size)
+        if views is None:
+            views = {name: self._narrow(self.plan.buffer(name), tensor, size) for name, tensor in self.tensors.items()}
+            self._views[size] = views
+        return views
+
+    def view(self, name: str, size: int) -> torch.Tensor:
+        """One buffer at ``size``; ``size`` may exceed other buffers' allocations."""
+        views = self._views.get(size)
+        return views[name] if views is not None else self._narrow(self.plan.buffer(name), self.tensors[name], size)
+
+    def fresh(self, name: str, size: int) -> torch.Tensor:
+        """A new zeroed tensor shaped like ``name`` at ``size`` (eager fallback beyond capacity)."""
+        buffer = self.plan.buffer(name)
+        values = {**self.alloc_values[name], self.symbol: size}
+        tensor = self.tensors[name]
+        return torch.zeros(tuple(eval_dim(d, values) for d in buffer.shape), dtype=tensor.dtype, device=tensor.device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for n, t in self.tensors.items() if self.plan.buffer(n).alias_of is None)
+
+    def clear(self) -> None:
+        self._views.clear()
+        self.tensors.clear()
+
+    def _narrow(self, buffer: Buffer, tensor: torch.Tensor, size: int) -> torch.Tensor:
+        values = {**self.alloc_values[buffer.name], self.symbol: size}
+        for index, dim in enumerate(buffer.shape):
+            if self.symbol in dim_symbols(dim):
+                tensor = tensor.narrow(index, 0, eval_dim(dim, values))
+        return tensor
+
+
+def _alias(target: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, buffer: Buffer) -> torch.Tensor:
+    flat = target.reshape(-1).view(torch.uint8)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes > flat.numel():
+        raise ValueError(f"buffer {buffer.name!r} ({nbytes} bytes) does not fit in {buffer.alias_of!r} "
+                         f"({flat.numel()} bytes) that it aliases — shrink it or grow the target")
+    return flat[:nbytes].view(dtype).view(shape)

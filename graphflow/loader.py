@@ -1,0 +1,757 @@
+"""Plans in and out of YAML, with ``for_each`` templating; the format is docs/plan-format.md.
+
+Reading composes the YAML into nodes (never constructing arbitrary Python objects) and
+walks them, so every element keeps its line: a bad plan gives one ``PlanError`` naming
+file, line and element, and ``Plan.origins`` tells the validator where each element
+was declared. Loading never imports the model factory a plan names.
+
+Templating is deliberately tiny: ``{var}``, ``{var+N}`` and ``{var-N}``, substituted in
+the strings of an element whose name uses ``var``; ``{{`` and ``}}`` are literal braces.
+Anything else in braces is an error, so a typo never survives as a buffer name.
+
+``dump_plan`` writes the expanded plan, with literal braces escaped, so
+``loads_plan(dump_plan(plan)) == plan`` for every plan.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import itertools
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+import yaml
+
+from graphflow.errors import PlanError
+from graphflow.plan import (
+    DTYPE_BYTES,
+    Buffer,
+    BufferRole,
+    CaptureSettings,
+    Channel,
+    ChannelKind,
+    Family,
+    Mode,
+    Origin,
+    Plan,
+    Prewarm,
+    Segment,
+    SegmentKind,
+    Stream,
+    WarmupPolicy,
+    dim_symbols,
+)
+
+__all__ = ["FORMAT_VERSION", "dump_plan", "load_plan", "loads_plan", "plan_to_dict"]
+
+#: The ``graphflow:`` value this module reads and writes.
+FORMAT_VERSION = 1
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+_VAR = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:([+-])\s*(\d+)\s*)?\Z")
+_RANGE = re.compile(r"\s*range\(\s*([+-]?\d+)\s*(?:,\s*([+-]?\d+)\s*(?:,\s*([+-]?\d+)\s*)?)?\)\s*\Z")
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*\Z")
+_TAG = "tag:yaml.org,2002:"
+_SCALAR_TAGS = {_TAG + t for t in ("str", "int", "float", "bool", "null")}
+_MAX_NODES = 200_000  # aliases can make a small file huge ("billion laughs")
+_MAX_EXPANSION = 100_000  # copies of one template: a typo like range(10**9) fails fast
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml composes 10x faster
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+# -- reading: YAML nodes with lines ------------------------------------------------------
+@attrs.frozen(eq=False)
+class _Node:
+    """A YAML value and its 1-based line: a scalar, a tuple of nodes or a dict of nodes."""
+
+    value: Any
+    line: int
+    key_lines: Mapping[str, int] = attrs.field(factory=dict)
+
+    @property
+    def is_map(self) -> bool:
+        return isinstance(self.value, dict)
+
+    @property
+    def is_list(self) -> bool:
+        return isinstance(self.value, tuple)
+
+
+def load_plan(path) -> Plan:
+    """Read a plan file (UTF-8 YAML)."""
+    file = str(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise PlanError(f"cannot read plan file: {exc.strerror or exc}", file=file) from exc
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PlanError(f"not UTF-8: byte 0x{data[exc.start]:02x} cannot be decoded", file=file, line=line) from exc
+    return loads_plan(text, file)
+
+
+def loads_plan(text: str, file: str = "<string>") -> Plan:
+    """Read a plan from YAML text; ``file`` names it in errors and origins."""
+    root = _compose(text, file)
+    if root is None:
+        raise PlanError("empty plan: expected a mapping starting with 'graphflow: 1'", file=file, line=1)
+    return _Reader(file).plan(root)
+
+
+def _compose(text: str, file: str) -> _Node | None:
+    try:
+        node = yaml.compose(text, Loader=_YAML_LOADER)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        message = f"YAML syntax error: {exc.problem or exc.context}"
+        if exc.problem and exc.context and exc.context_mark is not None:
+            message = f"YAML syntax error: {exc.context} at line {exc.context_mark.line + 1}, {exc.problem}"
+        raise PlanError(message, file=file, line=mark.line + 1 if mark else None) from exc
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise PlanError(f"unacceptable character U+{exc.character:04X}: {exc.reason}", file=file, line=line) from exc
+    except yaml.YAMLError as exc:
+        raise PlanError(f"cannot parse YAML: {exc}", file=file) from exc
+    if node is None:
+        return None
+    return _convert(node, file, set(), [0])
+
+
+def _convert(node: yaml.Node, file: str, path: set[int], count: list[int]) -> _Node:
+    line = node.start_mark.line + 1
+    count[0] += 1
+    if count[0] > _MAX_NODES or id(node) in path:
+        raise PlanError("YAML aliases expand too far (recursive or exponential anchors)", file=file, line=line)
+    if isinstance(node, yaml.ScalarNode):
+        if node.tag not in _SCALAR_TAGS:
+            raise PlanError(f"unsupported YAML value tagged {node.tag}: use plain strings, numbers, "
+                            "booleans, lists and mappings", file=file, line=line)
+        return _Node(_SCALAR_CONSTRUCTOR.yaml_constructors[node.tag](_SCALAR_CONSTRUCTOR, node), line)
+    if node.tag not in (_TAG + "seq", _TAG + "map"):
+        raise PlanError(f"unsupported YAML collection tagged {node.tag}", file=file, line=line)
+    path.add(id(node))
+    try:
+        if isinstance(node, yaml.SequenceNode):
+            return _Node(tuple(_convert(item, file, path, count) for item in node.value), line)
+        items: dict[str, _Node] = {}
+        key_lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key_line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _TAG + "str":
+                if key_node.tag == _TAG + "merge":
+                    raise PlanError("merge keys ('<<') are not supported: write the keys out", file=file, line=key_line)
+                key = _convert(key_node, file, path, count).value
+                raise PlanError(f"mapping keys must be strings, got {_describe(key)}", file=file, line=key_line)
+            key = key_node.value
+            if key in items:
+                raise PlanError(f"duplicate key {key!r} (first at line {key_lines[key]})", file=file, line=key_line)
+            items[key] = _convert(value_node, file, path, count)
+            key_lines[key] = key_line
+        return _Node(items, line, key_lines)
+    finally:
+        path.discard(id(node))
+
+
+_SCALAR_CONSTRUCTOR = yaml.constructor.SafeConstructor()  # only its pure scalar constructors are used
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"bool {str(value).lower()}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _plain(node: _Node) -> Any:
+    if node.is_map:
+        return {key: _plain(value) for key, value in node.value.items()}
+    if node.is_list:
+        return [_plain(item) for item in node.value]
+    return node.value
+
+
+def _closest(word: str, choices: Iterable[str]) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+# -- the format: keys of each element ---------------------------------------------------
+_TOP_KEYS = ("graphflow", "name", "model", "model_args", "world_size", "symbols", "for_each", "families",
+             "streams", "buffers", "channels", "prewarm", "segments", "capture")
+_BUFFER_KEYS = ("shape", "dtype", "device", "role", "capacity", "alias_of", "values")
+_STREAM_KEYS = ("device",)
+_CHANNEL_KEYS = ("kind", "group", "id", "family", "warmup", "prewarm", "jit")
+_PREWARM_KEYS = ("call", "per_size")
+_SEGMENT_KEYS = ("name", "kind", "call", "reads", "writes", "stream", "channels", "family", "data_dependent",
+                 "device", "ranks", "after")
+_CAPTURE_KEYS = ("modes", "sizes", "size_symbol", "warmup_iters", "verify", "barrier_timeout_s")
+_VERIFY_KEYS = ("atol", "rtol")
+
+
+@attrs.frozen
+class _Template:
+    """One declared element before expansion: its name, the variables it uses, its body."""
+
+    index: int | None  # position in a list section (segments), None in a mapping section
+    name: str
+    variables: tuple[str, ...]
+    node: _Node
+    line: int
+
+
+class _Reader:
+    """Turns the node tree of one file into a Plan; holds the file name and ``for_each``."""
+
+    def __init__(self, file: str):
+        self.file = file
+        self.variables: dict[str, tuple[int | str, ...]] = {}
+        self.origins: dict[str, Origin] = {}
+
+    def fail(self, message: str, line: int | None, element: str | None = None):
+        raise PlanError(message, file=self.file, line=line, element=element)
+
+    # -- typed values ---------------------------------------------------------------
+    def mapping(self, node: _Node, where: str | None, known: tuple[str, ...] | None,
+                required: tuple[str, ...] = ()) -> dict:
+        """The node's entries, checked against the known keys (None: any key)."""
+        if not node.is_map:
+            keys = f" with keys {', '.join(known)}" if known else ""
+            self.fail(f"expected a mapping{keys}, got {_describe(node.value)}", node.line, where)
+        for key in node.value:
+            if known is not None and key not in known:
+                self.fail(f"unknown key {key!r}{_closest(key, known)}; known keys: {', '.join(known)}",
+                          node.key_lines[key], where)
+        for key in required:
+            if key not in node.value:
+                self.fail(f"missing required key {key!r}", node.line, where)
+        return node.value
+
+    def string(self, node: _Node, where: str, what: str = "a string") -> str:
+        if not isinstance(node.value, str):
+            self.fail(f"expected {what}, got {_describe(node.value)}", node.line, where)
+        return node.value
+
+    def opt_str(self, node: _Node, where: str) -> str | None:
+        return None if node.value is None else self.string(node, where)
+
+    def integer(self, node: _Node, where: str, minimum: int | None = None) -> int:
+        value = node.value
+        if not isinstance(value, int) or isinstance(value, bool):
+            self.fail(f"expected an integer, got {_describe(value)}", node.line, where)
+        if minimum is not None and value < minimum:
+            self.fail(f"expected an integer >= {minimum}, got {value}", node.line, where)
+        return value
+
+    def number(self, node: _Node, where: str, minimum: float = -math.inf, strict: bool = False) -> float:
+        value = node.value
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            self.fail(f"expected a number, got {_describe(value)}", node.line, where)
+        if value < minimum or (strict and value == minimum):
+            self.fail(f"expected a number {'>' if strict else '>='} {minimum:g}, got {value}", node.line, where)
+        return float(value)
+
+    def flag(self, node: _Node, where: str) -> bool:
+        if not isinstance(node.value, bool):
+            self.fail(f"expected true or false, got {_describe(node.value)}", node.line, where)
+        return node.value
+
+    def choice(self, node: _Node, where: str, kind: type[enum.Enum]) -> Any:
+        allowed = [member.value for member in kind]
+        if not isinstance(node.value, str) or node.value not in allowed:
+            self.fail(f"expected one of {', '.join(allowed)}, got {_describe(node.value)}"
+                      f"{_closest(str(node.value), allowed)}", node.line, where)
+        return kind(node.value)
+
+    def sequence(self, node: _Node, where: str, what: str) -> tuple[_Node, ...]:
+        if not node.is_list:
+            self.fail(f"expected a list of {what}, got {_describe(node.value)}", node.line, where)
+        return node.value
+
+    def names(self, node: _Node, where: str, what: str) -> tuple[str, ...]:
+        items = self.sequence(node, where, what)
+        for index, item in enumerate(items):
+            if not isinstance(item.value, str):
+                self.fail(f"expected a list of {what}, got {_describe(item.value)} at [{index}]", item.line, where)
+        return tuple(item.value for item in items)
+
+    def ints(self, node: _Node, where: str, what: str, minimum: int | None = None) -> tuple[int, ...]:
+        items = self.sequence(node, where, what)
+        return tuple(self.integer(item, f"{where}[{index}]", minimum) for index, item in enumerate(items))
+
+    def dims(self, node: _Node, where: str) -> tuple:
+        dims = []
+        for index, item in enumerate(self.sequence(node, where, "dimensions (ints or symbols like B, 2*B)")):
+            if isinstance(item.value, str):
+                try:
+                    dim_symbols(item.value)
+                except ValueError as exc:
+                    raise PlanError(str(exc), file=self.file, line=item.line, element=f"{where}[{index}]") from exc
+                dims.append(item.value)
+            else:
+                dims.append(self.integer(item, f"{where}[{index}]", minimum=0))
+        return tuple(dims)
+
+    def identifier(self, node: _Node, where: str, what: str) -> str:
+        text = self.string(node, where, what)
+        if not _IDENT.match(text):
+            self.fail(f"expected {what} (letters, digits and _), got {text!r}", node.line, where)
+        return text
+
+    # -- templating -------------------------------------------------------------------
+    def for_each(self, node: _Node) -> None:
+        for var, value in self.mapping(node, "for_each", None).items():
+            where = f"for_each.{var}"
+            if not _IDENT.match(var):
+                self.fail(f"template variable names are identifiers, got {var!r}", node.key_lines[var], "for_each")
+            if isinstance(value.value, str):
+                match = _RANGE.match(value.value)
+                if match is None:
+                    self.fail(f"expected 'range(n)', 'range(a, b)', 'range(a, b, step)' or a list, "
+                              f"got {value.value!r}", value.line, where)
+                args = [int(a) for a in match.groups() if a is not None]
+                if len(args) == 3 and args[2] == 0:
+                    self.fail("range() step must not be zero", value.line, where)
+                if len(range(*args)) > _MAX_EXPANSION:
+                    self.fail(f"{value.value} has more than {_MAX_EXPANSION} values", value.line, where)
+                values: tuple = tuple(range(*args))
+            elif value.is_list:
+                for item in value.value:
+                    if not isinstance(item.value, (int, str)) or isinstance(item.value, bool):
+                        self.fail(f"template values are ints or strings, got {_describe(item.value)}", item.line, where)
+                values = tuple(item.value for item in value.value)
+            else:
+                self.fail(f"expected 'range(...)' or a list, got {_describe(value.value)}", value.line, where)
+            if not values:
+                self.fail("no values: the elements using it would vanish", value.line, where)
+            if len(set(values)) != len(values):
+                self.fail("values repeat: the elements using it would be declared twice", value.line, where)
+            self.variables[var] = values
+
+    def name_variables(self, name: str, line: int, where: str) -> tuple[str, ...]:
+        """The ``for_each`` variables a name uses, in declaration order."""
+        used = set()
+        for match in _TOKEN.finditer(name):
+            var = _VAR.match(match.group(1)) if match.group(1) is not None else None
+            if var is not None:
+                if var.group(1) not in self.variables:
+                    self.unknown_variable(var.group(1), name, line, where)
+                used.add(var.group(1))
+        return tuple(v for v in self.variables if v in used)
+
+    def unknown_variable(self, var: str, text: str, line: int, where: str):
+        hint = _closest(var, self.variables) or " (declare it under for_each, or write {{ }} for literal braces)"
+        self.fail(f"unknown template variable {var!r} in {text!r}{hint}", line, where)
+
+    def expand(self, text: str, env: Mapping[str, int | str], line: int, where: str, owner: str) -> str:
+        def substitute(match: re.Match) -> str:
+            token = match.group(0)
+            if token in ("{{", "}}"):
+                return token[0]
+            if match.group(1) is None:
+                self.fail(f"unbalanced {token!r} in {text!r}: write {token * 2!r} for a literal brace", line, where)
+            var = _VAR.match(match.group(1))
+            if var is None:
+                self.fail(f"unexpanded {token!r} in {text!r}: templates are {{var}}, {{var+N}} or {{var-N}}",
+                          line, where)
+            name, sign, offset = var.groups()
+            if name not in self.variables:
+                self.unknown_variable(name, text, line, where)
+            if name not in env:
+                self.fail(f"template variable {name!r} used outside a templated element: {text!r} is in "
+                          f"{owner}, whose name does not use {{{name}}}", line, where)
+            value = env[name]
+            if sign is not None:
+                if not isinstance(value, int):
+                    self.fail(f"arithmetic on {name!r}, whose value {value!r} is not an integer", line, where)
+                value = value + int(offset) if sign == "+" else value - int(offset)
+            return str(value)
+
+        return _TOKEN.sub(substitute, text)
+
+    def substitute(self, node: _Node, env: Mapping, where: str, owner: str) -> _Node:
+        """A copy of an element's body with every string expanded (lines kept)."""
+        if isinstance(node.value, str):
+            if "{" not in node.value and "}" not in node.value:
+                return node
+            return _Node(self.expand(node.value, env, node.line, where, owner), node.line)
+        if node.is_list:
+            return _Node(tuple(self.substitute(item, env, where, owner) for item in node.value), node.line)
+        if node.is_map:
+            return _Node({k: self.substitute(v, env, f"{where}.{k}", owner) for k, v in node.value.items()},
+                         node.line, node.key_lines)
+        return node
+
+    def combinations(self, variables: tuple[str, ...], line: int, where: str) -> Iterable[tuple]:
+        """Every combination of the variables' values, the first variable varying slowest."""
+        if math.prod(len(self.variables[v]) for v in variables) > _MAX_EXPANSION:
+            self.fail(f"{' x '.join(variables)} expand to more than {_MAX_EXPANSION} copies", line, where)
+        return itertools.product(*(self.variables[v] for v in variables))
+
+    def expansions(self, template: _Template, where: str) -> Iterable[tuple[str, _Node]]:
+        """The expanded (name, body) pairs of one template, in ``for_each`` order."""
+        for combo in self.combinations(template.variables, template.line, where):
+            env = dict(zip(template.variables, combo))
+            owner = f"{template.name!r}"
+            name = self.expand(template.name, env, template.line, where, owner)
+            yield name, self.substitute(template.node, env, where, owner)
+
+    def record(self, kind: str, name: str, line: int, where: str) -> None:
+        key = f"{kind}:{name}"
+        if key in self.origins:
+            self.fail(f"duplicate {kind} name {name!r} (first declared at line {self.origins[key].line})",
+                      line, where)
+        self.origins[key] = Origin(self.file, line)
+
+    # -- sections -----------------------------------------------------------------
+    def section(self, node: _Node, section: str, parse: Callable[[str, _Node, str], Any], kind: str) -> list:
+        if not node.is_map:
+            self.fail(f"expected a mapping of {kind} names to their fields, got {_describe(node.value)}",
+                      node.line, section)
+        elements = []
+        for key, body in node.value.items():
+            line = node.key_lines[key]
+            where = f"{section} {key!r}"
+            template = _Template(None, key, self.name_variables(key, line, where), body, line)
+            for name, expanded in self.expansions(template, where):
+                self.record(kind, name, line, where)
+                elements.append(parse(name, expanded, where))
+        return elements
+
+    def segments(self, node: _Node) -> list[Segment]:
+        templates = []
+        for index, item in enumerate(self.sequence(node, "segments", "segment mappings")):
+            where = f"segments[{index}]"
+            if not item.is_map:
+                self.fail(f"expected a segment mapping with name, kind and call, got {_describe(item.value)}",
+                          item.line, where)
+            if "name" not in item.value:
+                self.fail("missing required key 'name'", item.line, where)
+            name_node = item.value["name"]
+            name = self.string(name_node, f"{where}.name")
+            where = f"{where} {name!r}"
+            templates.append(_Template(index, name, self.name_variables(name, name_node.line, where), item,
+                                       item.line))
+        segments = []
+        for _, block in itertools.groupby(templates, key=lambda t: t.variables):
+            block = list(block)
+            first = block[0]
+            for combo in self.combinations(first.variables, first.line, f"segments[{first.index}] {first.name!r}"):
+                for template in block:
+                    where = f"segments[{template.index}] {template.name!r}"
+                    env = dict(zip(template.variables, combo))
+                    body = self.substitute(template.node, env, where, repr(template.name))
+                    segment = self.segment(body, where)
+                    self.record("segment", segment.name, template.line, where)
+                    segments.append(segment)
+        return segments
+
+    # -- elements -------------------------------------------------------------------
+    def buffer(self, name: str, node: _Node, where: str) -> Buffer:
+        fields = self.mapping(node, where, _BUFFER_KEYS, ("shape", "dtype", "device"))
+        kwargs: dict[str, Any] = {}
+        for key, value in fields.items():
+            at = f"{where}.{key}"
+            if key == "shape":
+                kwargs[key] = self.dims(value, at)
+            elif key == "dtype":
+                dtype = self.string(value, at)
+                if dtype not in DTYPE_BYTES:
+                    self.fail(f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}{_closest(dtype, DTYPE_BYTES)}",
+                              value.line, at)
+                kwargs[key] = dtype
+            elif key == "device":
+                kwargs[key] = self.string(value, at)
+            elif key == "role":
+                kwargs[key] = self.choice(value, at, BufferRole)
+            elif key == "capacity":
+                capacity = self.mapping(value, at, None)
+                kwargs[key] = {sym: self.integer(v, f"{at}.{sym}", minimum=1) for sym, v in capacity.items()}
+            elif key == "alias_of":
+                kwargs[key] = self.opt_str(value, at)
+            elif key == "values":
+                if value.value is not None:
+                    bounds = self.sequence(value, at, "two numbers [low, high)")
+                    if len(bounds) != 2:
+                        self.fail(f"expected two numbers [low, high), got {len(bounds)} items", value.line, at)
+                    for index, bound in enumerate(bounds):
+                        self.number(bound, f"{at}[{index}]")
+                    kwargs[key] = tuple(bound.value for bound in bounds)
+        return Buffer(name=name, **kwargs)
+
+    def stream(self, name: str, node: _Node, where: str) -> Stream:
+        fields = self.mapping(node, where, _STREAM_KEYS, ("device",))
+        return Stream(name, self.string(fields["device"], f"{where}.device"))
+
+    def channel(self, name: str, node: _Node, where: str) -> Channel:
+        fields = self.mapping(node, where, _CHANNEL_KEYS, ("kind", "group", "id", "family"))
+        kwargs: dict[str, Any] = {}
+        for key, value in fields.items():
+            at = f"{where}.{key}"
+            if key == "kind":
+                kwargs[key] = self.choice(value, at, ChannelKind)
+            elif key in ("group", "family"):
+                kwargs[key] = self.string(value, at)
+            elif key == "id":
+                kwargs[key] = self.integer(value, at)
+            elif key == "warmup":
+                kwargs[key] = self.choice(value, at, WarmupPolicy)
+            elif key == "prewarm":
+                kwargs[key] = self.opt_str(value, at)
+            elif key == "jit":
+                kwargs[key] = self.flag(value, at)
+        return Channel(name=name, **kwargs)
+
+    def prewarm(self, name: str, node: _Node, where: str) -> Prewarm:
+        fields = self.mapping(node, where, _PREWARM_KEYS, ("call",))
+        per_size = self.flag(fields["per_size"], f"{where}.per_size") if "per_size" in fields else True
+        return Prewarm(name, self.string(fields["call"], f"{where}.call"), per_size)
+
+    def segment(self, node: _Node, where: str) -> Segment:
+        fields = self.mapping(node, where, _SEGMENT_KEYS, ("name", "kind", "call"))
+        kwargs: dict[str, Any] = {}
+        for key, value in fields.items():
+            at = f"{where}.{key}"
+            if key in ("name", "call", "family"):
+                kwargs[key] = self.string(value, at)
+            elif key == "kind":
+                kwargs[key] = self.choice(value, at, SegmentKind)
+            elif key in ("reads", "writes"):
+                kwargs[key] = self.names(value, at, "buffer names")
+            elif key == "channels":
+                kwargs[key] = self.names(value, at, "channel names")
+            elif key == "after":
+                kwargs[key] = self.names(value, at, "segment names")
+            elif key in ("stream", "device"):
+                kwargs[key] = self.opt_str(value, at)
+            elif key == "data_dependent":
+                kwargs[key] = self.flag(value, at)
+            elif key == "ranks":
+                kwargs[key] = None if value.value is None else self.ints(value, at, "ranks", minimum=0)
+        return Segment(**kwargs)
+
+    # -- the whole plan -------------------------------------------------------------
+    def plan(self, root: _Node) -> Plan:
+        if not root.is_map:
+            self.fail(f"a plan is a mapping starting with 'graphflow: 1', got {_describe(root.value)}", root.line)
+        top = self.mapping(root, None, _TOP_KEYS)
+        if "graphflow" not in top:
+            self.fail(f"missing 'graphflow: {FORMAT_VERSION}' (the format version) at the top of the plan", root.line)
+        version = top["graphflow"]
+        if type(version.value) is not int or version.value != FORMAT_VERSION:
+            self.fail(f"unsupported format version {version.value!r}: this graphflow reads version "
+                      f"{FORMAT_VERSION}", version.line, "graphflow")
+        if "name" not in top:
+            self.fail("missing required key 'name'", root.line)
+        kwargs: dict[str, Any] = {}
+        name = self.expand(self.string(top["name"], "name"), {}, top["name"].line, "name", "the plan name")
+        self.origins[f"plan:{name}"] = Origin(self.file, root.key_lines["name"])
+        if "model" in top:
+            model = self.opt_str(top["model"], "model")
+            if model is not None and not _FACTORY.match(model):
+                self.fail(f"expected a factory 'package.module:function', got {model!r}", top["model"].line, "model")
+            kwargs["model"] = model
+        if "model_args" in top:
+            node = top["model_args"]
+            kwargs["model_args"] = _plain(node) if node.value is not None else {}
+            if not isinstance(kwargs["model_args"], dict):
+                self.fail(f"expected a mapping of factory arguments, got {_describe(node.value)}", node.line,
+                          "model_args")
+        if "world_size" in top:
+            kwargs["world_size"] = self.integer(top["world_size"], "world_size", minimum=1)
+        if "for_each" in top:
+            self.for_each(top["for_each"])
+        constants, size_list = self.symbols(top["symbols"]) if "symbols" in top else ({}, None)
+        kwargs["symbols"] = constants
+        plain_sections = (("streams", self.stream, "stream"), ("buffers", self.buffer, "buffer"),
+                          ("channels", self.channel, "channel"), ("prewarm", self.prewarm, "prewarm"))
+        for section, parse, kind in plain_sections:
+            if section in top:
+                kwargs[section] = self.section(top[section], section, parse, kind)
+        if "segments" in top:
+            kwargs["segments"] = self.segments(top["segments"])
+        named = [(self.origins[f"{kind}:{element.name}"].line, element.family)
+                 for kind in ("channel", "segment") for element in kwargs.get(f"{kind}s", ())]
+        kwargs["families"] = self.families(top.get("families"), root, named)
+        kwargs["capture"] = self.capture(top.get("capture"), constants, size_list)
+        return Plan(name=name, origins=self.origins, **kwargs)
+
+    def symbols(self, node: _Node) -> tuple[dict[str, int], tuple[str, tuple[int, ...], int] | None]:
+        """Constants, and the one symbol listing descriptor sizes (name, sizes, line)."""
+        fields = self.mapping(node, "symbols", None)
+        constants: dict[str, int] = {}
+        size_list = None
+        for name, value in fields.items():
+            line = node.key_lines[name]
+            where = f"symbols.{name}"
+            if not _IDENT.match(name):
+                self.fail(f"symbol names are identifiers (letters, digits and _), got {name!r}", line, "symbols")
+            if value.is_list:
+                if size_list is not None:
+                    self.fail(f"only one symbol may list descriptor sizes; {size_list[0]!r} already does "
+                              f"(line {size_list[2]})", line, where)
+                size_list = (name, self.ints(value, where, "descriptor sizes", minimum=1), line)
+            else:
+                constants[name] = self.integer(value, where)
+        return constants, size_list
+
+    def families(self, node: _Node | None, root: _Node, named: list[tuple[int, str]]) -> tuple[Family, ...]:
+        """The declared families, else those the (line, family) pairs name in file order, else target."""
+        if node is not None:
+            families = []
+            for item, name in zip(node.value, self.names(node, "families", "family names")):
+                name = self.expand(name, {}, item.line, "families", "families")
+                self.record("family", name, item.line, "families")
+                families.append(Family(name))
+            return tuple(families)
+        first: dict[str, int] = {}
+        for line, name in sorted(named, key=lambda pair: pair[0]):
+            first.setdefault(name, line)
+        for name, line in (first or {"target": root.line}).items():
+            self.record("family", name, line, "families")
+        return tuple(Family(name) for name in first or ("target",))
+
+    def capture(self, node: _Node | None, constants: Mapping[str, int],
+                size_list: tuple[str, tuple[int, ...], int] | None) -> CaptureSettings:
+        kwargs: dict[str, Any] = {}
+        if size_list is not None:
+            kwargs["size_symbol"], kwargs["sizes"] = size_list[0], size_list[1]
+            self.origins["capture:sizes"] = Origin(self.file, size_list[2])
+        if node is None:
+            return CaptureSettings(**kwargs)
+        fields = self.mapping(node, "capture", _CAPTURE_KEYS)
+        for key, value in fields.items():
+            at = f"capture.{key}"
+            self.origins[f"capture:{key}"] = Origin(self.file, node.key_lines[key])
+            if key == "modes":
+                kwargs[key] = tuple(self.choice(item, f"{at}[{index}]", Mode)
+                                    for index, item in enumerate(self.sequence(value, at, "modes (PIECEWISE, FULL)")))
+            elif key == "sizes":
+                kwargs[key] = self.sizes(value, constants, size_list)
+            elif key == "size_symbol":
+                symbol = self.identifier(value, at, "a symbol name")
+                if size_list is not None and symbol != size_list[0]:
+                    self.fail(f"size_symbol {symbol!r} differs from {size_list[0]!r}, the symbol listing the sizes",
+                              value.line, at)
+                kwargs[key] = symbol
+            elif key == "warmup_iters":
+                kwargs[key] = self.integer(value, at, minimum=0)
+            elif key == "verify":
+                verify = self.mapping(value, at, _VERIFY_KEYS)
+                for name, bound in verify.items():
+                    kwargs[name] = self.number(bound, f"{at}.{name}", minimum=0.0)
+            elif key == "barrier_timeout_s":
+                kwargs[key] = self.number(value, at, minimum=0.0, strict=True)
+        return CaptureSettings(**kwargs)
+
+    def sizes(self, node: _Node, constants: Mapping[str, int],
+              size_list: tuple[str, tuple[int, ...], int] | None) -> tuple[int, ...]:
+        if node.is_list:
+            return self.ints(node, "capture.sizes", "descriptor sizes", minimum=1)
+        symbol = self.string(node, "capture.sizes", "a symbol listing sizes under symbols, or a list of sizes")
+        if size_list is not None and symbol == size_list[0]:
+            return size_list[1]
+        if symbol in constants:
+            self.fail(f"symbol {symbol!r} is a constant; give it a list of sizes under symbols", node.line,
+                      "capture.sizes")
+        known = (size_list[0],) if size_list else ()
+        self.fail(f"unknown symbol {symbol!r}{_closest(symbol, known)}: list the sizes under symbols "
+                  f"(symbols: {{{symbol}: [1, 2, 4]}}) or here", node.line, "capture.sizes")
+
+
+# -- writing ----------------------------------------------------------------------------
+class _Flow(dict):
+    """A mapping written on one line: each element of a section."""
+
+
+class _Dumper(_YAML_DUMPER):
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+_Dumper.add_representer(_Flow, lambda dumper, data: dumper.represent_mapping(_TAG + "map", data, flow_style=True))
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _fields(element, order: tuple[str, ...], skip: tuple[str, ...] = ("name",)) -> _Flow:
+    """An element's fields in the documented order, leaving out those at their default."""
+    defaults = {field.name: field.default for field in attrs.fields(type(element))}
+    body = _Flow()
+    for key in order:
+        value = getattr(element, key)
+        default = defaults[key]
+        if isinstance(default, attrs.Factory):
+            default = default.factory()
+        if key in skip or (default is not attrs.NOTHING and value == default):
+            continue
+        body[key] = _data(value)
+    return body
+
+
+def _data(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, str):
+        return _escape(value)
+    if isinstance(value, (tuple, list)):
+        return [_data(item) for item in value]
+    if isinstance(value, Mapping):
+        return {key: _data(item) for key, item in value.items()}
+    return value
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The expanded plan as plain YAML data, keys in the documented order, braces escaped."""
+    data: dict[str, Any] = {"graphflow": FORMAT_VERSION, "name": _escape(plan.name)}
+    if plan.model is not None:
+        data["model"] = plan.model
+    if plan.model_args:
+        data["model_args"] = _Flow(plan.model_args)
+    if plan.world_size != 1:
+        data["world_size"] = plan.world_size
+    capture = plan.capture
+    by_symbol = bool(_IDENT.match(capture.size_symbol)) and capture.size_symbol not in plan.symbols
+    symbols = {capture.size_symbol: list(capture.sizes)} if by_symbol else {}
+    symbols.update(plan.symbols)
+    if symbols:
+        data["symbols"] = _Flow(symbols)
+    data["families"] = [_escape(family.name) for family in plan.families]
+    sections = (("streams", plan.streams, _STREAM_KEYS), ("buffers", plan.buffers, _BUFFER_KEYS),
+                ("channels", plan.channels, _CHANNEL_KEYS), ("prewarm", plan.prewarm, _PREWARM_KEYS))
+    for section, elements, order in sections:
+        if elements:
+            data[section] = {_escape(element.name): _fields(element, order) for element in elements}
+    if plan.segments:
+        data["segments"] = [_fields(segment, _SEGMENT_KEYS, skip=()) for segment in plan.segments]
+    settings: dict[str, Any] = {
+        "modes": [mode.value for mode in capture.modes],
+        "sizes": capture.size_symbol if by_symbol else list(capture.sizes),
+    }
+    if not by_symbol and capture.size_symbol != CaptureSettings().size_symbol:
+        settings["size_symbol"] = capture.size_symbol
+    settings["warmup_iters"] = capture.warmup_iters
+    settings["verify"] = {"atol": capture.atol, "rtol": capture.rtol}
+    settings["barrier_timeout_s"] = capture.barrier_timeout_s
+    data["capture"] = settings
+    return data
+
+
+def dump_plan(plan: Plan) -> str:
+    """The plan as YAML text (expanded: no ``for_each``); ``loads_plan`` reads it back equal."""
+    return yaml.dump(plan_to_dict(plan), Dumper=_Dumper, sort_keys=False, default_flow_style=None,
+                     allow_unicode=True, width=1 << 20)

@@ -1,0 +1,259 @@
+"""Per-rank capture traces: what each rank did, in order, and where ranks first differ.
+
+Every phase boundary and every collective call becomes one trace event, a flat dict
+with a per-rank monotonic counter ``n``. Two things consume the events:
+
+* ``TraceLog`` keeps, per *scope* (the world, or one channel group), a running hash
+  of the events so far and the last few of them. The phase barrier
+  (``graphflow.barrier``) compares these across ranks, so a divergence is caught at the
+  next boundary and reported with the first differing event. It is always on during
+  capture; it never touches a file.
+* ``Tracer`` writes the events to one JSON-lines file per rank when tracing is on
+  (``Tracer(dir, rank)``, ``graphflow run --trace DIR`` or ``GRAPHFLOW_TRACE=DIR``).
+  When it is off, nothing is written and the runtime's hot path costs one ``None``
+  check (see ``bench/trace_bench.py``).
+
+``diff_traces`` reads the files back and names the first event where ranks differ,
+ignoring the fields that legitimately differ between ranks (``IGNORED_FIELDS``).
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "CallPath",
+    "IGNORED_FIELDS",
+    "ScopeState",
+    "TRACE_ENV",
+    "TraceDiff",
+    "TraceLog",
+    "TraceReadError",
+    "Tracer",
+    "comparable",
+    "describe",
+    "diff_traces",
+    "first_difference",
+    "read_trace",
+]
+
+#: The environment variable that turns tracing on: a directory for the rank files.
+TRACE_ENV = "GRAPHFLOW_TRACE"
+
+#: Fields that differ between healthy ranks: who wrote the event, when, and a p2p peer.
+IGNORED_FIELDS = frozenset({"rank", "ts", "peer"})
+
+
+class CallPath(enum.Enum):
+    """How a collective call was served (the ``path`` field of a trace event)."""
+
+    CAPTURED = "captured"  # inside a capture region: the real collective, recorded into the graph
+    EAGER_WARMUP = "eager_warmup"  # warmup with policy ``real``: the real collective, eagerly
+    PREPARE = "prepare"  # warmup with policy ``prepare``: prewarm hook, no communication
+    PLACEHOLDER = "placeholder"  # warmup with policy ``placeholder``: deterministic fill, no communication
+    OUTSIDE_CAPTURE = "outside_capture"  # verify, after commit, or no pipeline: the real collective
+
+
+def comparable(event: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of an event that every healthy rank agrees on."""
+    return {k: v for k, v in event.items() if k not in IGNORED_FIELDS}
+
+
+def _canonical(event: Mapping[str, Any]) -> bytes:
+    return json.dumps(comparable(event), sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+@attrs.frozen
+class ScopeState:
+    """One scope's agreement state: how many events, their running hash, the last few."""
+
+    count: int
+    digest: str
+    window: tuple[tuple[int, dict], ...]  # (index within the scope, event)
+
+
+class _Scope:
+    __slots__ = ("count", "digest", "window")
+
+    def __init__(self, window: int):
+        self.count = 0
+        self.digest = hashlib.blake2b(digest_size=16).hexdigest()
+        self.window: collections.deque[tuple[int, dict]] = collections.deque(maxlen=window)
+
+    def add(self, event: dict) -> None:
+        h = hashlib.blake2b(self.digest.encode(), digest_size=16)
+        h.update(_canonical(event))
+        self.digest = h.hexdigest()
+        self.window.append((self.count, event))
+        self.count += 1
+
+    def state(self) -> ScopeState:
+        return ScopeState(self.count, self.digest, tuple(self.window))
+
+
+class TraceLog:
+    """A rank's events: numbered, hashed per scope, and written to ``sink`` if tracing.
+
+    Scopes exist because ranks need only agree within the group that communicates:
+    phase boundaries and world-group collectives go to scope ``"world"``, a collective
+    on group ``tp`` to scope ``"tp"`` (and only ``tp``'s members compare it).
+    """
+
+    def __init__(self, rank: int, sink: Tracer | None = None, *, window: int = 16):
+        self.rank = rank
+        self.sink = sink
+        self._window = window
+        self._counter = 0
+        self._scopes: dict[str, _Scope] = {}
+
+    @property
+    def counter(self) -> int:
+        return self._counter
+
+    def record(self, fields: Mapping[str, Any], scopes: Sequence[str] = ("world",)) -> dict:
+        """Number the event, add it to each scope's hash and window, write it if tracing."""
+        event = {"rank": self.rank, "n": self._counter, **fields}
+        self._counter += 1
+        for name in scopes:
+            scope = self._scopes.get(name)
+            if scope is None:
+                scope = self._scopes[name] = _Scope(self._window)
+            scope.add(event)
+        if self.sink is not None:
+            self.sink.write(event)
+        return event
+
+    def state(self, scope: str = "world") -> ScopeState:
+        found = self._scopes.get(scope)
+        return found.state() if found is not None else _Scope(self._window).state()
+
+
+class Tracer:
+    """A rank's JSON-lines trace file: one event per line, flushed at each boundary.
+
+    ``path`` is a directory (the file is ``rank{rank}.jsonl`` in it) or, when it ends in
+    ``.jsonl``, the file itself. Construction is cheap; the file opens at the first event.
+    """
+
+    def __init__(self, path: str | os.PathLike, rank: int = 0):
+        path = Path(path)
+        self.path = path if path.suffix == ".jsonl" else path / f"rank{rank}.jsonl"
+        self.rank = rank
+        self._file = None
+        self._mode = "w"  # the first open starts the file; a reopen after close appends
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> Tracer | None:
+        """A tracer for ``GRAPHFLOW_TRACE=DIR``, or None when the variable is unset or empty."""
+        value = (os.environ if env is None else env).get(TRACE_ENV, "")
+        return cls(value, rank) if value else None
+
+    def write(self, event: Mapping[str, Any]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, self._mode, encoding="utf-8")
+            self._mode = "a"
+        self._file.write(json.dumps({**event, "ts": time.time()}, default=str))
+        self._file.write("\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __repr__(self) -> str:
+        return f"Tracer({str(self.path)!r})"
+
+
+class TraceReadError(ValueError):
+    """A trace file is missing or not JSON lines; ``str()`` names file and line."""
+
+
+def read_trace(path: str | os.PathLike) -> list[dict]:
+    """A trace file's events, in order. Raises TraceReadError naming the file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise TraceReadError(f"{path}: cannot read: {e.strerror or e}") from e
+    events = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceReadError(f"{path}:{number}: not a JSON trace event: {e.msg}") from e
+        if not isinstance(event, dict):
+            raise TraceReadError(f"{path}:{number}: not a JSON trace event: expected an object")
+        events.append(event)
+    return events
+
+
+@attrs.frozen
+class TraceDiff:
+    """Where traces first differ: the event index, who differs, and what each rank had.
+
+    ``events[i]`` is trace ``i``'s event at ``index`` (None when that trace ended
+    before it); ``majority`` are the traces that agree with the most others and
+    ``differing`` the rest.
+    """
+
+    index: int
+    events: tuple[dict | None, ...]
+    majority: tuple[int, ...]
+    differing: tuple[int, ...]
+
+
+def first_difference(sequences: Sequence[Sequence[Mapping[str, Any] | None]]) -> TraceDiff | None:
+    """The first position where the sequences' comparable events differ, or None.
+
+    A sequence that ends early differs from one that goes on (its event is None).
+    """
+    length = max((len(s) for s in sequences), default=0)
+    for index in range(length):
+        column = [dict(s[index]) if index < len(s) and s[index] is not None else None for s in sequences]
+        keys = [None if e is None else _canonical(e) for e in column]
+        if len(set(keys)) <= 1:
+            continue
+        groups: dict[bytes | None, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        # The largest group of ranks that agree is "normal"; ties go to the lowest trace.
+        majority = max(groups.values(), key=lambda g: (len(g), -g[0]))
+        differing = tuple(i for i in range(len(sequences)) if i not in majority)
+        return TraceDiff(index, tuple(column), tuple(majority), differing)
+    return None
+
+
+def diff_traces(traces: Sequence[Sequence[Mapping[str, Any]]]) -> TraceDiff | None:
+    """Compare whole per-rank traces event by event (see ``first_difference``)."""
+    return first_difference(traces)
+
+
+def describe(event: Mapping[str, Any] | None) -> str:
+    """One line for an event, the way ``trace diff`` and DivergenceError print it."""
+    if event is None:
+        return "(no event: the trace ends here)"
+    kind = event.get("event", "?")
+    parts = [f"#{event.get('n', '?')} {kind}"]
+    for key in ("phase", "descriptor", "region", "segment", "channel", "op", "shape", "path", "capturing"):
+        value = event.get(key)
+        if value is not None:
+            parts.append(f"{key}={value}")
+    return " ".join(parts)

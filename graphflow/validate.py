@@ -1,0 +1,1169 @@
+"""The validator: one table of rules, run on a plan before any GPU work.
+
+Every rule is a small pure function of the plan, registered with ``@_rule(code,
+severity, title)``. Its docstring says which failure it prevents (first paragraph) and
+how to fix it (the paragraph that starts ``Fix:``); ``graphflow rules`` and
+``docs/rules.md`` are generated from those docstrings, so they cannot drift.
+
+A rule yields ``Finding`` objects (element, message, fix); the registration wraps it
+so that ``Rule.check(plan)`` yields complete ``Diagnostic`` objects with code,
+severity and the element's declaration origin.
+
+Rules run on broken plans too: each tolerates what another rule reports (an
+undeclared buffer, an unknown symbol, a cycle) and skips it instead of crashing, so
+one ``graphflow validate`` shows every problem at once. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import attrs
+import networkx as nx
+
+from graphflow.plan import (
+    DTYPE_BYTES,
+    Buffer,
+    BufferRole,
+    Mode,
+    Origin,
+    Plan,
+    Segment,
+    WarmupPolicy,
+    dim_symbols,
+    eval_dim,
+)
+
+__all__ = ["Diagnostic", "Finding", "Report", "Rule", "RULES", "Severity", "rules_markdown", "validate"]
+
+
+class Severity(enum.Enum):
+    ERROR = "error"  # the plan cannot be captured correctly; ``graphflow validate`` exits 1
+    WARNING = "warning"  # probably a mistake, harmless to capture
+
+
+@attrs.frozen
+class Diagnostic:
+    """One finding of one rule: what is wrong, where, and how to fix it."""
+
+    code: str
+    severity: Severity
+    element: str
+    message: str
+    fix: str | None = None
+    origin: Origin | None = None
+
+    def __str__(self) -> str:
+        where = f"{self.origin}: " if self.origin is not None else ""
+        fix = f" — {self.fix}" if self.fix else ""
+        return f"{where}{self.code} {self.severity.value} {self.element}: {self.message}{fix}"
+
+    def to_json(self) -> dict:
+        return {
+            "code": self.code,
+            "severity": self.severity.value,
+            "element": self.element,
+            "message": self.message,
+            "fix": self.fix,
+            "file": self.origin.file if self.origin is not None else None,
+            "line": self.origin.line if self.origin is not None else None,
+        }
+
+
+@attrs.frozen
+class Finding:
+    """What a rule function yields: the element (kind and name), message and fix.
+
+    ``name`` is None for elements that have no name (``capture``, ``plan``); ``at`` then
+    names the key whose declaration line the diagnostic points to (``capture:sizes``).
+    """
+
+    kind: str
+    name: str | None
+    message: str
+    fix: str | None = None
+    at: str | None = None
+
+    @property
+    def element(self) -> str:
+        return self.kind if self.name is None else f"{self.kind} {self.name}"
+
+
+def _rule_doc(rule: Rule) -> str:
+    return inspect.getdoc(rule.check) or ""
+
+
+@attrs.frozen
+class Rule:
+    """A row of the rule table; ``doc`` explains the failure the rule prevents."""
+
+    code: str
+    severity: Severity
+    check: Callable[[Plan], Iterable[Diagnostic]]
+    title: str
+    doc: str = attrs.field(default=attrs.Factory(_rule_doc, takes_self=True))
+
+    @property
+    def prevents(self) -> str:
+        """The doc without its ``Fix:`` paragraph, on one line."""
+        return " ".join(p for p in _paragraphs(self.doc) if not p.startswith("Fix:"))
+
+    @property
+    def how_to_fix(self) -> str:
+        return " ".join(p.removeprefix("Fix:").strip() for p in _paragraphs(self.doc) if p.startswith("Fix:"))
+
+
+def _paragraphs(doc: str) -> list[str]:
+    return [" ".join(p.split()) for p in doc.split("\n\n") if p.strip()]
+
+
+_TABLE: list[Rule] = []
+
+
+def _rule(code: str, severity: Severity, title: str):
+    """Register a rule function: it yields Findings, ``Rule.check`` yields Diagnostics."""
+
+    def register(find: Callable[[Plan], Iterable[Finding]]) -> Callable[[Plan], Iterator[Diagnostic]]:
+        @functools.wraps(find)
+        def check(plan: Plan) -> Iterator[Diagnostic]:
+            for finding in find(plan):
+                key = finding.at if finding.at is not None else finding.name
+                origin = plan.origin(finding.kind, key) if key is not None else None
+                yield Diagnostic(code, severity, finding.element, finding.message, finding.fix, origin)
+
+        _TABLE.append(Rule(code, severity, check, title))
+        return check
+
+    return register
+
+
+@attrs.frozen
+class Report:
+    """Every diagnostic of one plan, sorted by declaration line then code."""
+
+    plan_name: str
+    diagnostics: tuple[Diagnostic, ...] = attrs.field(converter=tuple)
+
+    @property
+    def errors(self) -> tuple[Diagnostic, ...]:
+        return tuple(d for d in self.diagnostics if d.severity is Severity.ERROR)
+
+    @property
+    def warnings(self) -> tuple[Diagnostic, ...]:
+        return tuple(d for d in self.diagnostics if d.severity is Severity.WARNING)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def codes(self) -> tuple[str, ...]:
+        return tuple(d.code for d in self.diagnostics)
+
+    def to_json(self) -> dict:
+        return {
+            "plan": self.plan_name,
+            "ok": self.ok,
+            "errors": len(self.errors),
+            "warnings": len(self.warnings),
+            "diagnostics": [d.to_json() for d in self.diagnostics],
+        }
+
+
+def validate(plan: Plan, *, disable: Iterable[str] = ()) -> Report:
+    """Run every rule except the ``disable``d codes; raises ValueError on an unknown code."""
+    disabled = set(disable)
+    unknown = disabled - {rule.code for rule in RULES}
+    if unknown:
+        raise ValueError(f"unknown rule code(s) {', '.join(sorted(unknown))}: `graphflow rules` lists them")
+    found = [d for rule in RULES if rule.code not in disabled for d in rule.check(plan)]
+    found.sort(key=_sort_key)
+    return Report(plan.name, tuple(found))
+
+
+def _sort_key(diagnostic: Diagnostic) -> tuple:
+    origin = diagnostic.origin
+    return (origin.file, origin.line, diagnostic.code) if origin is not None else ("", 0, diagnostic.code)
+
+
+# -- shared helpers ------------------------------------------------------------------------
+# Each tolerates broken plans: undeclared names resolve to None, bad shapes to None.
+
+_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+_STREAM_DEVICE = re.compile(r"^cuda:\d+$")
+_NON_COMMUNICATING = (WarmupPolicy.PLACEHOLDER, WarmupPolicy.PREPARE)
+
+
+def _describe(segment: Segment) -> str:
+    return f"{segment.kind.value} segment {segment.name}"
+
+
+def _names(names: Iterable[str], limit: int = 3) -> str:
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, … ({len(names)} in all)"
+
+
+def _duplicates(items: Iterable[str]) -> list[str]:
+    counts = collections.Counter(items)
+    return [name for name, n in counts.items() if n > 1]
+
+
+def _sizes(plan: Plan) -> list[int]:
+    """The usable descriptor sizes (GF605 reports the others)."""
+    return [s for s in plan.capture.sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0]
+
+
+def _alloc_values(plan: Plan, buffer: Buffer, size: int) -> dict[str, int]:
+    """Symbol values a buffer is allocated with at a descriptor size (capacity caps them)."""
+    values = plan.symbol_values(size)
+    for symbol, cap in buffer.capacity.items():
+        if symbol in values:
+            values[symbol] = min(values[symbol], cap)
+    return values
+
+
+def _known_symbols(plan: Plan) -> set[str]:
+    return {*plan.symbols, plan.capture.size_symbol}
+
+
+def _shape_is_valid(plan: Plan, buffer: Buffer) -> bool:
+    """True when every dim parses and uses known symbols (GF106 reports the rest)."""
+    known = _known_symbols(plan)
+    for dim in buffer.shape:
+        if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+            return False
+        try:
+            if not set(dim_symbols(dim)) <= known:
+                return False
+        except ValueError:
+            return False
+    return True
+
+
+def _nbytes(plan: Plan, buffer: Buffer) -> int | None:
+    """Bytes allocated for a buffer (its largest descriptor), or None if unknowable."""
+    sizes = _sizes(plan)
+    if not sizes or not _shape_is_valid(plan, buffer) or buffer.dtype not in DTYPE_BYTES:
+        return None
+    values = _alloc_values(plan, buffer, max(sizes))
+    return buffer.numel(values) * DTYPE_BYTES[buffer.dtype]
+
+
+def _storage(plan: Plan, name: str) -> str:
+    """The buffer whose storage ``name`` uses: follows ``alias_of`` (stops at a cycle)."""
+    seen = {name}
+    buffer = plan.buffer(name)
+    while buffer is not None and buffer.alias_of is not None and buffer.alias_of not in seen:
+        name = buffer.alias_of
+        seen.add(name)
+        buffer = plan.buffer(name)
+    return name
+
+
+def _roles(plan: Plan, name: str) -> set[BufferRole]:
+    """The roles of a buffer and of the buffer whose storage it uses."""
+    return {b.role for b in (plan.buffer(name), plan.buffer(_storage(plan, name))) if b is not None}
+
+
+def _home_device(plan: Plan, segment: Segment) -> str | None:
+    """Where a segment's work lives: declared, else where most of its buffers are.
+
+    Ties go to the stream's device. Blaming the buffers' majority (not the stream) makes
+    a stream on the wrong device one diagnostic (GF402) rather than one per buffer.
+    """
+    if segment.device is not None:
+        return segment.device
+    devices = [b.device for b in (plan.buffer(n) for n in dict.fromkeys((*segment.reads, *segment.writes))) if b]
+    if devices:
+        counts = collections.Counter(devices)
+        top = max(counts.values())
+        stream = plan.stream(segment.stream)
+        if stream is not None and counts.get(stream.device) == top:
+            return stream.device
+        return next(d for d in devices if counts[d] == top)
+    stream = plan.stream(segment.stream)
+    return stream.device if stream is not None else None
+
+
+def _is_copy(plan: Plan, segment: Segment) -> bool:
+    """An eager segment touching buffers on several devices: an explicit copy."""
+    devices = {b.device for b in (plan.buffer(n) for n in (*segment.reads, *segment.writes)) if b}
+    return not segment.is_graph and len(devices) > 1
+
+
+def _ranks(plan: Plan, segment: Segment) -> frozenset[int]:
+    world = range(plan.world_size if isinstance(plan.world_size, int) and plan.world_size > 0 else 1)
+    return frozenset(r for r in world if segment.runs_on(r))
+
+
+def _capture_modes(plan: Plan) -> list[Mode]:
+    return [m for m in (Mode.PIECEWISE, Mode.FULL) if m in plan.capture.modes]
+
+
+# -- structure: GF1xx ----------------------------------------------------------------------
+
+
+@_rule("GF101", Severity.ERROR, "undeclared buffer")
+def undeclared_buffers(plan: Plan) -> Iterator[Finding]:
+    """A segment reads or writes, or a buffer aliases, a name that no buffer declares.
+
+    The engine allocates declared buffers only, so capture would fail on a missing
+    tensor, or a typo would silently split one buffer into two.
+
+    Fix: declare the buffer under ``buffers`` or correct the name.
+    """
+    for segment in plan.segments:
+        for verb, names in (("read", segment.reads), ("written", segment.writes)):
+            for name in dict.fromkeys(names):
+                if plan.buffer(name) is None:
+                    yield Finding("segment", segment.name,
+                                  f"'{name}' is {verb} by {_describe(segment)} but no buffer '{name}' is declared",
+                                  "declare it under buffers or fix the name")
+    for buffer in plan.buffers:
+        if buffer.alias_of is not None and plan.buffer(buffer.alias_of) is None:
+            yield Finding("buffer", buffer.name,
+                          f"buffer '{buffer.name}' is an alias of '{buffer.alias_of}', which is not declared",
+                          "declare the target buffer or fix alias_of")
+
+
+@_rule("GF102", Severity.ERROR, "undeclared stream")
+def undeclared_streams(plan: Plan) -> Iterator[Finding]:
+    """A segment names a stream that no stream declares.
+
+    Capture would fall back to an implicit stream, which on a non-default GPU records
+    an empty graph or replays stale data (seed 002).
+
+    Fix: declare the stream under ``streams`` with its device, or correct the name.
+    """
+    for segment in plan.segments:
+        if segment.stream is not None and plan.stream(segment.stream) is None:
+            yield Finding("segment", segment.name,
+                          f"{_describe(segment)} runs on stream '{segment.stream}', which is not declared",
+                          "declare it under streams with its device or fix the name")
+
+
+@_rule("GF103", Severity.ERROR, "undeclared channel")
+def undeclared_channels(plan: Plan) -> Iterator[Finding]:
+    """A segment uses a channel that no channel declares.
+
+    An undeclared channel has no owner, id or warmup policy, so the engine cannot
+    assign it, warm it up or roll it back.
+
+    Fix: declare the channel under ``channels`` or correct the name.
+    """
+    for segment in plan.segments:
+        for name in dict.fromkeys(segment.channels):
+            if plan.channel(name) is None:
+                yield Finding("segment", segment.name,
+                              f"{_describe(segment)} uses channel '{name}', which is not declared",
+                              "declare it under channels with its family and id, or fix the name")
+
+
+@_rule("GF104", Severity.ERROR, "duplicate name")
+def duplicate_names(plan: Plan) -> Iterator[Finding]:
+    """Two elements of one kind share a name (often a ``for_each`` template that forgot
+    its variable).
+
+    Lookups find only the first, so the second is silently ignored: its shape, stream
+    or channel never takes effect, and DAG nodes merge.
+
+    Fix: rename one of them (use the template variable, e.g. ``x{layer}``).
+    """
+    for kind, items in (("buffer", plan.buffers), ("stream", plan.streams), ("channel", plan.channels),
+                        ("segment", plan.segments), ("family", plan.families), ("prewarm", plan.prewarm)):
+        counts = collections.Counter(item.name for item in items)
+        for name in _duplicates(item.name for item in items):
+            yield Finding(kind, name, f"{kind} '{name}' is declared {counts[name]} times",
+                          "rename the duplicates; a templated name needs its variable, e.g. 'x{layer}'")
+
+
+@_rule("GF105", Severity.ERROR, "cycle")
+def cycles(plan: Plan) -> Iterator[Finding]:
+    """The DAG has a cycle: ``after`` edges (or a segment after itself) contradict the
+    dataflow order.
+
+    No execution order satisfies it, so the step would deadlock waiting on events or
+    run with the order silently broken.
+
+    Fix: remove the ``after`` entry that closes the cycle.
+    """
+    dag = plan.dag()
+    order = {s.name: i for i, s in enumerate(plan.segments)}
+    for component in nx.strongly_connected_components(dag):
+        if len(component) > 1:
+            members = sorted(component, key=lambda n: order.get(n, 0))
+            cycle = nx.find_cycle(dag.subgraph(component), source=members[0])
+            path = " -> ".join([edge[0] for edge in cycle] + [cycle[0][0]])
+            yield Finding("segment", members[0], f"segments {path} form a cycle",
+                          "remove the `after` entry that closes it")
+    for segment in plan.segments:
+        if segment.name in segment.after:
+            yield Finding("segment", segment.name, f"{_describe(segment)} is declared after itself",
+                          f"remove '{segment.name}' from its `after` list")
+
+
+@_rule("GF106", Severity.ERROR, "bad shape")
+def bad_shapes(plan: Plan) -> Iterator[Finding]:
+    """A buffer shape has a dimension that is not an int, a symbol or a product, names
+    an unknown symbol, or is a non-positive integer.
+
+    The engine could not size the buffer for each descriptor, so allocation would fail
+    or produce an empty tensor.
+
+    Fix: use positive ints and declared symbols (the size symbol or ``symbols``), e.g.
+    ``[B, 1024]`` or ``["2*B", H]``.
+    """
+    known = _known_symbols(plan)
+    for buffer in plan.buffers:
+        for index, dim in enumerate(buffer.shape):
+            problem = None
+            if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+                problem = f"dimension {index} ({dim!r}) is not an int or a symbol"
+            elif isinstance(dim, int) and dim <= 0:
+                problem = f"dimension {index} is {dim}"
+            else:
+                try:
+                    unknown = [s for s in dim_symbols(dim) if s not in known]
+                except ValueError:
+                    problem = f"dimension {index} ({dim!r}) is not an int, a symbol or a product like '2*B'"
+                else:
+                    if unknown:
+                        problem = f"dimension {index} ({dim!r}) uses unknown symbol {', '.join(unknown)}"
+            if problem is not None:
+                yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' shape {list(buffer.shape)}: {problem}",
+                              f"use positive ints and declared symbols ({', '.join(sorted(known))})")
+
+
+@_rule("GF107", Severity.ERROR, "undeclared family")
+def undeclared_families(plan: Plan) -> Iterator[Finding]:
+    """A segment or channel names a family that no family declares.
+
+    Its segments belong to no capture region, so they would never be captured, and a
+    channel owned by no family is never assigned or rolled back.
+
+    Fix: declare the family under ``families`` or correct the name.
+    """
+    for segment in plan.segments:
+        if plan.family(segment.family) is None:
+            yield Finding("segment", segment.name,
+                          f"{_describe(segment)} belongs to family '{segment.family}', which is not declared",
+                          "declare it under families or fix the name")
+    for channel in plan.channels:
+        if plan.family(channel.family) is None:
+            yield Finding("channel", channel.name,
+                          f"channel {channel.name} is owned by family '{channel.family}', which is not declared",
+                          "declare it under families or fix the name")
+
+
+@_rule("GF108", Severity.ERROR, "undeclared prewarm hook")
+def undeclared_prewarm(plan: Plan) -> Iterator[Finding]:
+    """A channel's ``prewarm`` names a hook that no prewarm entry declares.
+
+    The JIT specialization would stay cold and its first launch would happen inside
+    capture, where it is rejected (seed 003).
+
+    Fix: declare the hook under ``prewarm`` with its ``call``, or correct the name.
+    """
+    for channel in plan.channels:
+        if channel.prewarm is not None and plan.hook(channel.prewarm) is None:
+            yield Finding("channel", channel.name,
+                          f"channel {channel.name} names prewarm hook '{channel.prewarm}', which is not declared",
+                          "declare it under prewarm with its call, or fix the name")
+
+
+@_rule("GF109", Severity.ERROR, "unknown `after` segment")
+def unknown_after(plan: Plan) -> Iterator[Finding]:
+    """A segment's ``after`` names a segment that does not exist.
+
+    The ordering the author relied on is silently absent from the DAG.
+
+    Fix: name an existing segment, or remove the entry.
+    """
+    for segment in plan.segments:
+        for name in dict.fromkeys(segment.after):
+            if plan.segment(name) is None:
+                yield Finding("segment", segment.name,
+                              f"{_describe(segment)} is declared after '{name}', which is not a segment",
+                              "name an existing segment or remove the entry")
+
+
+@_rule("GF110", Severity.ERROR, "`after` contradicts list order")
+def after_order(plan: Plan) -> Iterator[Finding]:
+    """A segment is declared ``after`` a segment listed below it.
+
+    Segments run in the order listed, so the declared order is never honoured.
+    (Contradictions that close a data cycle are GF105.)
+
+    Fix: move the segment below the one it must follow, or remove the entry.
+    """
+    position = {}
+    for index, segment in enumerate(plan.segments):
+        position.setdefault(segment.name, index)
+    component_of = {n: i for i, c in enumerate(nx.strongly_connected_components(plan.dag())) for n in c}
+    for index, segment in enumerate(plan.segments):
+        for name in dict.fromkeys(segment.after):
+            later = position.get(name, -1) > index
+            if later and component_of.get(name) != component_of.get(segment.name):
+                yield Finding("segment", segment.name,
+                              f"{_describe(segment)} is declared after {name}, which is listed below it",
+                              f"move {segment.name} below {name} (segments run in the order listed)")
+
+
+@_rule("GF111", Severity.ERROR, "unknown dtype")
+def unknown_dtypes(plan: Plan) -> Iterator[Finding]:
+    """A buffer's dtype is not one graphflow knows.
+
+    The engine could not allocate it, and sizes and capacity checks would be wrong.
+
+    Fix: use one of torch's dtype names without ``torch.`` (``bfloat16``, ``float32``,
+    ``int32``...).
+    """
+    for buffer in plan.buffers:
+        if buffer.dtype not in DTYPE_BYTES:
+            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' has unknown dtype '{buffer.dtype}'",
+                          f"use one of {', '.join(DTYPE_BYTES)}")
+
+
+@_rule("GF112", Severity.ERROR, "bad device")
+def bad_devices(plan: Plan) -> Iterator[Finding]:
+    """A device is not written ``cuda:N`` (or ``cpu`` for buffers and segments), or a
+    stream is not on a GPU.
+
+    A bare ``cuda`` means "the current device", which differs per process and per
+    thread: capture on a non-default GPU then records empty graphs (seed 002).
+
+    Fix: write the device with its index, e.g. ``cuda:0``.
+    """
+    for buffer in plan.buffers:
+        if not _DEVICE.match(str(buffer.device)):
+            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' has device '{buffer.device}'",
+                          "write cuda:N (with its index) or cpu")
+    for segment in plan.segments:
+        if segment.device is not None and not _DEVICE.match(str(segment.device)):
+            yield Finding("segment", segment.name, f"{_describe(segment)} has device '{segment.device}'",
+                          "write cuda:N (with its index) or cpu")
+    for stream in plan.streams:
+        if not _STREAM_DEVICE.match(str(stream.device)):
+            yield Finding("stream", stream.name, f"stream {stream.name} has device '{stream.device}'",
+                          "a capture stream lives on a GPU: write cuda:N")
+
+
+@_rule("GF113", Severity.ERROR, "bad ranks")
+def bad_ranks(plan: Plan) -> Iterator[Finding]:
+    """``world_size`` is below 1, or a segment's ``ranks`` names a rank outside
+    ``0..world_size-1`` or no rank at all.
+
+    Per-rank collective orders (GF505) and rank-aware dataflow would be computed over
+    ranks that do not exist.
+
+    Fix: set ``world_size`` to the number of ranks and list ranks below it.
+    """
+    if not isinstance(plan.world_size, int) or plan.world_size < 1:
+        yield Finding("plan", None,
+                      f"world_size is {plan.world_size!r}", "set world_size to the number of ranks (1 or more)",
+                      at=plan.name)
+        return
+    for segment in plan.segments:
+        if segment.ranks is None:
+            continue
+        outside = [r for r in segment.ranks if not isinstance(r, int) or not 0 <= r < plan.world_size]
+        if outside:
+            yield Finding("segment", segment.name,
+                          f"{_describe(segment)} runs on rank(s) {', '.join(map(str, outside))} "
+                          f"but world_size is {plan.world_size}",
+                          f"list ranks in 0..{plan.world_size - 1} or raise world_size")
+        elif not segment.ranks:
+            yield Finding("segment", segment.name, f"{_describe(segment)} runs on no rank (ranks is empty)",
+                          "list its ranks, or drop `ranks` to run on every rank")
+
+
+# -- dataflow: GF2xx -----------------------------------------------------------------------
+
+
+@_rule("GF201", Severity.ERROR, "read before written")
+def read_before_write(plan: Plan) -> Iterator[Finding]:
+    """A segment reads a buffer that no earlier segment writes, on some rank, and the
+    buffer is not an ``input`` or ``state``.
+
+    Capture would record a read of uninitialized memory: replay is garbage, and on
+    several ranks each reads its own garbage (seed 000).
+
+    Fix: write it in an earlier segment, or declare ``role: input`` (the runtime fills
+    it) or ``role: state`` (it persists across steps).
+    """
+    written: dict[str, set[int]] = {}  # storage buffer -> ranks on which it has been written
+    for segment in plan.segments:
+        ranks = _ranks(plan, segment)
+        for name in dict.fromkeys(segment.reads):
+            if plan.buffer(name) is None or _roles(plan, name) & {BufferRole.INPUT, BufferRole.STATE}:
+                continue
+            missing = ranks - written.get(_storage(plan, name), set())
+            if not missing:
+                continue
+            on = f" on rank(s) {', '.join(map(str, sorted(missing)))}"
+            if missing == ranks and segment.ranks is None:
+                on = ""
+            yield Finding("segment", segment.name,
+                          f"'{name}' is read by {_describe(segment)} before any segment writes it{on}",
+                          "write it in an earlier segment or declare role: input (or state)")
+        for name in segment.writes:
+            if plan.buffer(name) is not None:
+                written.setdefault(_storage(plan, name), set()).update(ranks)
+
+
+@_rule("GF202", Severity.ERROR, "unordered writers")
+def unordered_writers(plan: Plan) -> Iterator[Finding]:
+    """Two segments write one buffer and no path in the DAG orders them (no data and no
+    ``after`` edge), on a rank where both run.
+
+    The engine may run independent segments on separate streams, so the final value
+    would depend on timing; list order alone is not a dependency.
+
+    Fix: make the later writer read the buffer (an in-place update), add ``after``, or
+    write separate buffers.
+    """
+    dag = plan.dag()
+    writers: dict[str, list[Segment]] = {}
+    for segment in plan.segments:
+        for name in dict.fromkeys(segment.writes):
+            if plan.buffer(name) is not None:
+                writers.setdefault(name, []).append(segment)
+    for name, segments in writers.items():
+        for first, second in zip(segments, segments[1:]):
+            if first.name == second.name or not _ranks(plan, first) & _ranks(plan, second):
+                continue
+            if not nx.has_path(dag, first.name, second.name):
+                yield Finding("segment", second.name,
+                              f"'{name}' is written by {_describe(first)} and {_describe(second)} "
+                              "with no order between them",
+                              f"make {second.name} read '{name}', add `after: [{first.name}]`, "
+                              "or write separate buffers")
+
+
+@_rule("GF203", Severity.WARNING, "graph output never read")
+def unread_outputs(plan: Plan) -> Iterator[Finding]:
+    """A graph segment writes a buffer version that nothing reads before it is
+    overwritten or the step ends, and the buffer is not an ``output`` or ``state``.
+
+    The work is wasted on every replay, and usually means a reader names the wrong
+    buffer.
+
+    Fix: read it where it is needed, drop the write, or declare ``role: output``.
+    """
+    pending: dict[str, list[tuple[Segment, str]]] = {}  # storage -> unread writes
+    for segment in plan.segments:
+        for name in segment.reads:
+            if plan.buffer(name) is not None:
+                pending.pop(_storage(plan, name), None)
+        for name in dict.fromkeys(segment.writes):
+            if plan.buffer(name) is None:
+                continue
+            storage = _storage(plan, name)
+            earlier = [(s, n) for s, n in pending.get(storage, ()) if s is not segment]
+            yield from _dead_writes(plan, earlier, "overwritten")
+            pending[storage] = [(segment, name)]
+    for writes in pending.values():
+        yield from _dead_writes(plan, writes, "the step ends")
+
+
+def _dead_writes(plan: Plan, writes: Iterable[tuple[Segment, str]], until: str) -> Iterator[Finding]:
+    for segment, name in writes:
+        if segment.is_graph and not _roles(plan, name) & {BufferRole.OUTPUT, BufferRole.STATE}:
+            yield Finding("segment", segment.name,
+                          f"'{name}' written by {_describe(segment)} is not read before {until}",
+                          "read it, drop the write, or declare role: output")
+
+
+@_rule("GF204", Severity.ERROR, "bad alias")
+def bad_aliases(plan: Plan) -> Iterator[Finding]:
+    """An ``alias_of`` buffer is larger than its target, on another device, part of an
+    alias cycle, or written through more than one name of the same storage.
+
+    A view larger than its storage overruns it; writes through two names are invisible
+    to the DAG (which versions names), so their order is undefined.
+
+    Fix: make the alias fit its target on the same device, and write the storage
+    through one name only (read through the others).
+    """
+    for buffer in plan.buffers:
+        target = plan.buffer(buffer.alias_of) if buffer.alias_of is not None else None
+        if target is None:
+            continue
+        loop = _alias_loop(plan, buffer)
+        if loop:
+            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' is an alias of itself: {' -> '.join(loop)}",
+                          "point alias_of at the buffer that owns the storage")
+            continue
+        if target.device != buffer.device:
+            yield Finding("buffer", buffer.name,
+                          f"alias '{buffer.name}' on {buffer.device} views '{target.name}' on {target.device}",
+                          "put the alias on its target's device")
+        size, target_size = _nbytes(plan, buffer), _nbytes(plan, target)
+        if size is not None and target_size is not None and size > target_size:
+            yield Finding("buffer", buffer.name,
+                          f"alias '{buffer.name}' ({size} bytes) is larger than its target "
+                          f"'{target.name}' ({target_size} bytes)",
+                          "shrink the alias or grow its target")
+    written: dict[str, dict[str, str]] = {}  # storage -> name -> first writer
+    for segment in plan.segments:
+        for name in segment.writes:
+            if plan.buffer(name) is not None:
+                written.setdefault(_storage(plan, name), {}).setdefault(name, segment.name)
+    for storage, names in written.items():
+        if len(names) > 1:
+            through = ", ".join(f"'{n}' (by {s})" for n, s in names.items())
+            yield Finding("buffer", storage, f"storage of '{storage}' is written through {through}",
+                          "write it through one name and read through the others")
+
+
+def _alias_loop(plan: Plan, buffer: Buffer) -> list[str]:
+    """The alias chain from ``buffer`` back to itself, or [] when it reaches a storage."""
+    chain = [buffer.name]
+    current = buffer
+    while current is not None and current.alias_of is not None:
+        chain.append(current.alias_of)
+        if current.alias_of == buffer.name:
+            return chain
+        if current.alias_of in chain[:-1]:
+            return []
+        current = plan.buffer(current.alias_of)
+    return []
+
+
+# -- allocation: GF3xx ---------------------------------------------------------------------
+
+
+@_rule("GF301", Severity.ERROR, "shape does not cover descriptors")
+def uncovered_shapes(plan: Plan) -> Iterator[Finding]:
+    """A buffer's shape evaluates to zero or less at some descriptor size (a symbol
+    with a non-positive value, a non-positive capacity), or its ``capacity`` caps a
+    symbol its shape does not use.
+
+    The engine would allocate an empty tensor, or the capacity the author relied on
+    limits nothing.
+
+    Fix: give every symbol a positive value, and cap only symbols the shape uses.
+    """
+    sizes = _sizes(plan)
+    for buffer in plan.buffers:
+        if not _shape_is_valid(plan, buffer):
+            continue
+        used = set(buffer.symbols())
+        for symbol, cap in buffer.capacity.items():
+            if symbol not in used:
+                yield Finding("buffer", buffer.name,
+                              f"buffer '{buffer.name}' caps '{symbol}' "
+                              f"but its shape {list(buffer.shape)} does not use it",
+                              "cap a symbol the shape uses, or drop the capacity")
+        if not sizes:
+            continue
+        # Sizes are positive, so a dimension's sign is the same at every size: check one.
+        size = min(sizes)
+        values = _alloc_values(plan, buffer, size)
+        bad = [i for i, dim in enumerate(buffer.shape) if eval_dim(dim, values) <= 0]
+        if bad:
+            dims = ", ".join(f"dimension {i} ({buffer.shape[i]!r}) = {eval_dim(buffer.shape[i], values)}" for i in bad)
+            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' at {plan.capture.size_symbol}={size}: {dims}",
+                          "give its symbols and capacity positive values")
+
+
+@_rule("GF302", Severity.ERROR, "buffer on another device")
+def buffer_devices(plan: Plan) -> Iterator[Finding]:
+    """A graph segment reads or writes a buffer on another device than the segment's.
+
+    A graph captures on one device; a cross-GPU access inside it is a hidden copy that
+    breaks capture or replays stale data (seed 002, category 4).
+
+    Fix: move the buffer to the segment's device, or add an eager copy segment.
+    """
+    for segment in plan.segments:
+        home = _home_device(plan, segment)
+        if not segment.is_graph or home is None:
+            continue
+        for verb, names in (("read", segment.reads), ("written", segment.writes)):
+            for name in dict.fromkeys(names):
+                buffer = plan.buffer(name)
+                if buffer is not None and buffer.device != home:
+                    yield Finding("segment", segment.name,
+                                  f"'{name}' on {buffer.device} is {verb} by {_describe(segment)} on {home}",
+                                  f"move the buffer to {home} or add an eager copy segment")
+
+
+# -- streams: GF4xx ------------------------------------------------------------------------
+
+
+@_rule("GF401", Severity.ERROR, "graph segment without stream")
+def missing_streams(plan: Plan) -> Iterator[Finding]:
+    """A graph segment has no explicit stream.
+
+    Capturing on the ambient stream after ``set_device`` records empty graphs on one GPU
+    and stale replays on the others (seed 002's all-zeros bug).
+
+    Fix: declare a stream on the segment's device and name it in ``stream``.
+    """
+    for segment in plan.segments:
+        if segment.is_graph and segment.stream is None:
+            home = _home_device(plan, segment)
+            candidates = [s.name for s in plan.streams if s.device == home]
+            hint = (f"add `stream: {candidates[0]}`" if candidates
+                    else f"declare a stream on {home or 'its device'} and name it")
+            yield Finding("segment", segment.name, f"{_describe(segment)} has no stream", hint)
+
+
+@_rule("GF402", Severity.ERROR, "stream on another device")
+def stream_devices(plan: Plan) -> Iterator[Finding]:
+    """A segment's stream is on another device than the segment (its declared device or
+    its buffers').
+
+    Kernels would be queued on one GPU for data on another: capture fails or the graph
+    replays stale memory.
+
+    Fix: use a stream on the segment's device.
+    """
+    for segment in plan.segments:
+        stream = plan.stream(segment.stream)
+        if stream is None or (segment.device is None and _is_copy(plan, segment)):
+            continue
+        home = _home_device(plan, segment)
+        if home is not None and stream.device != home:
+            candidates = [s.name for s in plan.streams if s.device == home]
+            fix = f"use stream {candidates[0]}" if candidates else f"declare a stream on {home} and use it"
+            yield Finding("segment", segment.name,
+                          f"{_describe(segment)} on {home} runs on stream {stream.name} on {stream.device}", fix)
+
+
+@_rule("GF403", Severity.ERROR, "capture region spans devices")
+def region_devices(plan: Plan) -> Iterator[Finding]:
+    """A capture region (a PIECEWISE run of graph segments, or a FULL family step) holds
+    graph segments on different devices.
+
+    One graph captures on one device; moving data across GPUs must be an explicit eager
+    copy between graphs (seed 002, category 8).
+
+    Fix: insert an eager copy segment where the device changes.
+    """
+    for mode in _capture_modes(plan):
+        for region in plan.regions(mode):
+            previous = None
+            for name in region.segments:
+                segment = plan.segment(name)
+                if segment is None or not segment.is_graph:
+                    continue
+                home = _home_device(plan, segment)
+                if home is None:
+                    continue
+                if previous is not None and previous[1] != home:
+                    yield Finding("segment", name,
+                                  f"{mode.value} region {region.name} runs {previous[0]} on {previous[1]} "
+                                  f"then {name} on {home}",
+                                  f"insert an eager copy segment between {previous[0]} and {name}")
+                    break
+                previous = (name, home)
+
+
+# -- channels: GF5xx -----------------------------------------------------------------------
+
+
+@_rule("GF501", Severity.ERROR, "channel id shared by families")
+def shared_channel_ids(plan: Plan) -> Iterator[Finding]:
+    """One channel id is owned by channels of two families.
+
+    Graph families that share signal buffers or IPC registrations corrupt each other's
+    captured collectives (seed 004: target, draft and context-KV graphs).
+
+    Fix: give each family's channel its own id.
+    """
+    by_id: dict[int, list] = {}
+    for channel in plan.channels:
+        by_id.setdefault(channel.id, []).append(channel)
+    for channel_id, channels in by_id.items():
+        families = dict.fromkeys(c.family for c in channels)
+        if len(families) > 1:
+            owners = ", ".join(f"{c.name} ({c.family})" for c in channels)
+            second = next(c for c in channels if c.family != channels[0].family)
+            yield Finding("channel", second.name, f"channel id {channel_id} is owned by several families: {owners}",
+                          "give each family's channel its own id")
+
+
+@_rule("GF502", Severity.ERROR, "channel of another family")
+def foreign_channels(plan: Plan) -> Iterator[Finding]:
+    """A segment uses a channel owned by another family.
+
+    Its collectives would be captured into another owner's graphs on a shared channel,
+    which conflicts when both replay (seed 004).
+
+    Fix: declare a channel (with its own id) for the segment's family.
+    """
+    for segment in plan.segments:
+        for name in dict.fromkeys(segment.channels):
+            channel = plan.channel(name)
+            if channel is not None and channel.family != segment.family:
+                yield Finding("segment", segment.name,
+                              f"{_describe(segment)} of family {segment.family} uses channel {name} "
+                              f"owned by family {channel.family}",
+                              f"declare a {segment.family} channel with its own id")
+
+
+@_rule("GF503", Severity.ERROR, "placeholder warmup reaches data-dependent work")
+def placeholder_reaches_routing(plan: Plan) -> Iterator[Finding]:
+    """A channel whose warmup does not communicate (``placeholder`` or ``prepare``) feeds
+    a data-dependent segment (the using segment itself or any DAG descendant).
+
+    During warmup each rank gets rank-local garbage instead of the reduced value; top-k
+    routing then picks different paths per rank and capture hangs (seed 000: 67
+    PIECEWISE descriptors, then no progress in FULL).
+
+    Fix: use ``warmup: real`` for this channel.
+    """
+    dag = plan.dag()
+    position = {}
+    for index, segment in enumerate(plan.segments):
+        position.setdefault(segment.name, index)
+    for segment in plan.segments:
+        for name in dict.fromkeys(segment.channels):
+            channel = plan.channel(name)
+            if channel is None or channel.warmup not in _NON_COMMUNICATING:
+                continue
+            reached = [segment.name] if segment.data_dependent else []
+            reached += sorted((n for n in nx.descendants(dag, segment.name) if dag.nodes[n]["segment"].data_dependent),
+                              key=position.__getitem__)
+            if reached:
+                via = "" if reached[0] == segment.name else f" after {segment.name}"
+                yield Finding("segment", segment.name,
+                              f"channel {name} warms up with a {channel.warmup.value} output "
+                              f"that reaches data-dependent segment {reached[0]}{via}",
+                              f"set warmup: real on channel {name}, so ranks see the reduced values")
+
+
+@_rule("GF504", Severity.ERROR, "JIT channel without prewarm")
+def cold_jit_channels(plan: Plan) -> Iterator[Finding]:
+    """A channel needs its kernel warmed (``jit``, or ``warmup: prepare``) but its warmup
+    is not ``real`` and it names no ``prewarm`` hook.
+
+    The specialization's first launch would be inside capture, which rejects it ("cold
+    PCIe oneshot CUDA graph capture is not allowed", seed 003) or records nothing.
+
+    Fix: declare a prewarm hook and name it in the channel's ``prewarm``, or use
+    ``warmup: real``.
+    """
+    for channel in plan.channels:
+        needs = channel.jit or channel.warmup is WarmupPolicy.PREPARE
+        if needs and channel.warmup is not WarmupPolicy.REAL and channel.prewarm is None:
+            what = "a JIT kernel" if channel.jit else "prepared"
+            yield Finding("channel", channel.name,
+                          f"channel {channel.name} is {what} with warmup: {channel.warmup.value} and no prewarm hook",
+                          "declare a prewarm hook and set `prewarm:` on the channel, or use warmup: real")
+
+
+@_rule("GF505", Severity.ERROR, "collective order differs across ranks")
+def rank_collective_order(plan: Plan) -> Iterator[Finding]:
+    """Within one family, the ranks would call collectives in different orders (per-rank
+    segments that use channels).
+
+    Mismatched collectives pair wrongly and every rank hangs until the timeout, with
+    nothing naming the rank that diverged (seed 000; BRIEF design notes).
+
+    Fix: give every rank the same sequence of channel uses (move the channel to a
+    segment that runs on all ranks).
+    """
+    if not isinstance(plan.world_size, int) or plan.world_size < 2:
+        return
+    world = frozenset(range(plan.world_size))
+    for family in dict.fromkeys(s.family for s in plan.segments):
+        segments = plan.family_segments(family)
+        calls = {rank: [(s.name, c) for s in segments if s.runs_on(rank) for c in s.channels] for rank in world}
+        for position in range(max(len(seq) for seq in calls.values())):
+            at = {rank: seq[position] if position < len(seq) else None for rank, seq in sorted(calls.items())}
+            if len({call[1] if call else None for call in at.values()}) == 1:
+                continue
+            # Blame the first per-rank segment with a collective up to here: where ranks part.
+            seen = {call[0] for seq in calls.values() for call in seq[: position + 1]}
+            culprit = next((s.name for s in segments if s.name in seen and _ranks(plan, s) != world),
+                           next(call for call in at.values() if call)[0])
+            yield Finding("segment", culprit,
+                          f"family {family} collective #{position + 1} differs across ranks: {_calls(at)}",
+                          f"give every rank the same sequence of channel uses (see {culprit})")
+            break
+
+
+def _calls(at: Mapping[int, tuple[str, str] | None]) -> str:
+    """``rank 0 calls tp_ar in L1.post; rank 1 calls nothing``: ranks grouped by call."""
+    groups: dict[str | None, list[int]] = {}
+    for rank, call in at.items():
+        groups.setdefault(call[1] if call else None, []).append(rank)
+    parts = []
+    for channel, ranks in groups.items():
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} call{'' if len(ranks) > 1 else 's'}"
+        if channel is None:
+            parts.append(f"{who} nothing")
+        else:
+            parts.append(f"{who} {channel} in {', '.join(dict.fromkeys(at[r][0] for r in ranks))}")
+    return "; ".join(parts)
+
+
+@_rule("GF506", Severity.WARNING, "channel never used")
+def unused_channels(plan: Plan) -> Iterator[Finding]:
+    """A channel is declared but no segment uses it.
+
+    It would still be assigned, warmed up and torn down; usually a segment names the
+    wrong channel.
+
+    Fix: use it in the segment that communicates, or remove it.
+    """
+    used = {name for segment in plan.segments for name in segment.channels}
+    for channel in plan.channels:
+        if channel.name not in used:
+            yield Finding("channel", channel.name, f"channel {channel.name} is used by no segment",
+                          "name it in the segment that communicates, or remove it")
+
+
+# -- modes: GF6xx --------------------------------------------------------------------------
+
+
+@_rule("GF601", Severity.ERROR, "eager segment in FULL region")
+def eager_in_full(plan: Plan) -> Iterator[Finding]:
+    """FULL capture is requested but a family's step contains an eager segment.
+
+    FULL captures the family's whole step as one graph, so an eager break (attention on
+    a Python-int length, say) would be captured as if static, or break capture.
+
+    Fix: make the segment capturable (static shapes, device-side lengths) and a graph
+    segment, or capture this plan PIECEWISE only.
+    """
+    if Mode.FULL not in plan.capture.modes:
+        return
+    for family in dict.fromkeys(s.family for s in plan.segments):
+        eager = [s.name for s in plan.family_segments(family) if not s.is_graph]
+        if eager:
+            yield Finding("segment", eager[0],
+                          f"FULL region of family {family} contains eager segment(s) {_names(eager)}",
+                          "make them graph segments or drop FULL from capture.modes")
+
+
+@_rule("GF602", Severity.WARNING, "sizes unsorted")
+def unsorted_sizes(plan: Plan) -> Iterator[Finding]:
+    """``capture.sizes`` is not in increasing order.
+
+    Capture order is computed (largest first), so the order is harmless, but an
+    unsorted list hides gaps and duplicates from the reader.
+
+    Fix: list the sizes in increasing order.
+    """
+    sizes = _sizes(plan)
+    if sizes != sorted(sizes):
+        yield Finding("capture", None, f"capture.sizes {list(plan.capture.sizes)} are not in increasing order",
+                      f"list them sorted: {sorted(set(sizes))}", at="sizes")
+
+
+@_rule("GF603", Severity.ERROR, "duplicated sizes or modes")
+def duplicated_sizes(plan: Plan) -> Iterator[Finding]:
+    """``capture.sizes`` or ``capture.modes`` lists a value twice.
+
+    Usually a typo for a size that is then never captured: batches of that size pad
+    up to the next descriptor and run slower without any error.
+
+    Fix: list each size and mode once.
+    """
+    for what, values in (("sizes", plan.capture.sizes), ("modes", plan.capture.modes)):
+        shown = [v.value if isinstance(v, Mode) else v for v in values]
+        repeated = _duplicates(map(repr, shown))
+        if repeated:
+            yield Finding("capture", None, f"capture.{what} lists {', '.join(repeated)} more than once",
+                          f"list each of capture.{what} once", at=what)
+
+
+@_rule("GF604", Severity.ERROR, "size above capacity")
+def sizes_above_capacity(plan: Plan) -> Iterator[Finding]:
+    """A descriptor size (or a symbol's value) is above a buffer's ``capacity``.
+
+    The buffer cannot hold that batch, so the descriptor cannot be captured: the
+    graph would index past the buffer.
+
+    Fix: raise the capacity or drop the sizes above it.
+    """
+    size_symbol = plan.capture.size_symbol
+    for buffer in plan.buffers:
+        for symbol, cap in buffer.capacity.items():
+            if symbol == size_symbol:
+                above = [s for s in _sizes(plan) if s > cap]
+                if above:
+                    yield Finding("buffer", buffer.name,
+                                  f"sizes {', '.join(map(str, above))} are above "
+                                  f"buffer '{buffer.name}' capacity {symbol}={cap}",
+                                  f"raise its capacity to {max(above)} or drop sizes above {cap}")
+            elif symbol in plan.symbols and plan.symbols[symbol] > cap:
+                yield Finding("buffer", buffer.name,
+                              f"symbol {symbol}={plan.symbols[symbol]} is above "
+                              f"buffer '{buffer.name}' capacity {symbol}={cap}",
+                              f"raise its capacity to {plan.symbols[symbol]} or lower {symbol}")
+
+
+@_rule("GF605", Severity.ERROR, "no descriptors")
+def missing_descriptors(plan: Plan) -> Iterator[Finding]:
+    """``capture.modes`` or ``capture.sizes`` is empty, or a size is not a positive
+    integer.
+
+    Nothing (or a meaningless shape) would be captured, and every batch would fall back
+    to eager.
+
+    Fix: list at least one mode and positive integer sizes.
+    """
+    if not plan.capture.modes:
+        yield Finding("capture", None, "capture.modes is empty", "list PIECEWISE and/or FULL", at="modes")
+    if not plan.capture.sizes:
+        yield Finding("capture", None, "capture.sizes is empty", "list the batch sizes to capture", at="sizes")
+    bad = [s for s in plan.capture.sizes if not (isinstance(s, int) and not isinstance(s, bool) and s > 0)]
+    if bad:
+        yield Finding("capture", None, f"capture.sizes has {', '.join(map(repr, bad))}, not positive integers",
+                      "list positive integer batch sizes", at="sizes")
+
+
+@_rule("GF606", Severity.ERROR, "bad capture settings")
+def bad_capture_settings(plan: Plan) -> Iterator[Finding]:
+    """``warmup_iters`` is below 1, a verify tolerance is negative, or the barrier
+    timeout is not positive.
+
+    Without a warmup, lazy allocations and JIT launches happen inside capture; a
+    negative tolerance fails every verify; a zero timeout turns every barrier into a
+    divergence.
+
+    Fix: use ``warmup_iters >= 1``, tolerances ``>= 0`` and a positive timeout.
+    """
+    settings = plan.capture
+    if settings.warmup_iters < 1:
+        yield Finding("capture", None, f"capture.warmup_iters is {settings.warmup_iters}",
+                      "run at least one warmup iteration", at="warmup_iters")
+    for name in ("atol", "rtol"):
+        if getattr(settings, name) < 0:
+            yield Finding("capture", None, f"capture.verify {name} is {getattr(settings, name)}",
+                          "use a tolerance >= 0", at="verify")
+    if settings.barrier_timeout_s <= 0:
+        yield Finding("capture", None,
+                      f"capture.barrier_timeout_s is {settings.barrier_timeout_s}", "use a positive timeout",
+                      at="barrier_timeout_s")
+
+
+#: The rule table, ordered by code.
+RULES: tuple[Rule, ...] = tuple(sorted(_TABLE, key=lambda rule: rule.code))
+
+
+def rules_markdown() -> str:
+    """``docs/rules.md``: the rule table, generated so the doc cannot drift."""
+    lines = [
+        "# Validation rules",
+        "",
+        "Generated from `graphflow.validate.RULES` by `rules_markdown()`; do not edit by hand.",
+        "`graphflow validate PLAN` runs every rule before any GPU work; errors make it exit 1.",
+        "",
+        "| code | severity | title | what it prevents | how to fix |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for rule in RULES:
+        cells = (rule.code, rule.severity.value, rule.title, rule.prevents, rule.how_to_fix)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"

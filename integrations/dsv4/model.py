@@ -1,0 +1,252 @@
+"""The decoder and the segment entry points the dsv4 plans call.
+
+Each entry point has the engine's calling convention: ``fn(*reads, *writes)`` with the
+segment's buffers as views for the current batch size, writing its outputs in place
+and returning nothing. A segment talks to the next only through those buffers; the
+only tensors the model owns are its weights and the block table, which never change.
+
+One decode step (T = 1), per plan:
+
+    embed:                 tokens, positions → x (streams), rope (cos | sin)
+    per layer  pre:        x, rope → q, kv (roped latents), post_mix, res_mix
+               attention:  eager (Python-int counts) or static (device counts, FULL)
+               post:       o, mixes, x → x (mixing, MoE + shared expert, mixing)
+    head:                  x → logits
+
+The plans are declared here too, with graphflow's decorators: ``piecewise_step`` and
+``full_step`` call the entry points in that order, and
+``graphflow.plan_from_module(model, step=...)`` gives plans equal to
+``plans/dsv4_mini_piecewise.yaml`` and ``plans/dsv4_mini_full.yaml`` (docs/decorators.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphflow
+from graphflow.errors import PlanError
+from graphflow.integrations.dsv4.attention import Compressor, PagedLayout, eager_attention, static_attention
+from graphflow.integrations.dsv4.config import DSV4Config
+from graphflow.integrations.dsv4.mhc import HyperConnection
+from graphflow.integrations.dsv4.moe import MoE, SharedExpert
+from graphflow.integrations.dsv4.rope import apply_rope, rope_table
+from graphflow.integrations.dsv4.weights import WeightSource
+
+__all__ = ["DSV4Model", "DecoderLayer", "build_model", "check_plan", "expected_shapes"]
+
+#: The device the plans name; the engine places the buffers there.
+_DEVICE = "cuda:0"
+#: The descriptor sizes of the mini plans.
+_MINI_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def _declared_shape(stem: str):
+    """A buffer declaration's shape, read from the module's config (see ``expected_shapes``)."""
+    return lambda module: expected_shapes(module.config)[stem]
+
+
+def _model_dtype(module) -> str:
+    return module.config.dtype
+
+
+class DecoderLayer(nn.Module):
+    layer = graphflow.position()
+    q = graphflow.buffer("q{layer}", shape=_declared_shape("q"), dtype=_model_dtype, device=_DEVICE)
+    kv = graphflow.buffer("kv{layer}", shape=_declared_shape("kv"), dtype=_model_dtype, device=_DEVICE)
+    post_mix = graphflow.buffer("post_mix{layer}", shape=_declared_shape("post_mix"), dtype=_model_dtype,
+                                device=_DEVICE)
+    res_mix = graphflow.buffer("res_mix{layer}", shape=_declared_shape("res_mix"), dtype=_model_dtype,
+                               device=_DEVICE)
+    o = graphflow.buffer("o{layer}", shape=_declared_shape("o"), dtype=_model_dtype, device=_DEVICE)
+    kv_cache = graphflow.buffer("kv_cache{layer}", shape=_declared_shape("kv_cache"), dtype=_model_dtype,
+                                device=_DEVICE, role="state")  # paged: max_batch seqs x blocks_per_seq
+    comp_cache = graphflow.buffer("comp_cache{layer}", shape=_declared_shape("comp_cache"), dtype=_model_dtype,
+                                  device=_DEVICE, role="state")
+
+    def __init__(self, index: int, config: DSV4Config, layout: PagedLayout, source: WeightSource):
+        super().__init__()
+        d = config.hidden_size
+        self.index = index
+        self.config = config
+        self.layout = layout
+        self.attn_mix = HyperConnection(d, config.hc_streams, config.sinkhorn_iters, config.norm_eps, source)
+        self.attn_norm = source.ones(d)
+        # q for every head and the new token's latent in one projection: [d, (H + 1) * kv_dim].
+        self.qkv = source.normal(d, (config.n_heads + 1) * config.kv_dim)
+        self.compressor = Compressor(config, source)
+        self.out = source.normal(config.n_heads * config.kv_dim, d)
+        self.ffn_mix = HyperConnection(d, config.hc_streams, config.sinkhorn_iters, config.norm_eps, source)
+        self.ffn_norm = source.ones(d)
+        self.moe = MoE(config, source)
+        self.shared = SharedExpert(config, source)
+
+    @graphflow.segment("L{layer}.pre", stream="s0", reads=["x", "rope"],
+                       writes=["q{layer}", "kv{layer}", "post_mix{layer}", "res_mix{layer}"])
+    def pre_attention(self, x, rope, q, kv, post_mix, res_mix) -> None:
+        """x [B, n, d], rope [B, r] → q [B, H, kv_dim], kv [B, kv_dim], post_mix [B, n], res_mix [B, n, n]."""
+        c = self.config
+        h_pre, h_post, h_res = self.attn_mix.coefficients(x)
+        h = F.rms_norm(HyperConnection.pre(x, h_pre), (c.hidden_size,), self.attn_norm, c.norm_eps)
+        qkv = torch.matmul(h, self.qkv).view(-1, c.n_heads + 1, c.kv_dim)
+        qkv[..., : c.rope_dim] = apply_rope(qkv[..., : c.rope_dim], rope)
+        q.copy_(qkv[:, : c.n_heads])
+        kv.copy_(qkv[:, c.n_heads])
+        post_mix.copy_(h_post)
+        res_mix.copy_(h_res)
+
+    @graphflow.eager_break("L{layer}.attn", stream="s0",
+                           reads=["q{layer}", "kv{layer}", "positions", "kv_cache{layer}", "comp_cache{layer}"],
+                           writes=["o{layer}", "kv_cache{layer}", "comp_cache{layer}"])
+    def attention(self, q, kv, positions, kv_cache, comp_cache, o) -> None:
+        """The eager break: counts are Python ints read back from the device (not capturable).
+
+        The read-back synchronizes with the GPU once per layer; an engine that keeps
+        sequence lengths on the host would pass them instead (see docs/dsv4.md).
+        """
+        o.copy_(eager_attention(self.layout, self.compressor, q, kv, positions, positions.tolist(),
+                                kv_cache, comp_cache))
+
+    @graphflow.segment("L{layer}.attn", stream="s0",
+                       reads=["q{layer}", "kv{layer}", "positions", "kv_cache{layer}", "comp_cache{layer}"],
+                       writes=["o{layer}", "kv_cache{layer}", "comp_cache{layer}"])
+    def static_attention(self, q, kv, positions, kv_cache, comp_cache, o) -> None:
+        """The capturable form: counts on the device, shapes fixed by the batch size."""
+        o.copy_(static_attention(self.layout, self.compressor, q, kv, positions, kv_cache, comp_cache))
+
+    @graphflow.segment("L{layer}.post", stream="s0", data_dependent=True,
+                       reads=["o{layer}", "post_mix{layer}", "res_mix{layer}", "x", "expert_load"],
+                       writes=["x", "expert_load"])
+    def post_attention(self, o, post_mix, res_mix, x, expert_load) -> None:
+        """o [B, H, kv_dim] and the attention mixes → x [B, n, d] in place; counts into expert_load."""
+        c = self.config
+        streams = HyperConnection.post(x, torch.matmul(o.flatten(1), self.out), post_mix, res_mix)
+        h_pre, h_post, h_res = self.ffn_mix.coefficients(streams)
+        h = F.rms_norm(HyperConnection.pre(streams, h_pre), (c.hidden_size,), self.ffn_norm, c.norm_eps)
+        ffn = self.moe(h, expert_load[self.index]) + self.shared(h)
+        x.copy_(HyperConnection.post(streams, ffn, h_post, h_res))
+
+
+class DSV4Model(nn.Module):
+    """Random-weight DeepSeek-V4-style decoder; see the module docstring for its segments."""
+
+    tokens = graphflow.buffer(shape=_declared_shape("tokens"), dtype="int64", device=_DEVICE, role="input",
+                              values=lambda m: (0, m.config.vocab_size))
+    positions = graphflow.buffer(shape=_declared_shape("positions"), dtype="int64", device=_DEVICE, role="input",
+                                 values=lambda m: (0, m.config.max_len))
+    x = graphflow.buffer(shape=_declared_shape("x"), dtype=_model_dtype, device=_DEVICE)  # hyper-connection streams
+    rope = graphflow.buffer(shape=_declared_shape("rope"), dtype=_model_dtype, device=_DEVICE)  # cos | sin
+    expert_load = graphflow.buffer(shape=_declared_shape("expert_load"), dtype="int64", device=_DEVICE,
+                                   role="state")
+    logits = graphflow.buffer(shape=_declared_shape("logits"), dtype="float32", device=_DEVICE, role="output")
+    s0 = graphflow.stream(device=_DEVICE)
+
+    def __init__(self, config: DSV4Config, device: torch.device):
+        super().__init__()
+        self.config = config
+        source = WeightSource(config.seed, device, getattr(torch, config.dtype))
+        self.layout = PagedLayout(config, device)
+        self.embedding = source.normal(config.vocab_size, config.hidden_size, std=1.0)
+        self.layers = nn.ModuleList(DecoderLayer(i, config, self.layout, source) for i in range(config.n_layers))
+        # The head reads the streams through fixed weights (softmax of a seeded vector).
+        self.head_mix = nn.Parameter(torch.softmax(source.normal(config.hc_streams, std=1.0).float(), 0)
+                                     .to(source.dtype), requires_grad=False)
+        self.final_norm = source.ones(config.hidden_size)
+        self.lm_head = source.normal(config.hidden_size, config.vocab_size)
+
+    @graphflow.step(name="dsv4-mini-piecewise", sizes=_MINI_SIZES, modes=["PIECEWISE"])
+    def piecewise_step(self, bufs) -> None:
+        """One decode step, eager attention between two graphs a layer; ``bufs``: buffer name → view."""
+        self._decode(bufs, static=False)
+
+    @graphflow.step(name="dsv4-mini-full", sizes=_MINI_SIZES, modes=["FULL"])
+    def full_step(self, bufs) -> None:
+        """One decode step with static attention: one graph, no eager break."""
+        self._decode(bufs, static=True)
+
+    def _decode(self, bufs, static: bool) -> None:
+        x, rope, positions, expert_load = bufs["x"], bufs["rope"], bufs["positions"], bufs["expert_load"]
+        self.embed(bufs["tokens"], positions, x, rope)
+        for i, layer in enumerate(self.layers):
+            q, kv, o, post_mix, res_mix = (bufs[f"{stem}{i}"] for stem in ("q", "kv", "o", "post_mix", "res_mix"))
+            kv_cache, comp_cache = bufs[f"kv_cache{i}"], bufs[f"comp_cache{i}"]
+            layer.pre_attention(x, rope, q, kv, post_mix, res_mix)
+            attention = layer.static_attention if static else layer.attention
+            attention(q, kv, positions, kv_cache, comp_cache, o)
+            layer.post_attention(o, post_mix, res_mix, x, expert_load)
+        self.head(x, bufs["logits"])
+
+    @graphflow.segment("embed", stream="s0", reads=["tokens", "positions"], writes=["x", "rope"])
+    def embed(self, tokens, positions, x, rope) -> None:
+        """tokens [B] → every stream of x [B, n, d]; positions [B] → rope [B, r]."""
+        c = self.config
+        x.copy_(F.embedding(tokens, self.embedding).unsqueeze(1).expand_as(x))
+        rope.copy_(rope_table(positions, c.rope_dim, c.rope_base, rope.dtype))
+
+    @graphflow.segment("head", stream="s0", reads=["x"], writes=["logits"])
+    def head(self, x, logits) -> None:
+        """x [B, n, d] → logits [B, vocab] (float32)."""
+        c = self.config
+        h = torch.matmul(self.head_mix, x)  # [B, d]
+        logits.copy_(torch.matmul(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.norm_eps), self.lm_head))
+
+
+def expected_shapes(config: DSV4Config) -> dict[str, tuple]:
+    """The buffer shapes the model's entry points assume, by buffer name prefix ("B": batch)."""
+    c = config
+    return {
+        "tokens": ("B",),
+        "positions": ("B",),
+        "x": ("B", c.hc_streams, c.hidden_size),
+        "rope": ("B", c.rope_dim),
+        "q": ("B", c.n_heads, c.kv_dim),
+        "kv": ("B", c.kv_dim),
+        "post_mix": ("B", c.hc_streams),
+        "res_mix": ("B", c.hc_streams, c.hc_streams),
+        "o": ("B", c.n_heads, c.kv_dim),
+        "kv_cache": (c.num_blocks, c.block_size, c.kv_dim),
+        "comp_cache": ("B", c.max_compressed, c.kv_dim),
+        "expert_load": (c.n_layers, c.n_experts),
+        "logits": ("B", c.vocab_size),
+    }
+
+
+def check_plan(config: DSV4Config, plan) -> None:
+    """Fail at build time, naming the buffer, when a plan's shapes disagree with model_args."""
+    expected = expected_shapes(config)
+    symbol = plan.capture.size_symbol
+    for buffer in plan.buffers:
+        stem = buffer.name.rstrip("0123456789")
+        want = expected.get(stem)
+        if want is None:
+            continue
+        want = tuple(symbol if dim == "B" else dim for dim in want)
+        if tuple(buffer.shape) != want:
+            origin = plan.origin("buffer", buffer.name)
+            raise PlanError(
+                f"buffer {buffer.name!r} has shape {_shape(buffer.shape)} but the dsv4 model built from "
+                f"model_args needs {_shape(want)} — fix the shape or model_args",
+                **({"file": origin.file, "line": origin.line} if origin else {}),
+                element=f"buffer {buffer.name}",
+            )
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(dim) for dim in shape) + "]"
+
+
+def build_model(*, device: str | torch.device = "cpu", plan=None, rank: int = 0, world_size: int = 1,
+                channels=None, **model_args) -> DSV4Model:
+    """The factory plans name: ``graphflow.integrations.dsv4:build_model``.
+
+    ``model_args`` are ``DSV4Config`` fields. The model runs on one device and uses no
+    collectives, so it takes ``rank``, ``world_size`` and ``channels`` (which the engine
+    offers to any factory that accepts keywords) only to refuse a multi-rank run.
+    """
+    if world_size != 1:
+        raise ValueError(f"the dsv4 model runs on one device (got world_size={world_size}, rank={rank})")
+    config = DSV4Config(**model_args)
+    if plan is not None:
+        check_plan(config, plan)
+    return DSV4Model(config, torch.device(device))

@@ -1,0 +1,111 @@
+"""Mixture of experts: a router picks top-k of grouped experts per token, plus a shared expert.
+
+Everything is capture-safe: no shape depends on routing. Expert token counts go into a
+preallocated buffer with ``scatter_add_`` (``bincount`` returns a tensor whose length
+depends on the data, and reads it back to size it). The routed FFN runs one of two
+ways, chosen by the batch size alone (a static shape, so the choice never varies
+between warmup, capture and replay):
+
+* gather: each (token, expert) pair copies its expert's weights and runs a batched
+  matmul; this moves about three weight reads per pair (copy in, copy out, matmul), so
+  it wins while ``3 * B * top_k < n_experts`` (decode at small batch);
+* dense: every expert runs on every token and a routing matrix with zeros for the
+  experts not chosen combines them; this reads each expert's weights once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphflow.integrations.dsv4.config import DSV4Config
+from graphflow.integrations.dsv4.weights import WeightSource
+
+__all__ = ["MoE", "Router", "SharedExpert", "count_experts", "uses_gather"]
+
+
+def count_experts(ids: torch.Tensor, counts: torch.Tensor) -> None:
+    """Add how many times each expert was chosen in ids [B, k] to counts [E] (int64), in place."""
+    flat = ids.flatten()
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def uses_gather(batch: int, top_k: int, n_experts: int) -> bool:
+    """Whether the gather path moves fewer weight bytes than the dense one (module docstring)."""
+    return 3 * batch * top_k < n_experts
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Router(nn.Module):
+    """DeepSeek-style routing: sqrt(softplus) affinities, a selection bias, normalized top-k weights.
+
+    The bias (aux-loss-free load balancing) shifts which experts are selected but not
+    their weights.
+    """
+
+    def __init__(self, config: DSV4Config, source: WeightSource):
+        super().__init__()
+        self.top_k = config.top_k
+        self.proj = source.normal(config.hidden_size, config.n_experts)
+        self.bias = nn.Parameter(
+            source.normal(config.n_experts, std=0.1).float(), requires_grad=False
+        )
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, d] → expert ids [B, k] (int64) and weights [B, k] (h's dtype)."""
+        scores = torch.sqrt(F.softplus(torch.matmul(h, self.proj).float()))  # [B, E]
+        ids = torch.topk(scores + self.bias, self.top_k, dim=-1).indices
+        weights = torch.gather(scores, 1, ids)
+        return ids, (weights / weights.sum(dim=-1, keepdim=True)).to(h.dtype)
+
+
+class MoE(nn.Module):
+    """Routed experts with grouped weights w13 [E, d, 2f] and w2 [E, f, d]."""
+
+    def __init__(self, config: DSV4Config, source: WeightSource):
+        super().__init__()
+        d, f, e = config.hidden_size, config.moe_inter, config.n_experts
+        self.n_experts = e
+        self.router = Router(config, source)
+        self.w13 = source.normal(e, d, 2 * f, fan_in=d)
+        self.w2 = source.normal(e, f, d, fan_in=f)
+
+    def forward(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """h [B, d] → [B, d]; adds this step's expert counts to counts [E]."""
+        ids, weights = self.router(h)
+        count_experts(ids, counts)
+        if uses_gather(h.shape[0], ids.shape[1], self.n_experts):
+            return self.gathered(h, ids, weights)
+        return self.dense(h, ids, weights)
+
+    def gathered(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        batch, k = ids.shape
+        flat = ids.flatten()
+        x = h.unsqueeze(1).expand(batch, k, h.shape[1]).reshape(batch * k, 1, h.shape[1])  # [B*k, 1, d]
+        act = _swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
+        out = torch.bmm(act, self.w2.index_select(0, flat)).view(batch, k, -1)  # [B, k, d]
+        return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
+
+    def dense(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        act = _swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E, B, f]
+        out = torch.bmm(act, self.w2)  # [E, B, d]
+        routing = torch.zeros(h.shape[0], self.n_experts, device=h.device, dtype=h.dtype).scatter_(1, ids, weights)
+        return torch.bmm(out.permute(1, 2, 0), routing.unsqueeze(-1)).squeeze(-1)  # [B, d]
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert every token goes through."""
+
+    def __init__(self, config: DSV4Config, source: WeightSource):
+        super().__init__()
+        d, f = config.hidden_size, config.shared_inter
+        self.w13 = source.normal(d, 2 * f)
+        self.w2 = source.normal(f, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(_swiglu(torch.matmul(h, self.w13)), self.w2)

@@ -1,0 +1,243 @@
+"""The dsv4 integration: its model pieces, its plans, and replay = eager over a decode.
+
+The decode tests run graphflow's pipeline and runtime on the CPU backend (the GPU
+version, every descriptor, is tests/cuda/test_cuda_dsv4.py).
+"""
+
+import pathlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphflow.engine import run_pipeline
+from graphflow.errors import PlanError
+from graphflow.integrations.dsv4 import DSV4Config, build_model
+from graphflow.integrations.dsv4.attention import PagedLayout, eager_attention, static_attention
+from graphflow.integrations.dsv4.decode import decode_both
+from graphflow.integrations.dsv4.mhc import sinkhorn
+from graphflow.integrations.dsv4.model import check_plan
+from graphflow.integrations.dsv4.moe import MoE, count_experts, uses_gather
+from graphflow.integrations.dsv4.plans import plan_variant
+from graphflow.integrations.dsv4.weights import WeightSource
+from graphflow.loader import load_plan
+from graphflow.plan import Mode
+from graphflow.validate import validate
+
+PLANS = pathlib.Path(__file__).resolve().parents[1] / "plans"
+MINI = DSV4Config()
+
+
+def _state(config: DSV4Config, batch: int, seed: int = 0):
+    """A random pool and compressed cache, as if many steps had already run."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(config.num_blocks, config.block_size, config.kv_dim, generator=g)
+    comp = torch.randn(batch, config.max_compressed, config.kv_dim, generator=g)
+    return pool, comp
+
+
+class TestSinkhorn:
+    def test_rows_and_columns_sum_to_one(self):
+        logits = torch.randn(64, 4, 4, generator=torch.Generator().manual_seed(0))
+        m = sinkhorn(logits, 50)
+        assert torch.allclose(m.sum(-1), torch.ones(64, 4), atol=1e-6)
+        assert torch.allclose(m.sum(-2), torch.ones(64, 4), atol=1e-6)
+        assert bool((m > 0).all())
+
+    def test_row_error_shrinks_with_iterations_and_columns_are_exact_after_each(self):
+        logits = torch.randn(64, 4, 4, generator=torch.Generator().manual_seed(0))
+        errors = []
+        for iters in (4, 20):
+            m = sinkhorn(logits, iters)
+            errors.append(float((m.sum(-1) - 1).abs().max()))
+            assert torch.allclose(m.sum(-2), torch.ones(64, 4), atol=1e-6)
+        assert errors[1] < 1e-3 < errors[0]
+
+    def test_a_doubly_stochastic_input_is_left_unchanged(self):
+        uniform = torch.zeros(2, 4, 4)
+        assert torch.allclose(sinkhorn(uniform, 3), torch.full((2, 4, 4), 0.25))
+
+
+class TestCompressor:
+    def test_a_compressed_entry_is_appended_exactly_every_m_tokens(self):
+        config, m = MINI, MINI.compress_every
+        model = build_model()
+        layer = model.layers[0]
+        pool = torch.zeros(config.num_blocks, config.block_size, config.kv_dim)
+        comp = torch.zeros(1, config.max_compressed, config.kv_dim)
+        q = torch.randn(1, config.n_heads, config.kv_dim)
+        latents = torch.randn(3 * m + 2, config.kv_dim, generator=torch.Generator().manual_seed(1))
+        for p in range(3 * m + 2):
+            before = comp.clone()
+            eager_attention(model.layout, layer.compressor, q, latents[p:p + 1], torch.tensor([p]), [p], pool, comp)
+            changed = [c for c in range(config.max_compressed) if not torch.equal(before[0, c], comp[0, c])]
+            if (p + 1) % m == 0:
+                c = (p + 1) // m - 1
+                assert changed == [c], f"position {p}"
+                expected = layer.compressor(latents[p + 1 - m:p + 1].unsqueeze(0))
+                assert torch.allclose(comp[0, c], expected[0], atol=1e-6)
+            else:
+                assert changed == [], f"position {p}"
+        assert int((comp[0].abs().sum(-1) > 0).sum()) == (3 * m + 2) // m
+
+    def test_the_static_form_appends_at_the_same_positions(self):
+        config, m = MINI, MINI.compress_every
+        model = build_model()
+        layer = model.layers[0]
+        pool = torch.zeros(config.num_blocks, config.block_size, config.kv_dim)
+        comp = torch.zeros(1, config.max_compressed, config.kv_dim)
+        q = torch.randn(1, config.n_heads, config.kv_dim)
+        for p in range(2 * m):
+            before = comp.clone()
+            kv = torch.randn(1, config.kv_dim)
+            static_attention(model.layout, layer.compressor, q, kv, torch.tensor([p]), pool, comp)
+            appended = not torch.equal(before, comp)
+            assert appended == ((p + 1) % m == 0), f"position {p}"
+
+
+class TestAttentionForms:
+    @pytest.mark.parametrize("positions", [[0], [3], [37], [0, 3, 4, 127, 64, 21, 22, 23]])
+    def test_eager_and_static_attention_agree_on_the_same_state(self, positions):
+        config = MINI
+        model = build_model()
+        layer = model.layers[1]
+        batch = len(positions)
+        g = torch.Generator().manual_seed(2)
+        q = torch.randn(batch, config.n_heads, config.kv_dim, generator=g)
+        kv = torch.randn(batch, config.kv_dim, generator=g)
+        pool_e, comp_e = _state(config, batch)
+        pool_s, comp_s = pool_e.clone(), comp_e.clone()
+        pos = torch.tensor(positions)
+        out_e = eager_attention(model.layout, layer.compressor, q, kv, pos, positions, pool_e, comp_e)
+        out_s = static_attention(model.layout, layer.compressor, q, kv, pos, pool_s, comp_s)
+        assert torch.allclose(out_e, out_s, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pool_e, pool_s)
+        assert torch.allclose(comp_e, comp_s, atol=1e-6)
+
+    def test_sequences_live_on_pages_the_block_table_scatters(self):
+        layout = PagedLayout(MINI, torch.device("cpu"))
+        table = layout.block_table
+        assert sorted(table.flatten().tolist()) == list(range(MINI.num_blocks))
+        assert table[0].tolist() != list(range(MINI.blocks_per_seq))
+        slots = layout.slots(torch.tensor([[0, MINI.block_size, MINI.block_size + 1]]))
+        assert slots[0].tolist() == [int(table[0, 0]) * MINI.block_size, int(table[0, 1]) * MINI.block_size,
+                                     int(table[0, 1]) * MINI.block_size + 1]
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class TestExperts:
+    def test_scatter_add_counts_equal_a_bincount_reference(self):
+        ids = torch.randint(0, 8, (32, 2), generator=torch.Generator().manual_seed(3))
+        counts = torch.zeros(8, dtype=torch.int64)
+        count_experts(ids, counts)
+        count_experts(ids[:5], counts)
+        assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=8) + torch.bincount(ids[:5].flatten(), minlength=8))
+
+    @pytest.mark.parametrize("batch", [1, 2, 16])
+    def test_the_moe_uses_no_data_dependent_shape_op_and_matches_a_per_token_loop(self, batch):
+        moe = MoE(MINI, WeightSource(0, torch.device("cpu"), torch.float32))
+        h = torch.randn(batch, MINI.hidden_size, generator=torch.Generator().manual_seed(4))
+        counts = torch.zeros(MINI.n_experts, dtype=torch.int64)
+        with _OpLog() as log:
+            out = moe(h, counts)
+        assert not log.ops & {"bincount", "nonzero", "unique", "masked_select", "_unique2", "item",
+                              "_local_scalar_dense"}
+        assert "scatter_add_" in log.ops
+        ids, weights = moe.router(h)
+        expected = torch.stack([
+            sum(weights[b, j] * (torch.nn.functional.silu(h[b] @ moe.w13[e, :, :MINI.moe_inter])
+                                 * (h[b] @ moe.w13[e, :, MINI.moe_inter:])) @ moe.w2[e]
+                for j, e in enumerate(ids[b].tolist()))
+            for b in range(batch)])
+        assert torch.allclose(out, expected, atol=1e-5)
+        assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=MINI.n_experts))
+
+    def test_gather_is_chosen_only_while_it_moves_fewer_weight_bytes(self):
+        assert [uses_gather(b, 2, 16) for b in (1, 2, 3, 8)] == [True, True, False, False]
+
+
+class TestPlans:
+    @pytest.mark.parametrize("name,layers,descriptors,mode", [
+        ("dsv4_mini_piecewise.yaml", 4, 6, Mode.PIECEWISE),
+        ("dsv4_mini_full.yaml", 4, 6, Mode.FULL),
+        ("dsv4_61l_decode.yaml", 61, 67, Mode.PIECEWISE),
+        ("dsv4_61l_full.yaml", 61, 67, Mode.FULL),
+    ])
+    def test_bundled_plans_validate_clean(self, name, layers, descriptors, mode):
+        plan = load_plan(PLANS / name)
+        assert validate(plan).diagnostics == ()
+        assert plan.model_args["n_layers"] == layers
+        assert len(plan.descriptors()) == descriptors
+        assert plan.capture.modes == (mode,)
+        assert sum(s.name.endswith(".attn") for s in plan.segments) == layers
+
+    def test_the_61_layer_plan_has_the_foundation_descriptor_sizes(self):
+        plan = load_plan(PLANS / "dsv4_61l_decode.yaml")
+        assert plan.capture.sizes == (1, 2, 4, *range(8, 513, 8))
+
+    def test_piecewise_breaks_at_attention_and_full_is_one_graph(self):
+        piecewise = load_plan(PLANS / "dsv4_mini_piecewise.yaml")
+        full = load_plan(PLANS / "dsv4_mini_full.yaml")
+        assert len(piecewise.regions(Mode.PIECEWISE)) == 5  # [embed, L0.pre], [L0.post, L1.pre] ... [L3.post, head]
+        assert [r.segments for r in full.regions(Mode.FULL)][0][0] == "embed"
+        assert len(full.regions(Mode.FULL)) == 1
+        assert not any(s.kind.value == "eager" for s in full.segments)
+
+    @pytest.mark.parametrize("name", ["dsv4_61l_decode.yaml", "dsv4_61l_full.yaml"])
+    def test_the_61_layer_plans_agree_with_their_model_args(self, name):
+        plan = load_plan(PLANS / name)
+        check_plan(DSV4Config(**plan.model_args), plan)
+        assert plan.buffer("kv_cache60").shape == (512 * 16, 16, 512)
+
+    def test_a_variant_resizes_every_model_buffer(self):
+        plan = plan_variant(PLANS / "dsv4_61l_full.yaml", sizes=(1, 8), n_layers=2, max_batch=8)
+        assert validate(plan).diagnostics == ()
+        assert plan.buffer("kv_cache1").shape == (8 * 16, 16, 512)
+        assert plan.buffer("expert_load").shape == (2, 16)
+        assert plan.segment("L2.attn") is None
+
+    def test_a_plan_whose_shapes_disagree_with_model_args_is_refused_naming_the_buffer(self):
+        plan = load_plan(PLANS / "dsv4_mini_full.yaml")
+        args = {**plan.model_args, "kv_dim": 16}
+        with pytest.raises(PlanError) as info:
+            build_model(**args, plan=plan)
+        assert info.value.element == "buffer q0"
+        assert info.value.message == ("buffer 'q0' has shape [B, 4, 32] but the dsv4 model built from "
+                                      "model_args needs [B, 4, 16] — fix the shape or model_args")
+        assert info.value.line == 36
+
+
+@pytest.fixture(scope="module", params=["dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml"])
+def engine(request):
+    engine = run_pipeline(load_plan(PLANS / request.param), backend="cpu", sizes=(1, 8))
+    yield engine
+    engine.close()
+
+
+class TestDecodeReplay:
+    def test_every_descriptor_verified_bit_exact(self, engine):
+        assert [(v.descriptor.size, v.bit_exact) for v in engine.report.verify] == [(8, True), (1, True)]
+
+    @pytest.mark.parametrize("size", [1, 8])
+    def test_64_step_greedy_decode_replays_bit_for_bit(self, engine, size):
+        replayed, eager = decode_both(engine, size, 64)
+        assert torch.equal(replayed.tokens, eager.tokens)
+        for step in range(64):
+            assert torch.equal(replayed.logits[step], eager.logits[step]), f"logits differ at step {step}"
+
+    def test_both_plans_decode_the_same_tokens(self):
+        traces = []
+        for name in ("dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml"):
+            with run_pipeline(load_plan(PLANS / name), backend="cpu", sizes=(4,), verify=False) as engine:
+                traces.append(decode_both(engine, 4, 24)[0])
+        assert torch.equal(traces[0].tokens, traces[1].tokens)
+        assert torch.allclose(traces[0].logits, traces[1].logits, atol=1e-4)

@@ -1,0 +1,607 @@
+"""The YAML loader: the BRIEF's example, every field, templating, errors, dump, schema."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jsonschema
+import pytest
+import yaml
+
+from graphflow.errors import PlanError
+from graphflow.loader import dump_plan, load_plan, loads_plan, plan_to_dict
+from graphflow.plan import (
+    DTYPE_BYTES,
+    Buffer,
+    BufferRole,
+    CaptureSettings,
+    Channel,
+    ChannelKind,
+    Family,
+    Mode,
+    Origin,
+    Plan,
+    Prewarm,
+    Segment,
+    SegmentKind,
+    Stream,
+    WarmupPolicy,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MALFORMED = sorted((ROOT / "tests" / "malformed").glob("*.yaml"))
+PLANS = sorted((ROOT / "plans").glob("*.yaml"))
+SCHEMA = json.loads((ROOT / "graphflow" / "schema" / "plan.schema.json").read_text())
+
+BRIEF_EXAMPLE = """\
+graphflow: 1
+name: dsv4-mini-decode
+model: graphflow.integrations.dsv4:build_model      # factory: returns the model object
+symbols: {B: [1, 2, 4, 8, 16, 32]}                   # descriptor sizes
+for_each: {layer: "range(4)"}                        # expands every name that uses {layer}
+streams:
+  s0: {device: cuda:0}
+buffers:
+  x:             {shape: [B, 1024], dtype: bfloat16, device: cuda:0, role: input}
+  "q{layer}":    {shape: [B, 8, 1, 128], dtype: bfloat16, device: cuda:0}
+  "kv{layer}":   {shape: [B, 2, 8, 1, 128], dtype: bfloat16, device: cuda:0}
+  "o{layer}":    {shape: [B, 8, 1, 128], dtype: bfloat16, device: cuda:0}
+  logits:        {shape: [B, 32000], dtype: float32, device: cuda:0, role: output}
+channels:
+  tp_ar: {kind: all_reduce, group: tp, id: 1, family: target, warmup: real}
+segments:
+  - {name: "L{layer}.pre",  kind: graph, call: "layers.{layer}.pre_attention",
+     reads: [x], writes: ["q{layer}", "kv{layer}"], stream: s0}
+  - {name: "L{layer}.attn", kind: eager, call: "layers.{layer}.attention",
+     reads: ["q{layer}", "kv{layer}"], writes: ["o{layer}"]}
+  - {name: "L{layer}.post", kind: graph, call: "layers.{layer}.post_attention",
+     reads: ["o{layer}", x], writes: [x], stream: s0, channels: [tp_ar],
+     data_dependent: true}   # MoE top-k routing: values decide the path
+  - {name: head, kind: graph, call: "head", reads: [x], writes: [logits], stream: s0}
+capture:
+  modes: [PIECEWISE]
+  sizes: B
+  warmup_iters: 2
+  verify: {atol: 0, rtol: 0}
+"""
+
+
+def brief_plan() -> Plan:
+    """The BRIEF's example written out by hand, element by element."""
+    buffers = [Buffer("x", ("B", 1024), "bfloat16", "cuda:0", BufferRole.INPUT)]
+    for prefix, shape in (("q", ("B", 8, 1, 128)), ("kv", ("B", 2, 8, 1, 128)), ("o", ("B", 8, 1, 128))):
+        buffers += [Buffer(f"{prefix}{i}", shape, "bfloat16", "cuda:0") for i in range(4)]
+    buffers.append(Buffer("logits", ("B", 32000), "float32", "cuda:0", BufferRole.OUTPUT))
+    segments = []
+    for i in range(4):
+        segments += [
+            Segment(f"L{i}.pre", SegmentKind.GRAPH, f"layers.{i}.pre_attention", reads=["x"],
+                    writes=[f"q{i}", f"kv{i}"], stream="s0"),
+            Segment(f"L{i}.attn", SegmentKind.EAGER, f"layers.{i}.attention", reads=[f"q{i}", f"kv{i}"],
+                    writes=[f"o{i}"]),
+            Segment(f"L{i}.post", SegmentKind.GRAPH, f"layers.{i}.post_attention", reads=[f"o{i}", "x"],
+                    writes=["x"], stream="s0", channels=["tp_ar"], data_dependent=True),
+        ]
+    segments.append(Segment("head", SegmentKind.GRAPH, "head", reads=["x"], writes=["logits"], stream="s0"))
+    return Plan(
+        name="dsv4-mini-decode",
+        model="graphflow.integrations.dsv4:build_model",
+        buffers=buffers,
+        streams=[Stream("s0", "cuda:0")],
+        channels=[Channel("tp_ar", ChannelKind.ALL_REDUCE, "tp", 1, "target", WarmupPolicy.REAL)],
+        segments=segments,
+        families=[Family("target")],
+        capture=CaptureSettings(modes=[Mode.PIECEWISE], sizes=[1, 2, 4, 8, 16, 32], size_symbol="B",
+                                warmup_iters=2, atol=0.0, rtol=0.0),
+    )
+
+
+def plan_text(body: str) -> str:
+    return "graphflow: 1\nname: t\n" + textwrap.dedent(body)
+
+
+def load_error(text: str, file: str = "plans/t.yaml") -> PlanError:
+    with pytest.raises(PlanError) as info:
+        loads_plan(text, file)
+    return info.value
+
+
+class TestBriefExample:
+    def test_loads_into_the_plan_written_by_hand(self):
+        assert loads_plan(BRIEF_EXAMPLE) == brief_plan()
+
+    def test_segments_expand_as_one_block_per_layer(self):
+        names = [s.name for s in loads_plan(BRIEF_EXAMPLE).segments]
+        assert names[:7] == ["L0.pre", "L0.attn", "L0.post", "L1.pre", "L1.attn", "L1.post", "L2.pre"]
+        assert names[-1] == "head" and len(names) == 13
+
+    def test_piecewise_regions_split_at_each_eager_attention(self):
+        regions = loads_plan(BRIEF_EXAMPLE).regions(Mode.PIECEWISE)
+        assert [r.segments for r in regions] == [
+            ("L0.pre",), ("L0.post", "L1.pre"), ("L1.post", "L2.pre"), ("L2.post", "L3.pre"), ("L3.post", "head"),
+        ]
+
+    def test_origins_name_the_declaring_line_of_every_expanded_element(self):
+        plan = loads_plan(BRIEF_EXAMPLE, "plans/mini.yaml")
+        assert plan.origin("segment", "L2.attn") == Origin("plans/mini.yaml", 19)
+        assert plan.origin("segment", "L0.post") == Origin("plans/mini.yaml", 21)
+        assert plan.origin("segment", "head") == Origin("plans/mini.yaml", 24)
+        assert plan.origin("buffer", "kv3") == Origin("plans/mini.yaml", 11)
+        assert plan.origin("stream", "s0").line == 7
+        assert plan.origin("channel", "tp_ar").line == 15
+        assert plan.origin("family", "target").line == 15
+        assert plan.origin("plan", "dsv4-mini-decode").line == 2
+        assert plan.origin("capture", "sizes").line == 27
+        expected = {f"segment:{s.name}" for s in plan.segments} | {f"buffer:{b.name}" for b in plan.buffers}
+        assert expected <= set(plan.origins)
+
+    def test_round_trips_through_dump(self):
+        plan = loads_plan(BRIEF_EXAMPLE)
+        assert loads_plan(dump_plan(plan)) == plan
+
+    def test_validates_against_the_json_schema(self):
+        jsonschema.validate(yaml.safe_load(BRIEF_EXAMPLE), SCHEMA)
+
+
+class TestFields:
+    def test_every_buffer_field(self):
+        plan = loads_plan(plan_text("""
+            symbols: {B: [1, 2], H: 8}
+            buffers:
+              tok: {shape: [B], dtype: int64, device: "cuda:1", role: input, values: [0, 32000]}
+              kv: {shape: [B, 2*H, 64], dtype: float8_e4m3fn, device: cuda:1, role: state, capacity: {B: 64}}
+              kv_view: {shape: [B], dtype: uint8, device: cuda:1, alias_of: kv}
+        """))
+        assert plan.buffers == (
+            Buffer("tok", ("B",), "int64", "cuda:1", BufferRole.INPUT, values=(0, 32000)),
+            Buffer("kv", ("B", "2*H", 64), "float8_e4m3fn", "cuda:1", BufferRole.STATE, capacity={"B": 64}),
+            Buffer("kv_view", ("B",), "uint8", "cuda:1", BufferRole.INTERNAL, alias_of="kv"),
+        )
+        assert plan.symbols == {"H": 8}
+        assert plan.capture.sizes == (1, 2) and plan.capture.size_symbol == "B"
+
+    def test_every_channel_and_prewarm_field(self):
+        plan = loads_plan(plan_text("""
+            prewarm:
+              tiles: {call: layers.0.moe.prewarm}
+              once: {call: warm, per_size: false}
+            channels:
+              ep: {kind: all_to_all, group: ep, id: 7, family: draft, warmup: prepare, prewarm: tiles, jit: true}
+              pp: {kind: p2p, group: pp, id: -1, family: target, warmup: placeholder}
+        """))
+        assert plan.prewarm == (Prewarm("tiles", "layers.0.moe.prewarm", True), Prewarm("once", "warm", False))
+        assert plan.channels == (
+            Channel("ep", ChannelKind.ALL_TO_ALL, "ep", 7, "draft", WarmupPolicy.PREPARE, "tiles", True),
+            Channel("pp", ChannelKind.P2P, "pp", -1, "target", WarmupPolicy.PLACEHOLDER, None, False),
+        )
+
+    def test_every_segment_field(self):
+        plan = loads_plan(plan_text("""
+            segments:
+              - {name: a, kind: graph, call: m.a}
+              - name: b
+                kind: eager
+                call: m.b
+                reads: [x]
+                writes: [y, z]
+                stream: s1
+                channels: [c]
+                family: draft
+                data_dependent: true
+                device: cuda:1
+                ranks: [0, 2]
+                after: [a]
+        """))
+        assert plan.segments == (
+            Segment("a", SegmentKind.GRAPH, "m.a"),
+            Segment("b", SegmentKind.EAGER, "m.b", ("x",), ("y", "z"), "s1", ("c",), "draft", True, "cuda:1",
+                    (0, 2), ("a",)),
+        )
+
+    def test_top_level_fields_and_every_capture_field(self):
+        plan = loads_plan(plan_text("""
+            model: pkg.models:build
+            model_args: {layers: 4, dims: [1, 2], opts: {fast: true}}
+            world_size: 4
+            families: [draft, target]
+            capture:
+              modes: [FULL, PIECEWISE]
+              sizes: [8, 1, 4]
+              size_symbol: N
+              warmup_iters: 0
+              verify: {atol: 0.001, rtol: 1}
+              barrier_timeout_s: 5
+        """))
+        assert plan.model == "pkg.models:build"
+        assert plan.model_args == {"layers": 4, "dims": [1, 2], "opts": {"fast": True}}
+        assert plan.world_size == 4
+        assert plan.families == (Family("draft"), Family("target"))
+        assert plan.capture == CaptureSettings((Mode.FULL, Mode.PIECEWISE), (8, 1, 4), "N", 0, 0.001, 1.0, 5.0)
+
+    def test_defaults_when_keys_are_absent(self):
+        plan = loads_plan("graphflow: 1\nname: bare\n")
+        assert plan == Plan("bare")
+        assert plan.families == (Family("target"),)
+
+    def test_explicit_sizes_keep_their_order_and_duplicates_for_the_validator(self):
+        plan = loads_plan(plan_text("symbols: {B: [1, 2]}\ncapture: {sizes: [4, 2, 2]}\n"))
+        assert plan.capture.sizes == (4, 2, 2) and plan.capture.size_symbol == "B"
+
+    def test_families_default_to_those_named_in_file_order(self):
+        plan = loads_plan(plan_text("""
+            channels:
+              d: {kind: all_reduce, group: tp, id: 2, family: draft}
+            segments:
+              - {name: a, kind: graph, call: a, family: ctx}
+              - {name: b, kind: graph, call: b}
+              - {name: c, kind: graph, call: c, family: draft}
+        """))
+        assert plan.families == (Family("draft"), Family("ctx"), Family("target"))
+        assert plan.origin("family", "ctx").line == 7
+
+    def test_loading_never_imports_the_model_factory(self):
+        plan = loads_plan(plan_text("model: graphflow_no_such_package.deep:build\n"))
+        assert plan.model == "graphflow_no_such_package.deep:build"
+        assert "graphflow_no_such_package" not in sys.modules
+
+    def test_loader_imports_no_torch(self):
+        code = f"import sys, graphflow.loader as l; l.loads_plan({BRIEF_EXAMPLE!r}); sys.exit('torch' in sys.modules)"
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+
+
+class TestTemplates:
+    @pytest.mark.parametrize("spec, values", [
+        ('"range(3)"', [0, 1, 2]),
+        ('"range(2, 5)"', [2, 3, 4]),
+        ('"range(10, 0, -4)"', [10, 6, 2]),
+        ("[3, 7]", [3, 7]),
+        ("[up, down]", ["up", "down"]),
+    ])
+    def test_for_each_forms(self, spec, values):
+        plan = loads_plan(plan_text(f"""
+            for_each: {{v: {spec}}}
+            streams: {{"s{{v}}": {{device: "cuda:{{v}}"}}}}
+        """))
+        assert plan.streams == tuple(Stream(f"s{v}", f"cuda:{v}") for v in values)
+
+    def test_arithmetic_offsets(self):
+        plan = loads_plan(plan_text("""
+            for_each: {layer: "range(1, 3)"}
+            segments:
+              - {name: "L{layer}", kind: graph, call: "layers.{layer}", reads: ["h{layer-1}"], writes: ["h{layer}"],
+                 after: ["L{layer - 1}"], device: "cuda:{layer+10}"}
+        """))
+        assert plan.segments == (
+            Segment("L1", SegmentKind.GRAPH, "layers.1", ("h0",), ("h1",), after=("L0",), device="cuda:11"),
+            Segment("L2", SegmentKind.GRAPH, "layers.2", ("h1",), ("h2",), after=("L1",), device="cuda:12"),
+        )
+
+    def test_two_variables_expand_as_a_cartesian_product_in_declaration_order(self):
+        plan = loads_plan(plan_text("""
+            for_each: {layer: "range(2)", part: [a, b]}
+            buffers:
+              "x{part}{layer}": {shape: [1], dtype: int8, device: cpu}
+            segments:
+              - {name: "L{layer}{part}", kind: graph, call: "m.{part}"}
+              - {name: "L{layer}{part}.tail", kind: eager, call: "m.t"}
+        """))
+        assert [b.name for b in plan.buffers] == ["xa0", "xb0", "xa1", "xb1"]
+        assert [s.name for s in plan.segments] == ["L0a", "L0a.tail", "L0b", "L0b.tail", "L1a", "L1a.tail",
+                                                   "L1b", "L1b.tail"]
+
+    def test_blocks_split_where_the_variables_change(self):
+        plan = loads_plan(plan_text("""
+            for_each: {i: "range(2)", j: "range(2)"}
+            segments:
+              - {name: "a{i}", kind: graph, call: a}
+              - {name: "b{i}", kind: graph, call: b}
+              - {name: mid, kind: eager, call: m}
+              - {name: "c{j}", kind: graph, call: c}
+              - {name: "d{i}", kind: graph, call: d}
+        """))
+        assert [s.name for s in plan.segments] == ["a0", "b0", "a1", "b1", "mid", "c0", "c1", "d0", "d1"]
+
+    def test_every_kind_of_named_element_expands(self):
+        plan = loads_plan(plan_text("""
+            for_each: {r: "range(2)"}
+            streams: {"s{r}": {device: "cuda:{r}"}}
+            channels: {"ar{r}": {kind: all_reduce, group: "tp{r}", id: 1, family: target, prewarm: "p{r}"}}
+            prewarm: {"p{r}": {call: "warm.{r}"}}
+        """))
+        assert [c.group for c in plan.channels] == ["tp0", "tp1"]
+        assert [c.prewarm for c in plan.channels] == ["p0", "p1"]
+        assert [p.call for p in plan.prewarm] == ["warm.0", "warm.1"]
+        assert plan.origin("channel", "ar1").line == 6
+
+    def test_doubled_braces_are_literal(self):
+        plan = loads_plan(plan_text("""
+            for_each: {i: [1]}
+            segments: [{name: "{{raw}}{i}", kind: graph, call: "f{{}}"}]
+        """))
+        assert (plan.segments[0].name, plan.segments[0].call) == ("{raw}1", "f{}")
+
+    def test_61_layer_template_is_compact(self):
+        sizes = [1, 2, 4, *range(8, 513, 8)]
+        text = plan_text(f"""
+            symbols: {{B: {sizes}}}
+            for_each: {{layer: "range(61)"}}
+            streams: {{s0: {{device: cuda:0}}}}
+            buffers:
+              x: {{shape: [B, 7168], dtype: bfloat16, device: cuda:0, role: input}}
+              "q{{layer}}": {{shape: [B, 128, 192], dtype: bfloat16, device: cuda:0}}
+              "kv{{layer}}": {{shape: [B, 512], dtype: bfloat16, device: cuda:0}}
+              "o{{layer}}": {{shape: [B, 128, 128], dtype: bfloat16, device: cuda:0}}
+              logits: {{shape: [B, 129280], dtype: float32, device: cuda:0, role: output}}
+            channels: {{tp_ar: {{kind: all_reduce, group: tp, id: 1, family: target}}}}
+            segments:
+              - {{name: "L{{layer}}.pre", kind: graph, call: "layers.{{layer}}.pre_attention", reads: [x],
+                 writes: ["q{{layer}}", "kv{{layer}}"], stream: s0}}
+              - {{name: "L{{layer}}.attn", kind: eager, call: "layers.{{layer}}.attention",
+                 reads: ["q{{layer}}", "kv{{layer}}"], writes: ["o{{layer}}"]}}
+              - {{name: "L{{layer}}.post", kind: graph, call: "layers.{{layer}}.post_attention",
+                 reads: ["o{{layer}}", x], writes: [x], stream: s0, channels: [tp_ar], data_dependent: true}}
+              - {{name: head, kind: graph, call: head, reads: [x], writes: [logits], stream: s0}}
+            capture: {{modes: [PIECEWISE, FULL], sizes: B, warmup_iters: 1}}
+        """)
+        plan = loads_plan(text)
+        assert len(text.splitlines()) <= 40
+        assert len(plan.segments) == 61 * 3 + 1
+        assert len(plan.buffers) == 61 * 3 + 2
+        assert len(plan.capture.sizes) == 67 and len(plan.descriptors()) == 134
+        assert [s.name for s in plan.segments[-4:]] == ["L60.pre", "L60.attn", "L60.post", "head"]
+        assert len(plan.regions(Mode.PIECEWISE)) == 62
+
+
+class TestErrors:
+    """Each error names file, line and element; asserted exactly."""
+
+    @pytest.mark.parametrize("body, line, element, message", [
+        ("segments:\n  - {name: a, kind: graph, call: a,\n     reeds: [x]}\n", 5, "segments[0] 'a'",
+         "unknown key 'reeds' (did you mean 'reads'?); known keys: name, kind, call, reads, writes, stream, "
+         "channels, family, data_dependent, device, ranks, after"),
+        ("segments:\n  - {name: a, kind: graph, call: a, writes: 5}\n", 4, "segments[0] 'a'.writes",
+         "expected a list of buffer names, got int 5"),
+        ("segments:\n  - {name: a, kind: graph, call: a, reads: [x, 3]}\n", 4, "segments[0] 'a'.reads",
+         "expected a list of buffer names, got int 3 at [1]"),
+        ("segments:\n  - {name: a, kind: graph, call: 7}\n", 4, "segments[0] 'a'.call", "expected a string, got int 7"),
+        ("segments:\n  - {name: a, kind: graph, call: a, data_dependent: 1}\n", 4,
+         "segments[0] 'a'.data_dependent", "expected true or false, got int 1"),
+        ("segments:\n  - {name: a, kind: graph}\n", 4, "segments[0] 'a'", "missing required key 'call'"),
+        ("segments:\n  - {name: a, kind: Graph, call: a}\n", 4, "segments[0] 'a'.kind",
+         "expected one of graph, eager, got str 'Graph' (did you mean 'graph'?)"),
+        ("world_size: true\n", 3, "world_size", "expected an integer, got bool true"),
+        ("capture: {verify: {atol: -1}}\n", 3, "capture.verify.atol", "expected a number >= 0, got -1"),
+        ("capture: {barrier_timeout_s: 0}\n", 3, "capture.barrier_timeout_s", "expected a number > 0, got 0"),
+        ("capture: {sizes: [1, 2.5]}\n", 3, "capture.sizes[1]", "expected an integer, got float 2.5"),
+        ("symbols: {B: [1], H: 2}\ncapture: {sizes: H}\n", 4, "capture.sizes",
+         "symbol 'H' is a constant; give it a list of sizes under symbols"),
+        ("symbols: {B: [1]}\ncapture: {size_symbol: N}\n", 4, "capture.size_symbol",
+         "size_symbol 'N' differs from 'B', the symbol listing the sizes"),
+        ("symbols: {2B: 3}\n", 3, "symbols", "symbol names are identifiers (letters, digits and _), got '2B'"),
+        ("buffers:\n  x: {shape: [B], dtype: f32, device: cpu}\n", 4, "buffers 'x'.dtype",
+         "expected one of " + ", ".join(DTYPE_BYTES) + ", got 'f32' (did you mean 'float32'?)"),
+        ("buffers:\n  x: {shape: [-1], dtype: int8, device: cpu}\n", 4, "buffers 'x'.shape[0]",
+         "expected an integer >= 0, got -1"),
+        ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, values: [0]}\n", 4, "buffers 'x'.values",
+         "expected two numbers [low, high), got 1 items"),
+        ("buffers:\n  x: [1]\n", 4, "buffers 'x'",
+         "expected a mapping with keys shape, dtype, device, role, capacity, alias_of, values, got a list"),
+        ("streams: [s0]\n", 3, "streams", "expected a mapping of stream names to their fields, got a list"),
+        ("families: [a, a]\n", 3, "families", "duplicate family name 'a' (first declared at line 3)"),
+        ("for_each: {i: [1, 1]}\n", 3, "for_each.i", "values repeat: the elements using it would be declared twice"),
+        ("for_each: {i: \"range(0, 4, 0)\"}\n", 3, "for_each.i", "range() step must not be zero"),
+        ("for_each: {i: [1.5]}\n", 3, "for_each.i", "template values are ints or strings, got float 1.5"),
+        ("for_each: {i: [1]}\nstreams: {\"s{i}\": {device: \"cuda:{j}\"}}\n", 4, "streams 's{i}'.device",
+         "unknown template variable 'j' in 'cuda:{j}' (declare it under for_each, or write {{ }} for literal braces)"),
+        ("for_each: {i: [1], j: [2]}\nstreams: {\"s{i}\": {device: \"cuda:{j}\"}}\n", 4, "streams 's{i}'.device",
+         "template variable 'j' used outside a templated element: 'cuda:{j}' is in 's{i}', whose name does not use {j}"),
+        ("segments:\n  - {name: \"a}\", kind: graph, call: a}\n", 4, "segments[0] 'a}'.name",
+         "unbalanced '}' in 'a}': write '}}' for a literal brace"),
+        ("for_each: {i: \"range(10**9)\"}\n", 3, "for_each.i",
+         "expected 'range(n)', 'range(a, b)', 'range(a, b, step)' or a list, got 'range(10**9)'"),
+        ("for_each: {i: \"range(1000000)\"}\n", 3, "for_each.i", "range(1000000) has more than 100000 values"),
+        ("for_each: {i: \"range(1000)\", j: \"range(1000)\"}\nsegments:\n  - {name: \"a{i}{j}\", kind: graph, call: a}\n",
+         5, "segments[0] 'a{i}{j}'", "i x j expand to more than 100000 copies"),
+        ("graphflow_unused: 0\n", 3, None, "unknown key 'graphflow_unused' (did you mean 'graphflow'?); known keys: "
+         "graphflow, name, model, model_args, world_size, symbols, for_each, families, streams, buffers, channels, "
+         "prewarm, segments, capture"),
+        ("symbols: [B]\n", 3, "symbols", "expected a mapping, got a list"),
+        ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, capacity: 4}\n", 4, "buffers 'x'.capacity",
+         "expected a mapping, got int 4"),
+        ("model_args: [1]\n", 3, "model_args", "expected a mapping of factory arguments, got a list"),
+        ("capture: {modes: [PIECEWISE], when: now}\n", 3, "capture",
+         "unknown key 'when'; known keys: modes, sizes, size_symbol, warmup_iters, verify, barrier_timeout_s"),
+    ])
+    def test_bad_field(self, body, line, element, message):
+        error = load_error(plan_text(body))
+        assert (error.file, error.line, error.element, error.message) == ("plans/t.yaml", line, element, message)
+
+    def test_str_is_file_line_element_message(self):
+        error = load_error(plan_text("segments:\n  - {name: \"L{i}.post\", kind: graph, call: a, writes: 5}\n"
+                                     ).replace("name: t\n", "name: t\nfor_each: {i: [3]}\n"))
+        assert str(error) == "plans/t.yaml:5: segments[0] 'L{i}.post'.writes: expected a list of buffer names, got int 5"
+
+    def test_float_version_is_not_version_1(self):
+        error = load_error("graphflow: 1.0\nname: t\n")
+        assert (error.line, error.element, error.message) == (
+            1, "graphflow", "unsupported format version 1.0: this graphflow reads version 1")
+
+    def test_yaml_syntax_error_names_the_line(self):
+        error = load_error("graphflow: 1\nname: t\nstreams: {s0: {device: cpu}\nbuffers: {}\n")
+        assert error.line == 4 and error.message.startswith("YAML syntax error: while parsing a flow mapping at line 3")
+
+    def test_duplicate_keys_are_rejected_at_every_level(self):
+        error = load_error(plan_text("streams:\n  s0: {device: cpu, device: cuda:0}\n"))
+        assert (error.line, error.message) == (4, "duplicate key 'device' (first at line 4)")
+
+    def test_duplicate_names_after_expansion(self):
+        error = load_error(plan_text("for_each: {i: [0, 1]}\nstreams:\n  s1: {device: cpu}\n  \"s{i}\": {device: cpu}\n"))
+        assert (error.line, error.element, error.message) == (
+            6, "streams 's{i}'", "duplicate stream name 's1' (first declared at line 5)")
+
+    def test_no_code_is_evaluated_from_for_each(self, tmp_path):
+        marker = tmp_path / "pwned"
+        error = load_error(plan_text(f"for_each: {{i: \"__import__('os').mkdir('{marker}')\"}}\n"))
+        assert error.element == "for_each.i" and not marker.exists()
+
+    def test_python_tags_are_never_constructed(self):
+        error = load_error(plan_text("model_args: {x: !!python/object/apply:os.getcwd []}\n"))
+        assert (error.line, error.message) == (
+            3, "unsupported YAML collection tagged tag:yaml.org,2002:python/object/apply:os.getcwd")
+
+    def test_exponential_aliases_are_refused(self):
+        lines = ["graphflow: 1", "name: t", "model_args:", "  a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        lines += [f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 8)]
+        error = load_error("\n".join(lines) + "\n")
+        assert error.message == "YAML aliases expand too far (recursive or exponential anchors)"
+
+    def test_missing_file_names_the_file(self, tmp_path):
+        path = tmp_path / "absent.yaml"
+        with pytest.raises(PlanError) as info:
+            load_plan(path)
+        assert (info.value.file, info.value.line) == (str(path), None)
+        assert info.value.message == "cannot read plan file: No such file or directory"
+
+    def test_non_utf8_names_the_line(self, tmp_path):
+        path = tmp_path / "latin1.yaml"
+        path.write_bytes("graphflow: 1\nname: caf\xe9\n".encode("latin-1"))
+        with pytest.raises(PlanError) as info:
+            load_plan(path)
+        assert (info.value.line, info.value.message) == (2, "not UTF-8: byte 0xe9 cannot be decoded")
+
+    def test_control_characters_name_the_line(self):
+        error = load_error("graphflow: 1\nname: a\x07\n")
+        assert error.line == 2 and error.message.startswith("unacceptable character U+0007: ")
+
+
+class TestDump:
+    def test_writes_the_expanded_plan_in_the_documented_layout(self):
+        text = dump_plan(loads_plan(BRIEF_EXAMPLE))
+        lines = text.splitlines()
+        assert "for_each" not in text and "{layer}" not in text
+        assert lines[:6] == ["graphflow: 1", "name: dsv4-mini-decode", "model: graphflow.integrations.dsv4:build_model",
+                             "symbols: {B: [1, 2, 4, 8, 16, 32]}", "families: [target]", "streams:"]
+        assert "- {name: L0.pre, kind: graph, call: layers.0.pre_attention, reads: [x], writes: [q0, kv0], " \
+               "stream: s0}" in lines
+        assert lines[-6:] == ["capture:", "  modes: [PIECEWISE]", "  sizes: B", "  warmup_iters: 2",
+                              "  verify: {atol: 0.0, rtol: 0.0}", "  barrier_timeout_s: 60.0"]
+        assert [k for k in plan_to_dict(loads_plan(BRIEF_EXAMPLE))] == [
+            "graphflow", "name", "model", "symbols", "families", "streams", "buffers", "channels", "segments",
+            "capture"]
+
+    @pytest.mark.parametrize("name", ["a{b}", "{{x}}", "{", "}", "null", "1", "", "true", "x: y", "- a", "#c",
+                                      "it's", "é\u2028ü", "a\nb", " sp ", "*a", "&b", "!t", "%", "@", '"q"',
+                                      "0x10", "~", "yes", "<<", "1e3", ".inf"])
+    def test_round_trips_names_that_need_quoting_or_escaping(self, name):
+        plan = Plan(
+            name=name,
+            buffers=[Buffer(name, ("B", "2*B", 3), "float32", name, BufferRole.STATE, {"B": 4}, name, (0, 1.5))],
+            streams=[Stream(name, name)],
+            channels=[Channel(name, ChannelKind.P2P, name, -3, name, WarmupPolicy.PREPARE, name, True)],
+            segments=[Segment(name, SegmentKind.EAGER, name, (name,), (name,), name, (name,), name, True, name, (),
+                              (name,))],
+            families=[Family(name)],
+            prewarm=[Prewarm(name, name, False)],
+            symbols={"H": 3},
+            capture=CaptureSettings((), (), "C", 0, 1e-5, 0.5, 1e300),
+            model_args={"k{": [1, {"n": None, "s": name}]},
+            world_size=3,
+        )
+        assert loads_plan(dump_plan(plan)) == plan
+
+    def test_size_symbol_that_is_also_a_constant_dumps_explicit_sizes(self):
+        plan = Plan("p", symbols={"N": 3}, capture=CaptureSettings(sizes=(4, 2), size_symbol="N"))
+        data = plan_to_dict(plan)
+        assert data["symbols"] == {"N": 3}
+        assert (data["capture"]["sizes"], data["capture"]["size_symbol"]) == ([4, 2], "N")
+        assert loads_plan(dump_plan(plan)) == plan
+
+    def test_empty_families_and_empty_tuples_round_trip(self):
+        plan = Plan("p", families=(), segments=[Segment("s", SegmentKind.GRAPH, "f", ranks=())],
+                    capture=CaptureSettings(modes=(), sizes=()))
+        assert loads_plan(dump_plan(plan)) == plan
+
+
+def _expectation(path: pathlib.Path) -> tuple[int, str, bool]:
+    header = path.read_bytes().split(b"\n", 2)
+    match = re.fullmatch(r"# expect: line (\d+): (.+)", header[0].decode())
+    assert match, f"{path.name}: first line must be '# expect: line N: message fragment'"
+    return int(match.group(1)), match.group(2), header[1] == b"# schema: invalid"
+
+
+class TestMalformedCorpus:
+    def test_corpus_has_at_least_twenty_files(self):
+        assert len(MALFORMED) >= 20
+
+    @pytest.mark.parametrize("path", MALFORMED, ids=lambda p: p.stem)
+    def test_raises_plan_error_at_the_expected_line(self, path):
+        line, fragment, _ = _expectation(path)
+        with pytest.raises(PlanError) as info:
+            load_plan(path)
+        assert (info.value.file, info.value.line) == (str(path), line)
+        assert fragment in str(info.value)
+
+    @pytest.mark.parametrize("path", MALFORMED, ids=lambda p: p.stem)
+    def test_cli_validate_prints_one_line_and_exits_2(self, path):
+        line, fragment, _ = _expectation(path)
+        result = subprocess.run([sys.executable, "-m", "graphflow", "validate", str(path)], cwd=ROOT,
+                                env={"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert f"{path}:{line}:" in result.stderr and fragment in result.stderr
+
+    @pytest.mark.parametrize("path", [p for p in MALFORMED if _expectation(p)[2]], ids=lambda p: p.stem)
+    def test_schema_rejects_what_it_can_express(self, path):
+        data = yaml.safe_load(path.read_text())
+        assert list(jsonschema.Draft202012Validator(SCHEMA).iter_errors(data))
+
+
+class TestSchema:
+    def test_is_a_valid_draft_2020_12_schema(self):
+        jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+    @pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
+    def test_bundled_plans_validate_and_load(self, path):
+        jsonschema.validate(yaml.safe_load(path.read_text()), SCHEMA)
+        assert load_plan(path).name
+
+    def test_keys_match_the_loader(self):
+        from graphflow import loader
+
+        defs = SCHEMA["$defs"]
+        assert tuple(SCHEMA["properties"]) == loader._TOP_KEYS
+        for key, names in (("buffer", loader._BUFFER_KEYS), ("stream", loader._STREAM_KEYS),
+                           ("channel", loader._CHANNEL_KEYS), ("prewarm", loader._PREWARM_KEYS),
+                           ("segment", loader._SEGMENT_KEYS), ("capture", loader._CAPTURE_KEYS)):
+            assert tuple(defs[key]["properties"]) == names, key
+
+    def test_enums_match_the_plan_model(self):
+        defs = SCHEMA["$defs"]
+        assert defs["buffer"]["properties"]["dtype"]["enum"] == list(DTYPE_BYTES)
+        assert defs["buffer"]["properties"]["role"]["enum"] == [r.value for r in BufferRole]
+        assert defs["channel"]["properties"]["kind"]["enum"] == [k.value for k in ChannelKind]
+        assert defs["channel"]["properties"]["warmup"]["enum"] == [w.value for w in WarmupPolicy]
+        assert defs["segment"]["properties"]["kind"]["enum"] == [k.value for k in SegmentKind]
+        assert defs["capture"]["properties"]["modes"]["items"]["enum"] == [m.value for m in Mode]
+
+    def test_dumped_plans_validate(self):
+        jsonschema.validate(yaml.safe_load(dump_plan(loads_plan(BRIEF_EXAMPLE))), SCHEMA)
+
+
+class TestDocs:
+    def test_the_documented_example_loads_and_validates_against_the_schema(self):
+        text = (ROOT / "docs" / "plan-format.md").read_text()
+        example = re.search(r"```yaml\n(.*?)```", text, re.S).group(1)
+        jsonschema.validate(yaml.safe_load(example), SCHEMA)
+        plan = loads_plan(example)
+        assert [s.name for s in plan.segments] == [
+            "L0.pre", "L0.attn", "L1.pre", "L1.attn", "L2.pre", "L2.attn", "L3.pre", "L3.attn", "head"]
+        assert (plan.symbols, plan.capture.sizes) == ({"H": 8}, (1, 2, 4, 8))

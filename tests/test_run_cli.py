@@ -1,0 +1,169 @@
+"""``graphflow run``: end to end on the CPU backend, its report, and every exit status."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from graphflow.cli import main
+from graphflow.events import Event, EventKind, Phase
+from graphflow.plan import Descriptor, Mode
+from graphflow.progress import ProgressDisplay, format_bytes
+
+TOY = "plans/toy.yaml"
+
+
+def run(capsys, *argv):
+    status = main(["run", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+class TestSuccess:
+    def test_toy_plan_end_to_end_with_the_text_report(self, capsys):
+        status, out, err = run(capsys, TOY, "--steps", "2")
+        assert status == 0
+        lines = out.splitlines()
+        assert lines[0] == "plan toy-piecewise (plans/toy.yaml), backend cpu"
+        assert lines[1] == ("  no CUDA graph was captured: the CPU backend runs every phase and replays each "
+                            "region eagerly")
+        assert lines[2] == "  device cuda:0 mapped to cpu"
+        assert [line.split()[:2] for line in lines[5:11]] == [
+            ["allocate", "passed"], ["warmup", "passed"], ["prewarm", "skipped"], ["capture", "passed"],
+            ["verify", "passed"], ["commit", "passed"]]
+        assert lines[12] == "graphs 16, pool n/a, static buffers 9.0 KiB"
+        rows = [line.split()[:2] for line in lines[15:19]]
+        assert rows == [["PIECEWISE(B=8)", "bit-exact"], ["PIECEWISE(B=4)", "bit-exact"],
+                        ["PIECEWISE(B=2)", "bit-exact"], ["PIECEWISE(B=1)", "bit-exact"]]
+        assert lines[-1].startswith("ok: toy-piecewise: 4 descriptors, 16 regions (no graph captured: CPU backend "
+                                    "replays eagerly), in ")
+        assert lines[-1].endswith(" s on cpu; verify 4/4 bit-exact")
+        assert "Traceback" not in err
+
+    def test_json_report(self, capsys):
+        status, out, _ = run(capsys, "plans/toy_full.yaml", "--json", "--steps", "2", "--no-detectors")
+        assert status == 0
+        doc = json.loads(out)
+        assert (doc["ok"], doc["backend"], doc["graphs_captured"], doc["graphs"]) == (True, "cpu", False, 8)
+        assert doc["remapped"] == {"cuda:0": "cpu"}
+        assert [p["phase"] for p in doc["phases"]] == ["allocate", "warmup", "prewarm", "capture", "verify", "commit"]
+        assert [(d["mode"], d["size"]) for d in doc["descriptors"]] == [
+            ("PIECEWISE", 8), ("PIECEWISE", 4), ("PIECEWISE", 2), ("PIECEWISE", 1),
+            ("FULL", 8), ("FULL", 4), ("FULL", 2), ("FULL", 1)]
+        assert all(d["verify"]["bit_exact"] and d["eager_ms"] > 0 and d["graph_ms"] > 0 for d in doc["descriptors"])
+
+    def test_quiet_prints_only_the_result_line(self, capsys):
+        status, out, err = run(capsys, TOY, "--quiet", "--steps", "0", "--no-detectors")
+        assert status == 0
+        assert len(out.splitlines()) == 1 and out.startswith("ok: toy-piecewise: 4 descriptors")
+        assert err == ""
+
+    def test_sizes_and_no_verify(self, capsys):
+        status, out, _ = run(capsys, TOY, "--sizes", "1,2", "--no-verify", "--json", "--steps", "0",
+                             "--no-detectors")
+        doc = json.loads(out)
+        assert status == 0
+        assert [(d["size"], d["verify"], d["eager_ms"]) for d in doc["descriptors"]] == [(2, None, None),
+                                                                                       (1, None, None)]
+        assert doc["phases"][4] == {"phase": "verify", "outcome": "skipped", "seconds": doc["phases"][4]["seconds"]}
+        assert doc["result"].endswith("; not verified")
+
+
+class TestFailure:
+    def test_unreadable_plan_exits_2_with_file_and_line(self, capsys, tmp_path):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("graphflow: 1\nname: x\nsegments: [\n")
+        status, out, err = run(capsys, str(bad))
+        assert status == 2 and out == ""
+        assert err.startswith(f"graphflow: {bad}:")
+
+    def test_validation_errors_exit_1_before_any_capture(self, capsys, tmp_path):
+        plan = tmp_path / "invalid.yaml"
+        plan.write_text(open(TOY).read().replace('reads: ["m{layer}", x]', 'reads: ["m{layer}", y]'))
+        status, out, err = run(capsys, str(plan))
+        assert status == 1 and out == ""
+        assert "'y'" in err
+        assert err.splitlines()[-1].startswith(f"graphflow: {plan}: ")
+
+    def test_capture_failure_exits_1_with_the_rolled_back_error(self, capsys, tmp_path):
+        plan = tmp_path / "broken.yaml"
+        plan.write_text(open(TOY).read().replace('call: "layers.{layer}.post"', 'call: head'))
+        status, out, err = run(capsys, str(plan), "--no-detectors")
+        assert status == 1 and out == ""
+        progress, error = err.splitlines()[-2:]
+        assert progress.startswith("warmup: failed, rolled back (RuntimeError: The size of tensor a (32) must match")
+        assert error.startswith("graphflow: capture failed, rolled back: [phase=warmup descriptor=PIECEWISE(B=8) "
+                                "segment=L0.post rank=0] RuntimeError: The size of tensor a (32) must match")
+        assert error.endswith("— the step fails when run eagerly: fix the segment, or run it without "
+                              "graphflow to debug")
+        assert "Traceback" not in err
+
+    def test_capture_failure_as_json(self, capsys, tmp_path):
+        plan = tmp_path / "missing_call.yaml"
+        plan.write_text(open(TOY).read().replace('call: head', 'call: tail'))
+        status, out, err = run(capsys, str(plan), "--json")
+        doc = json.loads(out)
+        assert status == 1
+        assert doc["ok"] is False
+        assert (doc["error"]["phase"], doc["error"]["segment"]) == ("allocate", "head")
+
+    @pytest.mark.parametrize("argv,message", [
+        (["--sizes", "1,x"], "graphflow: --sizes: expected comma-separated integers (got '1,x')"),
+        (["--sizes", "3"], "graphflow: sizes [3] are not among the plan's sizes [1, 2, 4, 8]"),
+        (["--disable-check", "hostsync"], "graphflow: --disable-check: unknown check hostsync (the checks are "),
+    ])
+    def test_bad_arguments_exit_2(self, capsys, argv, message):
+        status, _, err = run(capsys, TOY, *argv)
+        assert status == 2 and err.startswith(message)
+
+    def test_cuda_backend_without_a_gpu_exits_2(self, capsys):
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+        status, _, err = run(capsys, TOY, "--backend", "cuda")
+        assert status == 2
+        assert err == ("graphflow: --backend cuda: the cuda backend needs a CUDA GPU, and torch sees none — use "
+                       "--backend cpu or auto\n")
+
+
+class TestProgressDisplay:
+    def _events(self):
+        d = Descriptor(Mode.PIECEWISE, 2)
+        return [Event(EventKind.PHASE_BEGIN, phase=Phase.CAPTURE, total=1),
+                Event(EventKind.DESCRIPTOR_END, phase=Phase.CAPTURE, descriptor=d, index=1, total=1, pool_bytes=2048),
+                Event(EventKind.PHASE_END, phase=Phase.CAPTURE, elapsed_s=0.25, total=1, pool_bytes=2048)]
+
+    def test_plain_lines_when_not_a_terminal(self):
+        out = io.StringIO()
+        display = ProgressDisplay(file=out, force_terminal=False)
+        for event in self._events():
+            display.on_event(event)
+        assert out.getvalue() == "capture   done in 0.250 s, pool 2.0 KiB\n"
+
+    def test_live_bar_on_a_terminal(self):
+        out = io.StringIO()
+        display = ProgressDisplay(file=out, force_terminal=True)
+        for event in self._events():
+            display.on_event(event)
+        text = out.getvalue()
+        assert "capture" in text and "1/1" in text and "2.0 KiB" in text
+
+    def test_quiet_draws_nothing(self):
+        out = io.StringIO()
+        display = ProgressDisplay(file=out, quiet=True, force_terminal=True)
+        for event in self._events():
+            display.on_event(event)
+        assert out.getvalue() == ""
+
+    def test_rollback_is_reported(self):
+        out = io.StringIO()
+        ProgressDisplay(file=out, force_terminal=False).on_event(
+            Event(EventKind.ROLLBACK, phase=Phase.VERIFY, error="CaptureError: mismatch"))
+        assert out.getvalue() == "verify: failed, rolled back (CaptureError: mismatch)\n"
+
+    @pytest.mark.parametrize("n,text", [(None, "n/a"), (512, "512 B"), (2048, "2.0 KiB"), (3 << 30, "3.0 GiB")])
+    def test_format_bytes(self, n, text):
+        assert format_bytes(n) == text

@@ -1,0 +1,119 @@
+"""The runner: descriptor choice, padding, output aliasing, eager fallback."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from graphflow.engine import run_pipeline
+from graphflow.plan import Buffer, BufferRole, Descriptor, Mode
+from graphflow.runtime import FallbackReason, Runner
+from graphflow.toy import build_toy, toy_plan
+
+P, F = Mode.PIECEWISE, Mode.FULL
+
+
+@pytest.fixture(scope="module")
+def piecewise():
+    engine = run_pipeline(toy_plan(3, device="cpu"), backend="cpu", detectors=False)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    engine = run_pipeline(toy_plan(2, device="cpu", full=True, modes=(P, F), sizes=(2, 4)), backend="cpu",
+                          detectors=False, sizes=(2, 4))
+    yield engine
+    engine.close()
+
+
+def eager(layers, x, *, full=False, vocab=64):
+    x = x.clone()
+    logits = torch.empty(x.shape[0], vocab)
+    build_toy(layers).step(x, logits, full=full)
+    return logits
+
+
+class TestDispatch:
+    def test_smallest_descriptor_that_holds_the_batch(self, piecewise):
+        runner = Runner(piecewise)
+        assert [runner.descriptor_for(b) for b in (1, 2, 3, 5, 8, 9)] == [
+            Descriptor(P, 1), Descriptor(P, 2), Descriptor(P, 4), Descriptor(P, 8), Descriptor(P, 8), None]
+        assert runner.max_size == 8
+
+    def test_full_is_preferred_where_captured(self, mixed):
+        runner = Runner(mixed)
+        assert runner.descriptor_for(1) == Descriptor(F, 2) and runner.descriptor_for(3) == Descriptor(F, 4)
+
+    def test_inputs_and_outputs_are_named_in_plan_order(self, piecewise):
+        runner = Runner(piecewise)
+        assert (runner.inputs, runner.outputs) == (("x",), ("logits",))
+
+
+class TestRun:
+    @pytest.mark.parametrize("batch", [1, 2, 4, 8])
+    def test_exact_size_equals_the_eager_model(self, piecewise, batch):
+        x = torch.randn(batch, 32, generator=torch.Generator().manual_seed(batch))
+        (logits,) = Runner(piecewise).run(x)
+        assert torch.equal(logits, eager(3, x))
+
+    def test_full_step_equals_the_eager_model(self, mixed):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
+        (logits,) = Runner(mixed).run(x)
+        assert torch.equal(logits, eager(2, x, full=True))
+
+    def test_padded_rows_are_zeros_and_outputs_sliced(self, piecewise):
+        runner = Runner(piecewise)
+        runner.run(torch.full((4, 32), 5.0))  # leave garbage in the rows a padded batch will not fill
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(3))
+        (logits,) = runner.run(x)
+        assert logits.shape == (3, 64)
+        padded = torch.cat([x, torch.zeros(1, 32)])
+        assert torch.equal(logits, eager(3, padded)[:3])
+
+    def test_outputs_are_views_of_static_buffers_overwritten_by_the_next_run(self, piecewise):
+        runner = Runner(piecewise)
+        (first,) = runner.run(torch.randn(2, 32))
+        kept = first.clone()
+        assert first.data_ptr() == piecewise.buffers.tensors["logits"].data_ptr()
+        runner.run(torch.randn(2, 32))
+        assert not torch.equal(first, kept)
+
+    def test_empty_batch_is_an_error(self, piecewise):
+        with pytest.raises(ValueError, match="a batch needs at least one row"):
+            Runner(piecewise).run(torch.randn(0, 32))
+
+
+class TestFallback:
+    def test_batch_larger_than_every_descriptor_runs_eagerly_and_is_counted(self, piecewise):
+        runner = Runner(piecewise)
+        x = torch.randn(11, 32, generator=torch.Generator().manual_seed(11))
+        (logits,) = runner.run(x)
+        assert torch.equal(logits, eager(3, x))
+        runner.run(torch.randn(9, 32))
+        assert runner.fallbacks == {FallbackReason.BATCH_TOO_LARGE: 2}
+
+    def test_state_buffer_too_small_refuses_the_fallback(self):
+        plan = toy_plan(1, device="cpu", sizes=(1, 2))
+        cache = Buffer("cache", ("B", 32), "float32", "cpu", role=BufferRole.STATE)
+        with run_pipeline(attrs.evolve(plan, buffers=(*plan.buffers, cache)), backend="cpu",
+                          detectors=False) as engine:
+            with pytest.raises(ValueError, match="batch of 3 exceeds state buffer 'cache', allocated for 2"):
+                Runner(engine).run(torch.randn(3, 32))
+
+    def test_nothing_captured(self):
+        with run_pipeline(toy_plan(1, device="cpu", sizes=(1,)), backend="cpu", detectors=False, sizes=()) as engine:
+            runner = Runner(engine)
+            runner.run(torch.randn(1, 32))
+            assert runner.fallbacks == {FallbackReason.NOTHING_CAPTURED: 1}
+
+
+def test_runner_needs_an_input_with_a_plain_batch_dimension():
+    plan = toy_plan(1, device="cpu", sizes=(1,))
+    buffers = [attrs.evolve(b, shape=("2*B", 16)) if b.name == "x" else b for b in plan.buffers]
+    with run_pipeline(attrs.evolve(plan, buffers=buffers), backend="cpu", detectors=False, model=build_toy(1),
+                      verify=False, sizes=()) as engine:
+        with pytest.raises(ValueError, match="buffer 'x' has shape \\['2\\*B', 16\\]: the runner pads inputs"):
+            Runner(engine)
