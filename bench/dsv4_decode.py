@@ -2,39 +2,45 @@
 a hand-written CUDA graph, torch.compile(reduce-overhead), and the GPU busy time.
 
     PYTHONPATH=. python3 bench/dsv4_decode.py --out DIR [--layers 61] [--sizes 1,8,32]
+    PYTHONPATH=. python3 bench/dsv4_decode.py --out DIR --smoke     # CPU, tiny model: checks the script
 
-Writes ``DIR/dsv4_decode.json`` and prints a table. Every graphflow row goes through
-graphflow's own pipeline (``run_pipeline``) and runtime (``Runner``) on the bundled
-61-layer plans (``plans/dsv4_61l_decode.yaml``, ``plans/dsv4_61l_full.yaml``), resized
-with ``plan_variant`` to the benchmarked batch sizes. All rows share one model.
+Writes ``DIR/dsv4_decode.json`` (after every row, and with the error of any part that
+failed) and prints a table. Every graphflow row goes through graphflow's own pipeline
+(``run_pipeline``) and runtime (``Runner``) on the bundled 61-layer plans
+(``plans/dsv4_61l_decode.yaml``, ``plans/dsv4_61l_full.yaml``), resized with
+``plan_variant`` to the benchmarked batch sizes. All rows share one model and one set
+of inputs: B sequences at positions 200, 201, 202, 203, 200, … (sequence b decodes
+token 201 + b % 4, so at B >= 4 some sequences fold a compressed entry this step).
+The positions are given twice, as a serving engine's scheduler gives them: on the
+device for the graphs and on the host (``positions_host``) for the eager attention.
 
-* eager: the PIECEWISE plan's step run eagerly (the model's natural eager path, with
-  Python-int attention metadata);
+* eager: the PIECEWISE plan's step run eagerly (the model's natural eager path);
 * GPU busy: the sum of kernel (and memcpy/memset) times that ``torch.profiler`` records
   for one eager step; the floor any replay can reach. Measured for both steps: the
   PIECEWISE step's eager attention and the FULL step's static attention differ;
 * hand-written FULL: ``torch.cuda.CUDAGraph`` over the same FULL step, inputs copied in
   before each replay, the same work the runner does;
-* torch.compile: ``mode="reduce-overhead"`` on the FULL step, with every buffer passed
-  in; its warm-up is the time of the first three calls, and whether inductor skipped
-  CUDA graphs (and why) is recorded. It runs on an 8-layer model by default (with that
-  model's graphflow FULL and eager times beside it): at 61 layers its warm-up did not
-  finish within the 140 s a device run could give it;
-* diagnostics, to say why a target is missed: "PW host" replays the PIECEWISE program
-  with each eager attention given its lengths from the host (no per-layer read-back),
-  with the host time spent inside attention; the heaviest kernels of each step, and how
-  much the ones under 5 us add up to.
+* torch.compile: ``mode="reduce-overhead"`` on the FULL step of an 8-layer copy of the
+  model (at 61 layers its warm-up did not finish within 140 s), with that copy's
+  graphflow FULL and eager times beside it. It runs in a child process under what is
+  left of the time budget (``--budget-s``), so a slow warm-up is cut off and recorded,
+  not waited for; whether inductor skipped CUDA graphs (and why) is recorded;
+* diagnostics: the host time the PIECEWISE step spends inside its eager attentions, the
+  heaviest kernels of each step, and how much the ones under 5 us add up to.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
+import os
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
 import torch
 
@@ -45,24 +51,75 @@ if str(ROOT) not in sys.path:
 from graphflow.engine import run_pipeline  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
 from graphflow.integrations.dsv4 import build_model  # noqa: E402
-from graphflow.integrations.dsv4.attention import eager_attention  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
-from graphflow.plan import Mode  # noqa: E402
 from graphflow.runtime import Runner  # noqa: E402
 
-POSITION = 200  # every sequence decodes its 201st token: 50 compressed entries + a 1-token tail
+STARTED = time.perf_counter()
+POSITION = 200  # sequence b decodes token POSITION + 1 + b % compress_every: ~50 compressed entries + a short tail
+PIECEWISE_PLAN = ROOT / "plans/dsv4_61l_decode.yaml"
+FULL_PLAN = ROOT / "plans/dsv4_61l_full.yaml"
+#: --smoke: the 61-layer plans' structure and dtype with the mini model's widths, on the CPU.
+SMOKE_ARGS = {"vocab_size": 512, "hidden_size": 64, "n_heads": 4, "kv_dim": 32, "rope_dim": 16, "n_experts": 8,
+              "moe_inter": 64, "shared_inter": 128}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _time(step, iters: int, warmup: int = 3) -> float:
     """Milliseconds per call, synchronized around the timed loop only."""
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     for _ in range(iters):
         step()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) * 1e3 / iters
+
+
+def _guard(record: dict, key: str, measure) -> None:
+    """``record[key] = measure()``; a failure is recorded under ``errors`` instead of ending the run."""
+    try:
+        record[key] = measure()
+    except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the others
+        traceback.print_exc()
+        record.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:800]
+
+
+def _inputs(size: int, vocab: int, every: int, device: str) -> dict[str, torch.Tensor]:
+    """One step's inputs by buffer name (the same for every mode and row of this size)."""
+    generator = torch.Generator().manual_seed(size)
+    host = torch.tensor([POSITION + b % every for b in range(size)], dtype=torch.int64)
+    return {"tokens": torch.randint(0, vocab, (size,), generator=generator).to(device),
+            "positions": host.to(device), "positions_host": host}
+
+
+def _ordered(runner: Runner, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(inputs[name] for name in runner.inputs)
+
+
+def _fill(engine, size: int, inputs: dict[str, torch.Tensor]) -> None:
+    views = engine.buffers.views(size)
+    for name, value in inputs.items():
+        if name in views:
+            views[name].copy_(value)
+
+
+def _attention_host_ms(program) -> float:
+    """Host milliseconds one run of a PIECEWISE program spends inside its eager attentions."""
+    spent = 0.0
+    for call in program:
+        if getattr(getattr(call, "func", None), "__name__", "") == "attention":
+            start = time.perf_counter()
+            call()
+            spent += time.perf_counter() - start
+        else:
+            call()
+    _sync()
+    return spent * 1e3
 
 
 def _busy(step, iters: int = 3) -> tuple[float, float]:
@@ -101,29 +158,6 @@ def _top_kernels(step, top: int = 12) -> dict:
         "top": [{"name": name[:90], "count": count, "ms": us / 1e3, "mean_us": us / count}
                 for name, count, us in kernels[:top]],
     }
-
-
-def _with_host_lengths(program, host_positions: list[int]):
-    """The PIECEWISE program with each eager attention given its Python ints from the host.
-
-    What an engine that keeps sequence lengths on the host (as serving engines do) would
-    run: the same graphs and the same attention, minus the per-layer read-back. Returns
-    the program and the host seconds each call to it spends inside attention.
-    """
-    spent = [0.0]
-
-    def attention(layer, q, kv, positions, kv_cache, comp_cache, o):
-        start = time.perf_counter()
-        o.copy_(eager_attention(layer.layout, layer.compressor, q, kv, positions, host_positions, kv_cache, comp_cache))
-        spent[0] += time.perf_counter() - start
-
-    calls = []
-    for call in program:
-        if isinstance(call, functools.partial) and getattr(call.func, "__name__", "") == "attention":
-            calls.append(functools.partial(attention, call.func.__self__, *call.args))
-        else:
-            calls.append(call)
-    return calls, spent
 
 
 def _run_all(calls) -> None:
@@ -199,7 +233,7 @@ def _compiled(engine, size: int, tokens, positions, iters: int) -> dict:
         start = time.perf_counter()
         for _ in range(3):
             compiled(views)
-        torch.cuda.synchronize()
+        _sync()
         warmup_s = time.perf_counter() - start
         ms = _time(lambda: compiled(views), iters)
         error = None
@@ -228,6 +262,59 @@ def _mode_summary(engine) -> dict:
     }
 
 
+def _variant(path: pathlib.Path, args, sizes, layers: int):
+    overrides = {"n_layers": layers, "max_batch": max(sizes), **(SMOKE_ARGS if args.smoke else {})}
+    return plan_variant(path, sizes=sizes, **overrides)
+
+
+def _compile_child(args) -> int:
+    """The torch.compile rows, in their own process (see the module docstring); writes args.compile_child."""
+    sizes = tuple(int(s) for s in args.compile_sizes.split(","))
+    engine = run_pipeline(_variant(FULL_PLAN, args, sizes, args.compile_layers), backend=args.backend, verify=False)
+    device = engine.buffers.views(sizes[0])["tokens"].device
+    config = engine.model.config
+    rows = {}
+    for size in sizes:
+        inputs = _inputs(size, config.vocab_size, config.compress_every, device)
+        row = {"layers": args.compile_layers}
+        _guard(row, "compiled", lambda: _compiled(engine, size, inputs["tokens"], inputs["positions"], args.iters))
+        row.update(row.pop("compiled", {}))
+        runner = Runner(engine)
+        _fill(engine, size, inputs)
+        calls = engine.eager_calls(size)
+        _guard(row, "same_layers_full_ms", lambda: _time(lambda: runner.run(*_ordered(runner, inputs)), args.iters))
+        _guard(row, "same_layers_eager_ms", lambda: _time(lambda: _run_all(calls), args.iters))
+        rows[size] = row
+    pathlib.Path(args.compile_child).write_text(json.dumps(rows))
+    return 0
+
+
+def _compile_rows(args, result: dict, deadline: float) -> None:
+    """Run the compile rows in a child process with what is left of the budget; record what came back."""
+    left = deadline - time.perf_counter()
+    if left < 20:
+        result["compile"] = {"skipped": f"{left:.0f} s of the {args.budget_s:.0f} s budget left"}
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "compile.json"
+        command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--compile-child", str(path),
+                   "--compile-sizes", args.compile_sizes, "--compile-layers", str(args.compile_layers),
+                   "--iters", str(args.iters), "--backend", args.backend, *(["--smoke"] if args.smoke else [])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=left - 5)
+        except subprocess.TimeoutExpired:
+            result["compile"] = {"error": f"did not finish within {left - 5:.0f} s (the rest of the budget)"}
+            return
+        result["compile"] = {"wall_s": time.perf_counter() - start, "rc": done.returncode}
+        if done.returncode != 0 or not path.exists():
+            result["compile"]["error"] = (done.stderr or done.stdout)[-1500:]
+            return
+        for size, row in json.loads(path.read_text()).items():
+            result["compile"][size] = row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out", help="folder for dsv4_decode.json")
@@ -238,117 +325,137 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-layers", type=int, default=8,
                         help="layers of the model torch.compile runs on; its warm-up grows with depth, and at "
                              "61 layers it did not finish within a 140 s device budget")
+    parser.add_argument("--budget-s", type=float, default=135.0,
+                        help="wall-clock budget of the run after imports; what is left of it bounds torch.compile "
+                             "(the device check allows 150 s in all)")
+    parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--smoke", action="store_true",
+                        help="check the script on a CPU: the mini model's widths, 2 layers, B=1,2, 2 iterations")
+    parser.add_argument("--compile-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("dsv4_decode: needs a CUDA GPU", file=sys.stderr)
+    if args.smoke:
+        args.backend, args.layers, args.sizes, args.iters = "cpu", 2, "1,2", 2
+        args.compile_layers = min(args.compile_layers, 2)
+    if args.compile_child:
+        return _compile_child(args)
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        print("dsv4_decode: needs a CUDA GPU (or --smoke / --backend cpu)", file=sys.stderr)
         return 2
+    cuda = args.backend == "cuda"
+    device = "cuda:0" if cuda else "cpu"
+    deadline = STARTED + args.budget_s
     sizes = tuple(int(s) for s in args.sizes.split(","))
-    compile_sizes = {int(s) for s in args.compile_sizes.split(",") if s}
-    overrides = {"n_layers": args.layers, "max_batch": max(sizes)}
-    piecewise_plan = plan_variant(ROOT / "plans/dsv4_61l_decode.yaml", sizes=sizes, **overrides)
-    full_plan = plan_variant(ROOT / "plans/dsv4_61l_full.yaml", sizes=sizes, **overrides)
-
-    start = time.perf_counter()
-    model = build_model(**piecewise_plan.model_args, device="cuda:0", plan=piecewise_plan)
-    torch.cuda.synchronize()
-    build_s = time.perf_counter() - start
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    modes = {}
-    start = time.perf_counter()
-    piecewise = run_pipeline(piecewise_plan, backend="cuda", model=model)
-    modes["PIECEWISE"] = {**_mode_summary(piecewise), "pipeline_s": time.perf_counter() - start}
-    start = time.perf_counter()
-    full = run_pipeline(full_plan, backend="cuda", model=model)
-    modes["FULL"] = {**_mode_summary(full), "pipeline_s": time.perf_counter() - start}
-
+    piecewise_plan = _variant(PIECEWISE_PLAN, args, sizes, args.layers)
+    full_plan = _variant(FULL_PLAN, args, sizes, args.layers)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     result = {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "layers": args.layers,
+        "smoke": args.smoke,
         "model_args": dict(piecewise_plan.model_args),
-        "weight_bytes": weight_bytes,
-        "build_s": build_s,
         "position": POSITION,
-        "modes": modes,
+        "modes": {},
         "rows": [],
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
-    def save() -> None:  # after every row, so a run cut short still leaves its numbers
+    def save() -> None:  # after every part, so a run cut short still leaves its numbers
+        result["elapsed_s"] = time.perf_counter() - STARTED
         (out / "dsv4_decode.json").write_text(json.dumps(result, indent=2))
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    inputs = {}
-    for size in sizes:
-        tokens = torch.randint(0, model.config.vocab_size, (size,), device="cuda", generator=generator)
-        positions = torch.full((size,), POSITION, device="cuda", dtype=torch.int64)
-        inputs[size] = tokens, positions
-        for engine in (piecewise, full):
-            views = engine.buffers.views(size)
-            views["tokens"].copy_(tokens)
-            views["positions"].copy_(positions)
-        eager_calls = piecewise.eager_calls(size)
-        full_calls = full.eager_calls(size)
-        row = {"batch": size}
-        row["eager_ms"] = _time(lambda: _run_all(eager_calls), max(3, args.iters // 4))
-        row["busy_piecewise_ms"], row["kernels_piecewise"] = _busy(lambda: _run_all(eager_calls))
-        row["busy_full_ms"], row["kernels_full"] = _busy(lambda: _run_all(full_calls))
-        runner_pw, runner_full = Runner(piecewise), Runner(full)
-        row["piecewise_ms"] = _time(lambda: runner_pw.run(tokens, positions), args.iters)
-        row["full_ms"] = _time(lambda: runner_full.run(tokens, positions), args.iters)
-        program = piecewise.programs[next(d for d in piecewise.programs if d.size == size and d.mode is Mode.PIECEWISE)]
-        host_calls, spent = _with_host_lengths(program, [POSITION] * size)
-        row["piecewise_host_lengths_ms"] = _time(lambda: _run_all(host_calls), args.iters)
-        spent[0] = 0.0
-        _run_all(host_calls)
-        torch.cuda.synchronize()
-        row["attention_host_ms"] = spent[0] * 1e3
-        if size == min(sizes):
-            row["full_kernels"] = _top_kernels(lambda: _run_all(full_calls))
-            row["piecewise_kernels"] = _top_kernels(lambda: _run_all(eager_calls))
-        row["hand_full"] = _hand_graph(full, size, tokens, positions, args.iters)
-        row["hand_full_ms"] = row["hand_full"]["ms"]
-        result["rows"].append(row)
+    start = time.perf_counter()
+    model = build_model(**piecewise_plan.model_args, device=device, plan=piecewise_plan)
+    _sync()
+    result["build_s"] = time.perf_counter() - start
+    result["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    engines = {}
+    for mode, plan in (("PIECEWISE", piecewise_plan), ("FULL", full_plan)):
+        start = time.perf_counter()
+        _guard(engines, mode, lambda: run_pipeline(plan, backend=args.backend, model=model))
+        if mode in engines:
+            result["modes"][mode] = {**_mode_summary(engines[mode]), "pipeline_s": time.perf_counter() - start}
+        else:
+            result["modes"][mode] = {"error": engines["errors"][mode]}
         save()
-        print(f"B={size}: eager {row['eager_ms']:.2f} ms, PIECEWISE {row['piecewise_ms']:.2f}, "
-              f"FULL {row['full_ms']:.2f}, busy {row['busy_full_ms']:.2f}", flush=True)
-    if compile_sizes:
-        compile_layers = min(args.compile_layers, args.layers)
-        compile_engine = full
-        if compile_layers != args.layers:
-            small = plan_variant(ROOT / "plans/dsv4_61l_full.yaml", sizes=sizes, n_layers=compile_layers,
-                                 max_batch=max(sizes))
-            compile_engine = run_pipeline(small, backend="cuda", verify=False)
-        for row in result["rows"]:
-            if row["batch"] in compile_sizes:
-                row["compile"] = {"layers": compile_layers,
-                                  **_compiled(compile_engine, row["batch"], *inputs[row["batch"]], args.iters)}
-                if compile_layers != args.layers:
-                    runner = Runner(compile_engine)
-                    calls = compile_engine.eager_calls(row["batch"])
-                    batch_inputs = inputs[row["batch"]]
-                    row["compile"]["same_layers_full_ms"] = _time(lambda: runner.run(*batch_inputs), args.iters)
-                    row["compile"]["same_layers_eager_ms"] = _time(lambda: _run_all(calls), args.iters)
-                save()
+    piecewise, full = engines.get("PIECEWISE"), engines.get("FULL")
+    config = model.config
+    for size in sizes:
+        row = {"batch": size}
+        result["rows"].append(row)
+        if time.perf_counter() > deadline - 15:
+            row["skipped"] = "time budget spent"
+            save()
+            continue
+        inputs = _inputs(size, config.vocab_size, config.compress_every, device)
+        row["positions"] = inputs["positions_host"].tolist()
+        for engine in filter(None, (piecewise, full)):
+            _fill(engine, size, inputs)
+        if piecewise is not None:
+            eager_calls = piecewise.eager_calls(size)
+            _guard(row, "eager_ms", lambda: _time(lambda: _run_all(eager_calls), max(3, args.iters // 4)))
+            runner_pw = Runner(piecewise)
+            pw_inputs = _ordered(runner_pw, inputs)
+            _guard(row, "piecewise_ms", lambda: _time(lambda: runner_pw.run(*pw_inputs), args.iters))
+            program = piecewise.programs[runner_pw.descriptor_for(size)]
+            _guard(row, "attention_host_ms", lambda: _attention_host_ms(program))
+            if cuda:
+                _guard(row, "busy_piecewise", lambda: _busy(lambda: _run_all(eager_calls)))
+                if size == min(sizes):
+                    _guard(row, "piecewise_kernels", lambda: _top_kernels(lambda: _run_all(eager_calls)))
+        if full is not None:
+            full_calls = full.eager_calls(size)
+            runner_full = Runner(full)
+            full_inputs = _ordered(runner_full, inputs)
+            _guard(row, "full_ms", lambda: _time(lambda: runner_full.run(*full_inputs), args.iters))
+            if cuda:
+                _guard(row, "busy_full", lambda: _busy(lambda: _run_all(full_calls)))
+                if size == min(sizes):
+                    _guard(row, "full_kernels", lambda: _top_kernels(lambda: _run_all(full_calls)))
+                _guard(row, "hand_full", lambda: _hand_graph(full, size, inputs["tokens"], inputs["positions"],
+                                                             args.iters))
+        for key in ("busy_piecewise", "busy_full"):
+            if key in row:
+                row[f"{key}_ms"], row[f"kernels_{key.removeprefix('busy_')}"] = row.pop(key)
+        if "hand_full" in row:
+            row["hand_full_ms"] = row["hand_full"]["ms"]
+        save()
+        print(f"B={size}: " + ", ".join(f"{k} {row[k]:.2f}" for k in ("eager_ms", "piecewise_ms", "full_ms",
+                                                                     "busy_full_ms") if k in row), flush=True)
+    if args.compile_sizes:
+        _compile_rows(args, result, deadline)
+    save()
     _print_table(result)
     return 0
 
 
+def _ratio(row: dict, a: str, b: str):
+    return row[a] / row[b] if a in row and b in row and row[b] else None
+
+
 def _print_table(result: dict) -> None:
-    print(f"dsv4 decode step, {result['layers']} layers, {result['device']}, torch {result['torch']} (ms/step)")
-    head = ("B", "eager", "PIECEWISE", "PW host", "FULL", "hand FULL", "busy PW", "busy FULL",
-            "FULL/busy", "PW/busy", "PWh/busy", "eager/FULL")
-    print("  ".join(f"{h:>9}" for h in head))
+    print(f"dsv4 decode step, {result['layers']} layers, {result['device']}, torch {result['torch']} (ms/step), "
+          f"{result['weight_bytes'] / 1e9:.2f} GB of weights, {result['elapsed_s']:.0f} s in all")
+    head = ("B", "eager", "PIECEWISE", "FULL", "hand FULL", "busy PW", "busy FULL", "FULL/busy", "PW/busy",
+            "eager/FULL", "attn host")
+    print("  ".join(f"{h:>10}" for h in head))
     for row in result["rows"]:
-        cells = (row["batch"], row["eager_ms"], row["piecewise_ms"], row["piecewise_host_lengths_ms"], row["full_ms"],
-                 row["hand_full_ms"], row["busy_piecewise_ms"], row["busy_full_ms"],
-                 row["full_ms"] / row["busy_full_ms"], row["piecewise_ms"] / row["busy_piecewise_ms"],
-                 row["piecewise_host_lengths_ms"] / row["busy_piecewise_ms"], row["eager_ms"] / row["full_ms"])
-        print("  ".join(f"{c:>9.2f}" if isinstance(c, float) else f"{c:>9}" for c in cells))
-    print("PW host: the PIECEWISE program with attention given host-side lengths (no per-layer read-back)")
+        cells = (row["batch"], row.get("eager_ms"), row.get("piecewise_ms"), row.get("full_ms"),
+                 row.get("hand_full_ms"), row.get("busy_piecewise_ms"), row.get("busy_full_ms"),
+                 _ratio(row, "full_ms", "busy_full_ms"), _ratio(row, "piecewise_ms", "busy_piecewise_ms"),
+                 _ratio(row, "eager_ms", "full_ms"), row.get("attention_host_ms"))
+        print("  ".join(f"{c:>10.2f}" if isinstance(c, float) else f"{'-' if c is None else c:>10}" for c in cells))
+        for key, error in row.get("errors", {}).items():
+            print(f"  B={row['batch']} {key} failed: {error.splitlines()[0] if error else ''}")
+        if "skipped" in row:
+            print(f"  B={row['batch']} skipped: {row['skipped']}")
+    print(f"attn host: host ms a PIECEWISE step spends inside its {result['layers']} eager attentions "
+          "(their counts read from positions_host, no device sync)")
     for mode, m in result["modes"].items():
+        if "error" in m:
+            print(f"{mode}: pipeline failed: {m['error'].splitlines()[0]}")
+            continue
         print(f"{mode}: {m['graphs']} graphs for {m['descriptors']} descriptors, warmup {m['warmup_s']:.2f} s, "
               f"capture {m['capture_s']:.2f} s, verify {m['verify_s']:.2f} s, "
               f"pool {(m['pool_bytes'] or 0) / 2**20:.0f} MiB, bit-exact {m['bit_exact']}")
@@ -359,11 +466,16 @@ def _print_table(result: dict) -> None:
                 print(f"{key} B={row['batch']}: {k['kernels']:.0f} kernels, {k['busy_ms']:.2f} ms busy; "
                       f"{k['under_5us']['kernels']} under 5 us take {k['under_5us']['ms']:.2f} ms; top: "
                       + "; ".join(f"{t['name'][:40]} x{t['count']} {t['ms']:.2f} ms" for t in k["top"][:5]))
-        if "compile" in row:
-            c = row["compile"]
-            print(f"torch.compile B={row['batch']} ({c['layers']} layers): {c['ms']} ms/step, warm-up {c['warmup_s']} s, "
-                  f"cudagraph skips {c['cudagraph_skips']}: {c['skip_messages'][:1] or c['error'] or 'none'}; "
-                  f"same model graphflow FULL {c.get('same_layers_full_ms')}, eager {c.get('same_layers_eager_ms')}")
+    compiled = result.get("compile", {})
+    for size, c in compiled.items():
+        if isinstance(c, dict):
+            print(f"torch.compile B={size} ({c.get('layers')} layers): {c.get('ms')} ms/step, warm-up "
+                  f"{c.get('warmup_s')} s, cudagraph skips {c.get('cudagraph_skips')}: "
+                  f"{(c.get('skip_messages') or [None])[0] or c.get('error') or c.get('errors') or 'none'}; same model "
+                  f"graphflow FULL {c.get('same_layers_full_ms')}, eager {c.get('same_layers_eager_ms')}")
+    for key in ("skipped", "error"):
+        if key in compiled:
+            print(f"torch.compile {key}: {compiled[key]}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ Lifecycle of a ``ChannelRuntime`` (it is a ``graphflow.events.Listener``):
    in warmup or capture first agrees on its call through the store, so no rank enters
    a collective the others will not. A disagreement or a timeout is a DivergenceError
    on every rank that can still reach the store.
+   ``SEGMENT_BEGIN/END`` only name the running segment for the trace: no trace event,
+   no barrier.
 4. ``ROLLBACK`` (or an event carrying an error): the other ranks are told at once.
 5. ``PIPELINE_END``: committed; the hot path is a plain collective (plus a trace event
    if tracing).
@@ -210,6 +212,7 @@ class _Site:
     descriptor: Any = None
     region: str | None = None
     region_segments: tuple[str, ...] = ()
+    segment: str | None = None  # named by the engine's SEGMENT_BEGIN, until its SEGMENT_END
     failed: bool = False
 
 
@@ -491,8 +494,11 @@ class ChannelRuntime:
         return lambda tensor: fn(getattr(self._site.descriptor, "size", tensor.shape[0]))
 
     def segment_for(self, channel: Channel) -> str | None:
-        """The running segment, when the plan says which: the only one (in the current
-        region, if any) that uses this channel; None when several could be calling."""
+        """The running segment: the one the engine's ``SEGMENT_BEGIN`` named. Without
+        segment events (a driver of its own), the plan's answer: the only segment (in the
+        current region, if any) that uses this channel; None when several could be calling."""
+        if self._site.segment is not None:
+            return self._site.segment
         users = self._users.get(channel.name, ())
         if self._site.region_segments:
             users = tuple(s for s in users if s in self._site.region_segments)
@@ -522,6 +528,10 @@ class ChannelRuntime:
     def on_event(self, event: Event) -> None:
         site = self._site
         kind = event.kind
+        if kind is EventKind.SEGMENT_BEGIN or kind is EventKind.SEGMENT_END:
+            # Only where the pipeline is: no trace event and no barrier per segment call.
+            site.segment = event.segment if kind is EventKind.SEGMENT_BEGIN else None
+            return
         if kind is EventKind.PIPELINE_BEGIN:
             site = self._begin(event)
         elif kind is EventKind.PHASE_BEGIN:

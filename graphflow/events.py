@@ -1,10 +1,11 @@
 """Events the capture pipeline emits, and the listener protocol that consumes them.
 
-The engine emits one event at every pipeline, phase, descriptor and region boundary.
-Listeners drive the progress display, the per-rank trace and the cross-rank phase
-barriers: each reads the same events, so none needs to reach into the engine. A
-listener that raises fails the pipeline, which then rolls back like any other failure.
-This module imports no torch.
+The engine emits one event at every pipeline, phase, descriptor and region boundary,
+and around every segment call of warmup, capture and verify (``SEGMENT_BEGIN/END``,
+only when someone listens). Listeners drive the progress display, the per-rank trace
+and the cross-rank phase barriers: each reads the same events, so none needs to reach
+into the engine. A listener that raises fails the pipeline, which then rolls back like
+any other failure. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class EventKind(enum.Enum):
     PHASE_BEGIN = "phase_begin"
     DESCRIPTOR_BEGIN = "descriptor_begin"
     REGION_BEGIN = "region_begin"
+    SEGMENT_BEGIN = "segment_begin"
+    SEGMENT_END = "segment_end"
     REGION_END = "region_end"
     DESCRIPTOR_END = "descriptor_end"
     PHASE_END = "phase_end"
@@ -43,7 +46,10 @@ class EventKind(enum.Enum):
 
 @attrs.frozen
 class Event:
-    """One boundary. ``descriptor`` and ``region`` are set where they apply.
+    """One boundary. ``descriptor``, ``region`` and ``segment`` are set where they apply.
+
+    ``segment`` names the segment a ``SEGMENT_BEGIN/END`` brackets, so a listener (the
+    channel trace) knows which segment is running without guessing from the region.
 
     ``index``/``total`` count descriptors within a phase (for progress);
     ``elapsed_s`` is seconds since the phase began; ``pool_bytes`` is the capture pool's
@@ -56,6 +62,7 @@ class Event:
     phase: Phase | None = None
     descriptor: Any = None
     region: str | None = None
+    segment: str | None = None
     index: int | None = None
     total: int | None = None
     elapsed_s: float = 0.0

@@ -15,18 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from graphflow.events import Event, EventKind
+from graphflow.render import format_bytes
 
-__all__ = ["ProgressDisplay", "format_bytes"]
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+__all__ = ["ProgressDisplay"]
 
 
 class ProgressDisplay:

@@ -72,8 +72,11 @@ def compact_sizes(sizes: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
-def format_bytes(n: int) -> str:
-    """Binary units with one decimal: ``2048`` -> ``"2.0 KiB"``; under 1 KiB, exact."""
+def format_bytes(n: int | None) -> str:
+    """Binary units with one decimal: ``2048`` -> ``"2.0 KiB"``; under 1 KiB, exact; None
+    (a size nobody could measure, such as the CPU backend's pool) -> ``"n/a"``."""
+    if n is None:
+        return "n/a"
     if n < 1024:
         return f"{n} B"
     value = n / 1024

@@ -86,10 +86,12 @@ class Runner:
         """The descriptor a batch of this size replays, or None when it falls back to eager."""
         return self._programs[batch].descriptor if 0 < batch < len(self._programs) else None
 
+    @torch.no_grad()
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One step. Inputs in ``self.inputs`` order; outputs in ``self.outputs`` order.
 
-        The outputs are views of static buffers, valid until the next ``run``.
+        The outputs are views of static buffers, valid until the next ``run``. Runs
+        without autograd, like the pipeline that captured it.
         """
         position, dim = self._size_of
         batch = inputs[position].shape[dim]

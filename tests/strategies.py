@@ -16,6 +16,7 @@ with ``assume`` when it has none.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import attrs
@@ -322,11 +323,18 @@ def unordered_writers(plan: Plan) -> Plan:
     return attrs.evolve(plan, segments=[*plan.segments, rogue])
 
 
+def _fresh(taken, stem: str) -> str:
+    """A name not in ``taken``, so a mutation applied twice adds two elements, not a duplicate."""
+    names = {item.name for item in taken}
+    return next(f"{stem}{i}" for i in itertools.count() if f"{stem}{i}" not in names)
+
+
 def unread_graph_output(plan: Plan) -> Plan:
     segment = plan.segments[_graph(plan)]
     device = _device_of(plan, segment)
-    plan = attrs.evolve(plan, buffers=[*plan.buffers, Buffer("dead", ("B",), "float32", device)])
-    return _replace(plan, plan.segments.index(segment), writes=[*segment.writes, "dead"])
+    dead = _fresh(plan.buffers, "dead")
+    plan = attrs.evolve(plan, buffers=[*plan.buffers, Buffer(dead, ("B",), "float32", device)])
+    return _replace(plan, plan.segments.index(segment), writes=[*segment.writes, dead])
 
 
 def alias_larger_than_target(plan: Plan) -> Plan:
@@ -403,7 +411,7 @@ def rank_order_diverges(plan: Plan) -> Plan:
 
 def unused_channel(plan: Plan) -> Plan:
     ids = [c.id for c in plan.channels]
-    spare = Channel("spare.ch", ChannelKind.P2P, "pp", max(ids, default=0) + 1, plan.families[0].name)
+    spare = Channel(_fresh(plan.channels, "spare.ch"), ChannelKind.P2P, "pp", max(ids, default=0) + 1, plan.families[0].name)
     return attrs.evolve(plan, channels=[*plan.channels, spare])
 
 
@@ -420,6 +428,7 @@ def unsorted_sizes(plan: Plan) -> Plan:
 
 def duplicated_size(plan: Plan) -> Plan:
     sizes = plan.capture.sizes
+    assume(sizes)
     return attrs.evolve(plan, capture=attrs.evolve(plan.capture, sizes=(*sizes, sizes[-1])))
 
 

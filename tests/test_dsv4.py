@@ -14,7 +14,7 @@ from graphflow.engine import run_pipeline
 from graphflow.errors import PlanError
 from graphflow.integrations.dsv4 import DSV4Config, build_model
 from graphflow.integrations.dsv4.attention import PagedLayout, eager_attention, static_attention
-from graphflow.integrations.dsv4.decode import decode_both
+from graphflow.integrations.dsv4.decode import decode_both, step_inputs
 from graphflow.integrations.dsv4.mhc import sinkhorn
 from graphflow.integrations.dsv4.model import check_plan
 from graphflow.integrations.dsv4.moe import MoE, count_experts, uses_gather
@@ -22,6 +22,7 @@ from graphflow.integrations.dsv4.plans import plan_variant
 from graphflow.integrations.dsv4.weights import WeightSource
 from graphflow.loader import load_plan
 from graphflow.plan import Mode
+from graphflow.runtime import Runner
 from graphflow.validate import validate
 
 PLANS = pathlib.Path(__file__).resolve().parents[1] / "plans"
@@ -124,6 +125,71 @@ class TestAttentionForms:
                                      int(table[0, 1]) * MINI.block_size + 1]
 
 
+class TestHostPositions:
+    """The eager attention sizes its work from positions kept on the host, never read back."""
+
+    @pytest.mark.parametrize("name", ["dsv4_mini_piecewise.yaml", "dsv4_61l_decode.yaml"])
+    def test_the_piecewise_plans_keep_a_host_copy_read_only_by_the_eager_attentions(self, name):
+        plan = load_plan(PLANS / name)
+        host = plan.buffer("positions_host")
+        assert (host.device, host.role.value, host.shape) == ("cpu", "input", ("B",))
+        assert host.values == plan.buffer("positions").values
+        readers = [s for s in plan.segments if "positions_host" in s.reads]
+        assert [s.name for s in readers] == [f"L{i}.attn" for i in range(plan.model_args["n_layers"])]
+        assert not any(s.is_graph for s in readers)
+
+    @pytest.mark.parametrize("name", ["dsv4_mini_full.yaml", "dsv4_61l_full.yaml"])
+    def test_the_full_plans_keep_device_lengths_only(self, name):
+        plan = load_plan(PLANS / name)
+        assert plan.buffer("positions_host") is None
+        assert {b.device for b in plan.buffers} == {"cuda:0"}
+
+    def test_a_variant_gives_the_host_positions_the_new_range(self):
+        plan = plan_variant(PLANS / "dsv4_61l_decode.yaml", sizes=(1, 8), n_layers=2, max_batch=8, max_len=64)
+        assert plan.buffer("positions_host").values == plan.buffer("positions").values == (0, 64)
+
+    def test_the_attention_takes_its_counts_from_the_host_buffer(self):
+        # Device positions at 3 (no compressed entry yet), host positions at 9 (two): the
+        # key set is then cut from the host's counts, so the result is eager_attention's
+        # with the host's list, not with the device's.
+        config = MINI
+        model = build_model()
+        layer = model.layers[0]
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(2, config.n_heads, config.kv_dim, generator=g)
+        kv = torch.randn(2, config.kv_dim, generator=g)
+        pool, comp = _state(config, 2)
+        device_positions, host_positions = torch.tensor([3, 3]), torch.tensor([9, 9])
+        want = eager_attention(model.layout, layer.compressor, q, kv, device_positions, [9, 9], pool.clone(),
+                               comp.clone())
+        other = eager_attention(model.layout, layer.compressor, q, kv, device_positions, [3, 3], pool.clone(),
+                                comp.clone())
+        o = torch.empty_like(q)
+        layer.attention(q, kv, device_positions, host_positions, pool, comp, o)
+        assert torch.equal(o, want)
+        assert not torch.equal(o, other)
+
+    @pytest.mark.parametrize("positions", [[7], [3, 7, 11, 15], [0, 5, 6, 7, 8, 100, 101, 127]])
+    def test_both_forms_append_and_attend_alike_when_every_or_some_sequence_is_due(self, positions):
+        config = MINI
+        model = build_model()
+        layer = model.layers[2]
+        batch = len(positions)
+        g = torch.Generator().manual_seed(6)
+        q = torch.randn(batch, config.n_heads, config.kv_dim, generator=g)
+        kv = torch.randn(batch, config.kv_dim, generator=g)
+        pool_e, comp_e = _state(config, batch, seed=1)
+        pool_s, comp_s = pool_e.clone(), comp_e.clone()
+        pos = torch.tensor(positions)
+        out_e = torch.empty_like(q)
+        returned = eager_attention(model.layout, layer.compressor, q, kv, pos, positions, pool_e, comp_e, out_e)
+        out_s = static_attention(model.layout, layer.compressor, q, kv, pos, pool_s, comp_s)
+        assert returned is out_e
+        assert torch.allclose(out_e, out_s, atol=1e-5, rtol=1e-5)
+        assert torch.equal(pool_e, pool_s)
+        assert torch.allclose(comp_e, comp_s, atol=1e-6)
+
+
 class _OpLog(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -202,7 +268,7 @@ class TestPlans:
         plan = plan_variant(PLANS / "dsv4_61l_full.yaml", sizes=(1, 8), n_layers=2, max_batch=8)
         assert validate(plan).diagnostics == ()
         assert plan.buffer("kv_cache1").shape == (8 * 16, 16, 512)
-        assert plan.buffer("expert_load").shape == (2, 16)
+        assert plan.buffer("expert_load").shape == (2, 8)
         assert plan.segment("L2.attn") is None
 
     def test_a_plan_whose_shapes_disagree_with_model_args_is_refused_naming_the_buffer(self):
@@ -233,6 +299,23 @@ class TestDecodeReplay:
         assert torch.equal(replayed.tokens, eager.tokens)
         for step in range(64):
             assert torch.equal(replayed.logits[step], eager.logits[step]), f"logits differ at step {step}"
+
+    def test_the_runner_fills_the_host_positions_on_the_cpu_and_zeroes_the_padding(self, engine):
+        runner = Runner(engine)
+        piecewise = engine.plan.buffer("positions_host") is not None
+        assert runner.inputs == (("tokens", "positions", "positions_host") if piecewise else ("tokens", "positions"))
+        inputs = step_inputs(runner.inputs, torch.tensor([1, 2, 3]), [5, 6, 7])
+        runner.run(*inputs)
+        views = engine.buffers.views(8)
+        assert views["positions"].tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
+        if piecewise:
+            assert views["positions_host"].device.type == "cpu"
+            assert views["positions_host"].tolist() == [5, 6, 7, 0, 0, 0, 0, 0]
+
+    def test_the_decode_refuses_an_input_it_cannot_supply(self):
+        with pytest.raises(ValueError) as info:
+            step_inputs(("tokens", "lengths"), torch.tensor([1]), [0])
+        assert str(info.value) == "the dsv4 decode supplies tokens, positions and positions_host, not ['lengths']"
 
     def test_both_plans_decode_the_same_tokens(self):
         traces = []

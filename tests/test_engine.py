@@ -18,10 +18,12 @@ from graphflow.engine import CpuBackend, Outcome, run_pipeline
 from graphflow.engine.backend import Graph
 from graphflow.errors import CaptureError, PlanError
 from graphflow.events import EventKind, Phase
-from graphflow.plan import Buffer, BufferRole, Descriptor, Mode, Plan, Prewarm, Segment, SegmentKind
+from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,
+                            Prewarm, Segment, SegmentKind, WarmupPolicy)
 from graphflow.toy import build_toy, toy_plan
 
 P, F = Mode.PIECEWISE, Mode.FULL
+SEGMENT_EVENTS = (EventKind.SEGMENT_BEGIN, EventKind.SEGMENT_END)
 
 
 class RecordingBackend(CpuBackend):
@@ -393,7 +395,7 @@ class TestEvents:
         with run(plan, model, rig):
             pass
         K = EventKind
-        assert rig.kinds() == [
+        assert [k for k in rig.kinds() if k not in SEGMENT_EVENTS] == [
             K.PIPELINE_BEGIN,
             K.PHASE_BEGIN, K.PHASE_END,  # allocate
             K.PHASE_BEGIN, K.DESCRIPTOR_BEGIN, K.DESCRIPTOR_END, K.PHASE_END,  # warmup
@@ -438,6 +440,162 @@ class TestEvents:
         assert released == []
         engine.close()
         assert released == ["channel"]
+
+
+class TestSegmentEvents:
+    def test_every_segment_call_is_bracketed_by_events_naming_it(self):
+        plan, model, rig = rigged(layers=1, sizes=(2,), warmup_iters=1)
+
+        class Interleave:  # segment events into the rig's call log, to see them around the calls
+            def on_event(self, event):
+                if event.kind in SEGMENT_EVENTS:
+                    rig.calls.append((event.phase, event.kind, event.segment))
+
+        with run_pipeline(plan, backend="cpu", model=model, listeners=[rig, Interleave()], detectors=False):
+            pass
+        B, E = EventKind.SEGMENT_BEGIN, EventKind.SEGMENT_END
+
+        def bracketed(phase, *names):
+            return [step for n in names for step in ((phase, B, n), (phase, "call", n), (phase, E, n))]
+
+        log = [(c[0], "call", c[1]) if len(c) == 3 and isinstance(c[2], int) else c for c in rig.calls]
+        step = ("L0.pre", "L0.mix", "L0.post", "head")
+        assert log == [
+            *bracketed(Phase.WARMUP, *step),
+            *bracketed(Phase.CAPTURE, "L0.pre", "L0.post", "head"),  # the eager mix is not run in capture
+            *bracketed(Phase.VERIFY, *step),  # the eager step
+            # the replay: regions run as one call each; the eager break between them is bracketed
+            (Phase.VERIFY, "call", "L0.pre"), *bracketed(Phase.VERIFY, "L0.mix"),
+            (Phase.VERIFY, "call", "L0.post"), (Phase.VERIFY, "call", "head"),
+        ]
+
+    def test_segment_events_carry_descriptor_and_region(self):
+        plan, model, rig = rigged(layers=1, sizes=(2,), warmup_iters=1)
+        with run(plan, model, rig):
+            pass
+        first, second = [e.region for e in rig.events if e.kind is EventKind.REGION_BEGIN]
+        begins = [e for e in rig.events if e.kind is EventKind.SEGMENT_BEGIN]
+        assert {e.descriptor for e in begins} == {Descriptor(P, 2)}
+        assert [(e.segment, e.region) for e in begins if e.phase is Phase.CAPTURE] == [
+            ("L0.pre", first), ("L0.post", second), ("head", second)]
+        assert {e.region for e in begins if e.phase is not Phase.CAPTURE} == {None}
+
+    def test_without_listeners_no_event_is_built(self, monkeypatch):
+        import graphflow.engine.pipeline as pipeline
+
+        built = []
+        real = pipeline.Event
+
+        def counting(kind, **fields):
+            built.append(kind)
+            return real(kind, **fields)
+
+        monkeypatch.setattr(pipeline, "Event", counting)
+        plan, model, _ = rigged(layers=1, sizes=(2,), warmup_iters=1)
+        with run_pipeline(plan, backend="cpu", model=model, detectors=False):
+            pass
+        assert built == []
+        with run_pipeline(plan, backend="cpu", model=model, detectors=False, listeners=[Rig()]):
+            pass
+        assert built.count(EventKind.SEGMENT_BEGIN) == built.count(EventKind.SEGMENT_END) == 4 + 3 + 4 + 1
+
+    def test_a_failing_segment_has_no_end_and_the_rollback_names_it(self):
+        plan, model, rig = rigged(layers=1, sizes=(2,), rig=Rig(faults=_fault(Phase.CAPTURE, "L0.post")))
+        with pytest.raises(CaptureError):
+            run(plan, model, rig)
+        last, rollback = [e for e in rig.events if e.kind in (*SEGMENT_EVENTS, EventKind.ROLLBACK)][-2:]
+        assert (last.kind, last.phase, last.segment) == (EventKind.SEGMENT_BEGIN, Phase.CAPTURE, "L0.post")
+        assert (rollback.kind, rollback.segment) == (EventKind.ROLLBACK, "L0.post")
+
+
+class TestChannels:
+    """The engine with the channel runtime as its listener, at world size 1, on the CPU backend."""
+
+    @staticmethod
+    def _plan(warmup=WarmupPolicy.REAL, *, prewarm=None, hooks=(), model=None):
+        g = SegmentKind.GRAPH
+        return Plan(
+            name="shared-channel",
+            buffers=[Buffer("x", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
+                     Buffer("h", ("B", 4), "float32", "cpu"),
+                     Buffer("y", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT)],
+            channels=[Channel("tp", ChannelKind.ALL_REDUCE, "tp", 1, "target", warmup, prewarm=prewarm)],
+            segments=[Segment("a", g, "a", reads=["x"], writes=["h"], channels=["tp"]),
+                      Segment("b", g, "b", reads=["h"], writes=["y"], channels=["tp"])],
+            prewarm=hooks, model=model,
+            capture=CaptureSettings(modes=[P], sizes=[1, 2], warmup_iters=1),
+        )
+
+    class Model:
+        """Two segments of one region, both all-reducing on ``tp``: the plan cannot say which calls."""
+
+        def __init__(self, channels):
+            self.channels = channels
+            self.prepared = []
+
+        def a(self, x, h):
+            torch.mul(x, 2.0, out=h)
+            self.channels["tp"].all_reduce(h)
+
+        def b(self, h, y):
+            torch.add(h, 1.0, out=y)
+            self.channels["tp"].all_reduce(y)
+
+    def test_the_trace_names_the_running_segment_where_the_plan_cannot(self, tmp_path):
+        from graphflow.channels import ChannelRuntime
+        from graphflow.trace import Tracer, read_trace
+
+        plan = self._plan()
+        assert len(plan.regions(P)) == 1  # a and b share one region and one channel
+        runtime = ChannelRuntime(plan, tracer=Tracer(tmp_path, 0))
+        with run_pipeline(plan, backend="cpu", model=self.Model(runtime.handles), channels=runtime):
+            pass
+        runtime.close()
+        calls = [(e["phase"], e["descriptor"], e["segment"]) for e in read_trace(tmp_path / "rank0.jsonl")
+                 if e["event"] == "collective"]
+        named = [(phase, d, s) for phase, d, s in calls if phase != "verify"]
+        assert named == [(phase, f"PIECEWISE(B={size})", s) for phase in ("warmup", "capture")
+                         for size in (2, 1) for s in ("a", "b")]
+        # verify: the eager step is named; the CPU backend's replay of the region is one call
+        assert [s for phase, _, s in calls if phase == "verify"] == ["a", "b", None, None] * 2
+
+    def test_a_prepare_hook_declared_in_the_plan_resolves_on_the_built_model(self, monkeypatch):
+        """Warmup calls the channel's prewarm hook (bound from the factory's model), never the wire."""
+        import graphflow.channels as channels_module
+        import graphflow.toy
+        from graphflow.channels import ChannelRuntime, GroupBinding
+
+        wire = object()
+        log = []
+        runtime = None
+
+        def all_reduce(tensor, group=None):
+            assert group is wire
+            log.append(("all_reduce", runtime.site.phase))
+
+        Model = self.Model
+
+        def factory(channels):
+            model = Model(channels)
+            model.comm = type("Comm", (), {"prepare": lambda _, size: log.append(("prepare", size,
+                                                                                    runtime.site.phase))})()
+            return model
+
+        monkeypatch.setattr(channels_module.dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(graphflow.toy, "channel_factory_for_test", factory, raising=False)
+        plan = self._plan(WarmupPolicy.PREPARE, prewarm="warm_tp", hooks=[Prewarm("warm_tp", "comm.prepare")],
+                          model="graphflow.toy:channel_factory_for_test")
+        runtime = ChannelRuntime(plan, group_factory=lambda name: GroupBinding(name, wire, (0,)))
+        engine = run_pipeline(plan, backend="cpu", channels=runtime, detectors=False)
+        warmup = [entry for entry in log if entry[-1] is Phase.WARMUP]
+        # once per specialization: both segments all-reduce [B, 4] float32, so once per size
+        assert warmup == [("prepare", 2, Phase.WARMUP), ("prepare", 1, Phase.WARMUP)]
+        assert ("prepare", 2, Phase.PREWARM) in log  # the pipeline's own prewarm phase runs it too
+        assert {entry[1] for entry in log if entry[0] == "all_reduce"} == {Phase.CAPTURE, Phase.VERIFY}
+        engine.close()
+        with pytest.raises(CaptureError, match="channel tp has warmup 'prepare' but no prepare hook"):
+            runtime.resolve_prepare(plan.channels[0])  # close unbound the model
+        runtime.close()
 
 
 def _fault(phase, segment, exc=None):

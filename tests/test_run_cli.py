@@ -7,10 +7,13 @@ import json
 
 import pytest
 
+import torch
+
 from graphflow.cli import main
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import Descriptor, Mode
-from graphflow.progress import ProgressDisplay, format_bytes
+from graphflow.progress import ProgressDisplay
+from graphflow.render import format_bytes
 
 TOY = "plans/toy.yaml"
 
@@ -165,5 +168,152 @@ class TestProgressDisplay:
         assert out.getvalue() == "verify: failed, rolled back (CaptureError: mismatch)\n"
 
     @pytest.mark.parametrize("n,text", [(None, "n/a"), (512, "512 B"), (2048, "2.0 KiB"), (3 << 30, "3.0 GiB")])
-    def test_format_bytes(self, n, text):
+    def test_sizes_in_binary_units_and_an_unknown_pool_as_n_a(self, n, text):
         assert format_bytes(n) == text
+
+
+#: A plan with one channel used by both segments of its one region (world size 1: the
+#: all-reduce is the identity). The factory is put on ``graphflow.toy`` by the fixture.
+CHANNEL_PLAN = """\
+graphflow: 1
+name: toy-channel
+model: "graphflow.toy:channel_model_for_test"
+symbols: {B: [1, 2]}
+streams:
+  s0: {device: "cuda:0"}
+buffers:
+  x: {shape: [B, 4], dtype: float32, device: "cuda:0", role: input}
+  h: {shape: [B, 4], dtype: float32, device: "cuda:0"}
+  y: {shape: [B, 4], dtype: float32, device: "cuda:0", role: output}
+channels:
+  tp_ar: {kind: all_reduce, group: tp, id: 1, family: target, warmup: real}
+segments:
+  - {name: scale, kind: graph, call: scale, stream: s0, reads: [x], writes: [h], channels: [tp_ar]}
+  - {name: shift, kind: graph, call: shift, stream: s0, reads: [h], writes: [y], channels: [tp_ar]}
+capture:
+  modes: [PIECEWISE]
+  sizes: B
+  warmup_iters: 1
+"""
+
+
+class ChannelModel:
+    """Both segments all-reduce on ``tp_ar`` through the handles the engine offers."""
+
+    def __init__(self, channels):
+        self.channels = channels
+
+    def scale(self, x, h):
+        torch.mul(x, 2.0, out=h)
+        self.channels["tp_ar"].all_reduce(h)
+
+    def shift(self, h, y):
+        torch.add(h, 1.0, out=y)
+        self.channels["tp_ar"].all_reduce(y)
+
+
+@pytest.fixture
+def channel_plan(tmp_path, monkeypatch):
+    import graphflow.toy
+
+    built = []
+
+    def factory(channels):
+        built.append(channels)
+        return ChannelModel(channels)
+
+    monkeypatch.setattr(graphflow.toy, "channel_model_for_test", factory, raising=False)
+    monkeypatch.delenv("GRAPHFLOW_TRACE", raising=False)
+    path = tmp_path / "channel.yaml"
+    path.write_text(CHANNEL_PLAN)
+    return path, built
+
+
+class TestTrace:
+    def test_trace_dir_gets_rank0_and_two_runs_trace_the_same_events(self, capsys, tmp_path):
+        from graphflow.trace import read_trace
+
+        for name in ("a", "b"):
+            status, out, _ = run(capsys, TOY, "--trace", str(tmp_path / name), "--json", "--steps", "0",
+                                 "--no-detectors")
+            assert status == 0
+            assert json.loads(out)["trace"] == str(tmp_path / name / "rank0.jsonl")
+        events = read_trace(tmp_path / "a" / "rank0.jsonl")
+        assert (events[0]["event"], events[-1]["event"]) == ("pipeline_begin", "pipeline_end")
+        assert {e["phase"] for e in events if e["event"] == "phase_begin"} == {
+            "allocate", "warmup", "prewarm", "capture", "verify", "commit"}
+        status = main(["trace", "diff", str(tmp_path / "a" / "rank0.jsonl"), str(tmp_path / "b" / "rank0.jsonl")])
+        out, _ = capsys.readouterr()
+        assert status == 0
+        assert out.startswith(f"2 traces agree: {len(events)} events each")
+
+    def test_the_text_report_names_the_trace_file(self, capsys, tmp_path):
+        status, out, _ = run(capsys, TOY, "--trace", str(tmp_path), "--steps", "0", "--no-detectors")
+        assert status == 0
+        assert f"trace {tmp_path / 'rank0.jsonl'}" in out.splitlines()
+
+    def test_a_channel_plan_traces_each_collective_with_its_segment(self, capsys, tmp_path, channel_plan):
+        from graphflow.trace import read_trace
+
+        path, built = channel_plan
+        status, out, err = run(capsys, str(path), "--trace", str(tmp_path / "t"), "--quiet", "--steps", "0")
+        assert status == 0, err
+        assert list(built[0]) == ["tp_ar"]  # the factory got the runtime's handles
+        calls = [(e["phase"], e["descriptor"], e["segment"], e["path"])
+                 for e in read_trace(tmp_path / "t" / "rank0.jsonl") if e["event"] == "collective"]
+        assert calls[:8] == [(phase, f"PIECEWISE(B={size})", segment, path) for phase, path in (
+            ("warmup", "eager_warmup"), ("capture", "captured")) for size in (2, 1) for segment in ("scale", "shift")]
+        assert {c[0] for c in calls[8:]} == {"verify"}
+
+    def test_without_the_flag_a_channel_plan_honours_graphflow_trace(self, capsys, tmp_path, channel_plan,
+                                                                      monkeypatch):
+        path, built = channel_plan
+        monkeypatch.setenv("GRAPHFLOW_TRACE", str(tmp_path / "env"))
+        status, out, _ = run(capsys, str(path), "--json", "--steps", "0")
+        assert status == 0
+        assert json.loads(out)["trace"] == str(tmp_path / "env" / "rank0.jsonl")
+        assert (tmp_path / "env" / "rank0.jsonl").stat().st_size > 0
+
+    def test_without_the_flag_or_the_variable_nothing_is_traced(self, capsys, tmp_path, channel_plan):
+        path, built = channel_plan
+        status, out, _ = run(capsys, str(path), "--json", "--steps", "0")
+        assert status == 0
+        assert "trace" not in json.loads(out) and list(built[0]) == ["tp_ar"]
+
+    def test_a_trace_dir_that_cannot_be_made_exits_2(self, capsys, tmp_path):
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        status, out, err = run(capsys, TOY, "--trace", str(blocker / "dir"))
+        assert (status, out) == (2, "")
+        assert err == f"graphflow: --trace {blocker / 'dir'}: cannot write there: Not a directory\n"
+
+
+class TestModule:
+    DSV4 = "graphflow.integrations.dsv4:build_model"
+
+    def test_a_decorated_models_step_runs_end_to_end(self, capsys):
+        status, out, err = run(capsys, "--module", self.DSV4, "--step", "piecewise_step", "--sizes", "1,2",
+                               "--backend", "cpu", "--json", "--steps", "0")
+        assert status == 0, err
+        doc = json.loads(out)
+        assert (doc["plan"], doc["file"], doc["ok"]) == ("dsv4-mini-piecewise", self.DSV4, True)
+        assert [(d["mode"], d["size"], d["verify"]["bit_exact"]) for d in doc["descriptors"]] == [
+            ("PIECEWISE", 2, True), ("PIECEWISE", 1, True)]
+
+    def test_the_text_report_names_the_module(self, capsys):
+        status, out, err = run(capsys, "--module", self.DSV4, "--step", "piecewise_step", "--sizes", "1",
+                               "--backend", "cpu", "--steps", "0", "--no-verify")
+        assert status == 0, err
+        assert out.splitlines()[0] == f"plan dsv4-mini-piecewise ({self.DSV4}), backend cpu"
+
+    def test_a_model_with_several_steps_needs_step(self, capsys):
+        status, out, err = run(capsys, "--module", self.DSV4, "--sizes", "1")
+        assert (status, out) == (2, "")
+        assert err == ("graphflow: DSV4Model: declares 2 @graphflow.step methods (piecewise_step, full_step): "
+                       "choose one with step= (graphflow CLI: --step)\n")
+
+    @pytest.mark.parametrize("argv", [[], [TOY, "--module", DSV4]])
+    def test_exactly_one_plan_source(self, capsys, argv):
+        status, out, err = run(capsys, *argv)
+        assert (status, out) == (2, "")
+        assert err == "graphflow: arguments: give a plan file or --module PKG.MOD:FACTORY (exactly one)\n"

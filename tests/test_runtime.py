@@ -6,7 +6,7 @@ import attrs
 import pytest
 import torch
 
-from graphflow.engine import run_pipeline
+from graphflow.engine import CudaBackend, run_pipeline
 from graphflow.plan import Buffer, BufferRole, Descriptor, Mode
 from graphflow.runtime import FallbackReason, Runner
 from graphflow.toy import build_toy, toy_plan
@@ -117,3 +117,37 @@ def test_runner_needs_an_input_with_a_plain_batch_dimension():
                       verify=False, sizes=()) as engine:
         with pytest.raises(ValueError, match="buffer 'x' has shape \\['2\\*B', 16\\]: the runner pads inputs"):
             Runner(engine)
+
+
+class TestHostBuffersOnTheCudaBackend:
+    """Buffers on ``cpu`` under the CUDA backend: host memory eager segments read (no GPU needed here).
+
+    The CUDA half (capture, verify and a 64-step decode of a plan with such a buffer) is
+    tests/cuda/test_cuda_dsv4.py.
+    """
+
+    def test_cpu_stays_the_host_and_other_device_types_are_refused(self):
+        backend = CudaBackend()
+        assert backend.device("cpu") == torch.device("cpu")
+        assert backend.remapped == {}
+        with pytest.raises(ValueError) as info:
+            backend.device("meta")
+        assert str(info.value) == "device 'meta' is neither a CUDA device nor cpu — write it 'cuda:N' or 'cpu'"
+
+    def test_the_host_has_no_baseline_memory_nothing_to_synchronize_and_a_plain_stream(self):
+        backend = CudaBackend()
+        host = torch.device("cpu")
+        assert backend.memory_allocated(host) == 0
+        backend.synchronize(host)
+        stream = backend.new_stream(host)
+        assert stream.device == host
+        assert not backend.is_capturing(stream)
+        with backend.on_stream(stream):
+            pass
+        assert len(backend.timer(host)(lambda: None, 3)) == 3
+
+    def test_a_graph_segment_on_the_host_gets_no_pool(self):
+        with pytest.raises(ValueError) as info:
+            CudaBackend().new_pool(torch.device("cpu"))
+        assert str(info.value) == ("a graph segment on cpu cannot be captured by the cuda backend — put its buffers "
+                                   "and stream on a cuda device, or make it an eager segment")

@@ -16,7 +16,7 @@ import sys
 __all__ = ["main"]
 
 #: Subcommand modules, in the order ``graphflow --help`` lists them.
-_COMMANDS = ("validate", "show", "run", "export", "trace", "rules")
+_COMMANDS = ("validate", "show", "run", "launch", "export", "trace", "rules")
 
 
 def build_parser() -> argparse.ArgumentParser:

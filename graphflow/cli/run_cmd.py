@@ -1,25 +1,35 @@
 """``graphflow run PLAN``: the whole capture pipeline, a phase-by-phase report, and timings.
 
-Load, validate (stop on errors), run allocate → warmup → prewarm → capture → verify →
-commit with a progress display on stderr, then report: descriptors captured, time per
-phase, pool bytes, verify results, and eager versus graph step time per descriptor
-(the median of a few steps of each: the runner's step program against the eager step).
+The plan is a YAML file or, with ``--module pkg.mod:factory [--step METHOD]``, the plan
+a decorated model declares (``graphflow.decorators.plan_source``). Load, validate (stop
+on errors), run allocate → warmup → prewarm → capture → verify → commit with a progress
+display on stderr, then report: descriptors captured, time per phase, pool bytes,
+verify results, and eager versus graph step time per descriptor (the median of a few
+steps of each: the runner's step program against the eager step).
 Exit 0 on success, 1 when the plan has errors or capture failed (rolled back; the
 error names phase, descriptor, segment and what to do, with no traceback), 2 when the
 plan cannot be read or the arguments are bad.
+
+Channels: when the plan declares any, or ``--trace DIR`` or ``GRAPHFLOW_TRACE`` asks
+for a trace, a ``ChannelRuntime`` (rank 0 of world size 1: each collective is the
+identity) listens to the pipeline and gives the model its handles. ``--trace DIR``
+writes ``DIR/rank0.jsonl``, which ``graphflow trace diff`` reads.
+
+The module-level imports are cheap on purpose: every ``graphflow`` command builds this
+parser, so torch, rich, the engine, the channels and ``graphflow.render`` load only
+when ``run`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import time
 
+from graphflow.decorators import add_plan_source_arguments, plan_source
 from graphflow.errors import CaptureError, PlanError
-from graphflow.loader import load_plan
-from graphflow.progress import format_bytes
 from graphflow.validate import validate
 
 __all__ = ["register"]
@@ -32,7 +42,7 @@ def register(subparsers) -> None:
         description="Run the capture pipeline on a plan and report it. Exit 0: captured; 1: plan errors or "
                     "capture failed (rolled back); 2: the plan cannot be read or bad arguments.",
     )
-    parser.add_argument("plan", metavar="PLAN", help="plan YAML file")
+    add_plan_source_arguments(parser, settings=False)
     parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda when a GPU is present, else cpu (regions replayed eagerly)")
     parser.add_argument("--sizes", metavar="N,N,...", help="capture only these descriptor sizes, e.g. 1,2,4")
@@ -44,15 +54,19 @@ def register(subparsers) -> None:
                         help="steps timed per descriptor, eager and graph (default 10; 0 skips timing)")
     parser.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
     parser.add_argument("--quiet", action="store_true", help="print only the result line")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="write this rank's capture trace to DIR/rank0.jsonl (for 'graphflow trace diff'; "
+                             "GRAPHFLOW_TRACE=DIR does the same)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = load_plan(args.plan)
+        plan = plan_source(args)
     except PlanError as err:
         print(f"graphflow: {err}", file=sys.stderr)
         return 2
+    source = args.plan or args.module
     try:
         sizes = None if args.sizes is None else tuple(int(s) for s in args.sizes.split(",") if s.strip())
     except ValueError:
@@ -62,14 +76,13 @@ def run(args: argparse.Namespace) -> int:
     if not report.ok:
         for diagnostic in report.diagnostics:
             print(diagnostic, file=sys.stderr)
-        print(f"graphflow: {args.plan}: {len(report.errors)} error(s): fix them before capture "
-              f"(graphflow validate {args.plan})", file=sys.stderr)
+        print(f"graphflow: {source}: {len(report.errors)} error(s): fix them before capture"
+              + (f" (graphflow validate {args.plan})" if args.plan else ""), file=sys.stderr)
         return 1
 
     # torch loads only now: reading and validating a plan stays fast.
-    from graphflow.engine import make_backend, run_pipeline
+    from graphflow.engine import make_backend
     from graphflow.progress import ProgressDisplay
-    from graphflow.runtime import Runner
 
     try:
         backend = make_backend(args.backend)
@@ -85,27 +98,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"graphflow: --disable-check: unknown check {', '.join(unknown)} "
                   f"(the checks are {', '.join(sorted(known))})", file=sys.stderr)
             return 2
-    listeners = [] if args.quiet or args.json else [ProgressDisplay()]
-    start = time.perf_counter()
     try:
-        engine = run_pipeline(plan, backend=backend, listeners=listeners, verify=not args.no_verify,
-                              detectors=not args.no_detectors, disabled_checks=args.disable_check, sizes=sizes)
-    except CaptureError as err:
-        print(f"graphflow: capture failed, rolled back: {err}", file=sys.stderr)
-        for note in getattr(err, "__notes__", ()):
-            print(f"graphflow: {note}", file=sys.stderr)
-        if args.json:
-            _dump({"plan": plan.name, "file": args.plan, "ok": False, "error": {
-                "message": err.message, "phase": err.phase, "descriptor": _str(err.descriptor),
-                "segment": err.segment, "rank": err.rank, "hint": err.hint}})
-        return 1
-    except ValueError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
+        channels = _channels(plan, args.trace)
+    except OSError as err:
+        print(f"graphflow: --trace {args.trace}: cannot write there: {err.strerror or err}", file=sys.stderr)
         return 2
-    total_s = time.perf_counter() - start
-    with engine:
-        timings = _time_steps(engine, Runner(engine), args.steps)
-        document = _document(args.plan, engine, timings, total_s)
+    listeners = [] if args.quiet or args.json else [ProgressDisplay()]
+    try:
+        status, document = _capture(args, plan, source, backend, listeners, channels, sizes)
+    finally:
+        closed = _close(channels)
+    if document is None or not closed:
+        return status or 1
+    if channels is not None and channels.tracer is not None:
+        document["trace"] = str(channels.tracer.path)
     if args.json:
         _dump(document)
     elif args.quiet:
@@ -115,8 +121,76 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _channels(plan, trace: str | None):
+    """The channel runtime for a single-rank run, or None when nothing needs one.
+
+    The trace directory is made here, so a path that cannot hold it is a bad argument
+    (exit 2), not a listener failing in the middle of the pipeline.
+    """
+    from graphflow.trace import TRACE_ENV, Tracer
+
+    if trace is None and not plan.channels and not os.environ.get(TRACE_ENV):
+        return None
+    from graphflow.channels import ChannelRuntime
+
+    tracer = None if trace is None else Tracer(trace, 0)
+    if tracer is not None:
+        tracer.path.parent.mkdir(parents=True, exist_ok=True)
+    return ChannelRuntime(plan, tracer=tracer)
+
+
+def _close(channels) -> bool:
+    """Close the channel runtime (its trace file last); False, having said why, if that failed."""
+    if channels is None:
+        return True
+    try:
+        channels.close()
+    except Exception as err:  # noqa: BLE001 - an ExceptionGroup of every teardown step that failed
+        print(f"graphflow: channel teardown failed: {err}", file=sys.stderr)
+        for failure in getattr(err, "exceptions", ()):
+            print(f"graphflow:   {type(failure).__name__}: {failure}", file=sys.stderr)
+        return False
+    return True
+
+
+def _capture(args, plan, source: str, backend, listeners, channels, sizes) -> tuple[int, dict | None]:
+    """Run the pipeline and time it: ``(status, report document or None)``."""
+    from graphflow.engine import run_pipeline
+    from graphflow.runtime import Runner
+
+    start = time.perf_counter()
+    try:
+        engine = run_pipeline(plan, backend=backend, listeners=listeners, channels=channels,
+                              verify=not args.no_verify, detectors=not args.no_detectors,
+                              disabled_checks=args.disable_check, sizes=sizes)
+    except CaptureError as err:
+        print(f"graphflow: capture failed, rolled back: {err}", file=sys.stderr)
+        for note in getattr(err, "__notes__", ()):
+            print(f"graphflow: {note}", file=sys.stderr)
+        if args.json:
+            _dump({"plan": plan.name, "file": source, "ok": False, "error": {
+                "message": err.message, "phase": err.phase, "descriptor": _str(err.descriptor),
+                "segment": err.segment, "rank": err.rank, "hint": err.hint}})
+        return 1, None
+    except ValueError as err:
+        print(f"graphflow: {err}", file=sys.stderr)
+        return 2, None
+    total_s = time.perf_counter() - start
+    with engine:
+        try:
+            timings = _time_steps(engine, Runner(engine), args.steps)
+        except Exception as err:  # noqa: BLE001 - a model error while timing is reported, not a traceback
+            print(f"graphflow: timing the captured steps failed: {type(err).__name__}: {err}", file=sys.stderr)
+            return 1, None
+        return 0, _document(source, engine, timings, total_s)
+
+
 def _time_steps(engine, runner, steps: int) -> dict:
     """Median seconds per step, eager and graph, for each captured descriptor."""
+    import statistics
+
+    import torch
+
     if steps <= 0 or not engine.programs:
         return {}
     first = next(iter(engine.buffers.tensors.values()), None)
@@ -125,9 +199,10 @@ def _time_steps(engine, runner, steps: int) -> dict:
     for descriptor, program in engine.programs.items():
         eager = _loop(engine.eager_calls(descriptor.size))
         graph = _loop(program)
-        for call in (eager, graph):  # one untimed run each: caches, lazy modules
-            call()
-        timings[descriptor] = (statistics.median(timer(eager, steps)), statistics.median(timer(graph, steps)))
+        with torch.no_grad():
+            for call in (eager, graph):  # one untimed run each: caches, lazy modules
+                call()
+            timings[descriptor] = (statistics.median(timer(eager, steps)), statistics.median(timer(graph, steps)))
     return timings
 
 
@@ -169,6 +244,8 @@ def _document(path: str, engine, timings: dict, total_s: float) -> dict:
 
 
 def _text(document: dict) -> str:
+    from graphflow.render import format_bytes
+
     lines = [f"plan {document['plan']} ({document['file']}), backend {document['backend']}"]
     if not document["graphs_captured"]:
         lines.append("  no CUDA graph was captured: the CPU backend runs every phase and replays each region eagerly")
@@ -181,6 +258,8 @@ def _text(document: dict) -> str:
     lines.append("")
     lines.append(f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}, "
                  f"static buffers {format_bytes(document['buffer_bytes'])}")
+    if document.get("trace"):
+        lines.append(f"trace {document['trace']}")
     lines.append("")
     lines.append(f"{'descriptor':<18}{'verify':<22}{'eager ms':>10}{'graph ms':>10}{'speed-up':>10}")
     for row in document["descriptors"]:

@@ -12,8 +12,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphflow.trace import TraceReadError, comparable, describe, diff_traces, read_trace
-
 __all__ = ["register"]
 
 
@@ -30,6 +28,8 @@ def register(subparsers) -> None:
 
 
 def _files(arguments: list[str]) -> list[Path]:
+    from graphflow.trace import TraceReadError
+
     files: list[Path] = []
     for argument in arguments:
         path = Path(argument)
@@ -44,6 +44,9 @@ def _files(arguments: list[str]) -> list[Path]:
 
 
 def run_diff(args: argparse.Namespace) -> int:
+    # Imported here: every ``graphflow`` command builds this parser.
+    from graphflow.trace import TraceReadError, comparable, describe, diff_traces, read_trace
+
     try:
         files = _files(args.traces)
         traces = [read_trace(f) for f in files]

@@ -1,12 +1,16 @@
 """The capture engine: a phase pipeline with rollback, over a CUDA or CPU backend.
 
 Lifecycle (``run_pipeline(plan, ...)``; each phase emits PHASE_BEGIN/END, and
-DESCRIPTOR/REGION events inside it, to every listener):
+DESCRIPTOR/REGION events inside it, to every listener; every segment call of warmup,
+capture and verify, eager breaks of the verify replay included, is bracketed by
+SEGMENT_BEGIN/END naming it, when there is a listener at all):
 
 1. **allocate** — map the plan's devices (the CPU backend maps ``cuda:N`` to ``cpu``);
    read each device's baseline memory; build the model (``factory(**model_args,
    **{k: v for k in (device, channels, rank, world_size, plan) if the factory accepts
-   k})``); resolve every segment's and prewarm hook's ``call`` path (digits index
+   k})``) and bind it to the channels (``channels.bind(model)``, when they have a
+   ``bind``, so a channel's prewarm hook resolves on it; unbound on rollback and
+   close); resolve every segment's and prewarm hook's ``call`` path (digits index
    ModuleLists); create the plan's streams (plus one per device for segments naming
    none) and one capture pool per device; allocate every static buffer once, at its
    largest size; set up the capture-safety detectors.

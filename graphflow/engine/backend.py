@@ -8,8 +8,11 @@ it returned without ever asking which backend it has.
 Lifecycle of a backend, as the pipeline drives it:
 
 1. ``device(name)`` maps each device a plan names to a ``torch.device``
-   (the CPU backend maps every ``cuda:N`` to ``cpu`` and records that it did).
-2. ``memory_allocated(device)`` is read once per device: the baseline rollback returns to.
+   (the CPU backend maps every ``cuda:N`` to ``cpu`` and records that it did; the CUDA
+   backend keeps ``cpu`` for host buffers, such as sequence lengths an eager segment
+   reads without a device sync).
+2. ``memory_allocated(device)`` is read once per device: the baseline rollback returns to
+   (0 for host memory, which no graph allocates).
 3. ``new_stream(device)`` and ``new_pool(device)``, once per stream and once per device,
    in the allocate phase.
 4. ``on_stream(stream)`` wraps every eager run (warmup, prewarm, verify's eager step):
@@ -17,7 +20,8 @@ Lifecycle of a backend, as the pipeline drives it:
 5. ``capture(calls, recording, stream, pool)``, once per region per descriptor, returns a
    ``Graph``: its ``replay`` is a bare callable the runtime calls in its hot loop.
 6. ``Graph.destroy()`` on rollback or close; then ``release_pool(pool)`` per device.
-7. ``synchronize(device)`` at phase boundaries; ``is_capturing(stream)`` for checks.
+7. ``synchronize(device)`` at phase boundaries (nothing to wait for on the host);
+   ``is_capturing(stream)`` for checks.
 
 The choice between backends lives in ``make_backend`` (one table, ``BACKENDS``).
 """
@@ -203,6 +207,11 @@ class CudaBackend(Backend):
 
     Capture on a non-default GPU needs a stream created on that device: with only
     ``set_device`` the graph records nothing or replays stale data (seed 002).
+
+    Buffers may also live on ``cpu``: host memory the runner fills with a plain copy and
+    only eager segments read (validation rule GF302 keeps graph segments off them), as
+    serving engines keep sequence lengths on the host. The host has no stream to order,
+    no pool and nothing to synchronize.
     """
 
     name = "cuda"
@@ -210,19 +219,29 @@ class CudaBackend(Backend):
 
     def device(self, name: str) -> torch.device:
         device = torch.device(name)
+        if device.type == "cpu":
+            return device
         if device.type != "cuda":
-            raise ValueError(f"device {name!r} is not a CUDA device — use the cpu backend for CPU plans")
+            raise ValueError(f"device {name!r} is neither a CUDA device nor cpu — write it 'cuda:N' or 'cpu'")
         return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
     def new_stream(self, device: torch.device) -> object:
+        if device.type == "cpu":
+            return _CpuStream(device)
         return torch.cuda.Stream(device=device)
 
     def new_pool(self, device: torch.device) -> object:
+        if device.type == "cpu":
+            raise ValueError("a graph segment on cpu cannot be captured by the cuda backend — put its buffers "
+                             "and stream on a cuda device, or make it an eager segment")
         with torch.cuda.device(device):
             return torch.cuda.graph_pool_handle()
 
     @contextlib.contextmanager
     def on_stream(self, stream: object) -> Iterator[None]:
+        if isinstance(stream, _CpuStream):
+            yield
+            return
         caller = torch.cuda.current_stream(stream.device)
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
@@ -257,14 +276,17 @@ class CudaBackend(Backend):
         torch.cuda.empty_cache()
 
     def synchronize(self, device: torch.device) -> None:
-        torch.cuda.synchronize(device)
+        if device.type != "cpu":
+            torch.cuda.synchronize(device)
 
     def is_capturing(self, stream: object) -> bool:
+        if isinstance(stream, _CpuStream):
+            return False
         with torch.cuda.stream(stream):
             return torch.cuda.is_current_stream_capturing()
 
     def memory_allocated(self, device: torch.device) -> int:
-        return torch.cuda.memory_allocated(device)
+        return 0 if device.type == "cpu" else torch.cuda.memory_allocated(device)
 
     def pool_bytes(self, pool: object) -> int | None:
         segments = torch.cuda.memory_snapshot()
@@ -273,6 +295,9 @@ class CudaBackend(Backend):
         return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == tuple(pool))
 
     def timer(self, device: torch.device) -> Callable[[Call, int], list[float]]:
+        if device.type == "cpu":
+            return super().timer(device)
+
         def run(call: Call, n: int) -> list[float]:
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
             torch.cuda.synchronize(device)

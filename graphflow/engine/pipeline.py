@@ -167,8 +167,9 @@ def run_pipeline(
     """Run every phase and return the committed ``Engine``, or roll back and raise.
 
     ``model`` skips the plan's factory (tests, integrations that already hold one).
-    ``channels`` (the channel runtime) is offered to the factory as ``channels.handles``
-    and listens to every event. ``sizes`` restricts the plan's descriptor sizes.
+    ``channels`` (the channel runtime) is offered to the factory as ``channels.handles``,
+    is bound to the model (``channels.bind(model)``, when it has ``bind``) and listens to
+    every event. ``sizes`` restricts the plan's descriptor sizes.
     Raises ``CaptureError`` from the cause; ``KeyboardInterrupt`` is re-raised as is,
     after rollback.
     """
@@ -205,6 +206,8 @@ class _Pipeline:
         self.rank = rank
         self.world_size = world_size
         self.listeners = tuple(listeners)
+        # Checked once: with no listener, a segment call builds no events at all.
+        self.segment_events = bool(self.listeners)
         self.channels = channels
         self.verify_on = verify
         self.detectors_on = detectors
@@ -235,10 +238,13 @@ class _Pipeline:
     def run(self) -> Engine:
         try:
             self._emit(EventKind.PIPELINE_BEGIN, total=len(self.descriptors))
-            for phase, body in ((Phase.ALLOCATE, self._allocate), (Phase.WARMUP, self._warmup),
-                                (Phase.PREWARM, self._prewarm), (Phase.CAPTURE, self._capture),
-                                (Phase.VERIFY, self._verify), (Phase.COMMIT, self._commit)):
-                self._phase(phase, body)
+            # Inference only: autograd would record every op (and refuse ``out=`` into
+            # buffers computed from weights that require grad).
+            with torch.no_grad():
+                for phase, body in ((Phase.ALLOCATE, self._allocate), (Phase.WARMUP, self._warmup),
+                                    (Phase.PREWARM, self._prewarm), (Phase.CAPTURE, self._capture),
+                                    (Phase.VERIFY, self._verify), (Phase.COMMIT, self._commit)):
+                    self._phase(phase, body)
             self.cursor = _Cursor()
             self.engine.report = attrs.evolve(self.engine.report, phases=tuple(self.results))
             self._emit(EventKind.PIPELINE_END, total=len(self.descriptors), pool_bytes=self.pool_bytes)
@@ -265,6 +271,8 @@ class _Pipeline:
                                         start, time.perf_counter()))
 
     def _emit(self, kind: EventKind, **fields) -> None:
+        if not self.listeners:
+            return
         event = Event(kind, rank=self.rank, defer=self.stack.push, **fields)
         for listener in self.listeners:
             self.cursor.listener = listener
@@ -276,7 +284,7 @@ class _Pipeline:
         cursor = self.cursor
         failures: list[BaseException] = []
         event = Event(EventKind.ROLLBACK, rank=self.rank, phase=cursor.phase, descriptor=cursor.descriptor,
-                      region=cursor.region, error=f"{type(exc).__name__}: {exc}")
+                      region=cursor.region, segment=cursor.segment, error=f"{type(exc).__name__}: {exc}")
         for listener in self.listeners:
             try:
                 listener.on_event(event)
@@ -338,6 +346,10 @@ class _Pipeline:
                 offered["channels"] = self.channels.handles
             self.model = build_model(plan, offered)
             self.stack.push("drop the model", self._drop_model)
+        bind = getattr(self.channels, "bind", None)
+        if bind is not None:  # so a channel's prewarm hook resolves on this model
+            bind(self.model)
+            self.stack.push("unbind the model from the channels", functools.partial(bind, None))
         for segment in self.segments:
             self.cursor.segment = segment.name
             self.fns[segment.name] = resolve(self.model, segment.call, kind="segment", name=segment.name, plan=plan)
@@ -458,14 +470,20 @@ class _Pipeline:
             for stream, calls in self._stream_runs(self._eager_step(descriptor.size)):
                 with self.backend.on_stream(stream):
                     for segment, call in calls:
-                        self.cursor.segment = segment.name
-                        call()
+                        self._run_segment(segment, call)
             self.cursor.segment = None
             self._synchronize()
             expected = {n: views[n].clone() for n in written}
             _restore(views, start)
-            for call in self.programs[descriptor]:
-                call()
+            # The program holds bare callables; the step's items, listed again, say which
+            # are eager breaks (a graph replay runs no Python to bracket).
+            for item, call in zip(self._step_items(descriptor.mode), self.programs[descriptor], strict=True):
+                if isinstance(item, Segment):
+                    self._run_segment(item, call)
+                else:
+                    self.cursor.segment = None
+                    call()
+            self.cursor.segment = None
             self._synchronize()
             self.verify_results.append(self._compare(descriptor, views, expected, last_writer))
             _restore(views, kept)
@@ -545,12 +563,31 @@ class _Pipeline:
         return runs
 
     def _watched(self, segment: Segment, call: Call, phase: Phase, *, capturing: bool) -> None:
+        watch = None
+        if self.detectors is not None and segment.is_graph:  # eager breaks may sync: that is their job
+            watch = self.detectors.watch(segment.name, phase, capturing, self._segment_device(segment))
+        self._run_segment(segment, call, watch)
+
+    def _run_segment(self, segment: Segment, call: Call, watch: contextlib.AbstractContextManager | None = None
+                     ) -> None:
+        """One segment call, between SEGMENT_BEGIN and SEGMENT_END when anyone listens.
+
+        The events are emitted outside the detectors' watch, so what a listener does is
+        never taken for the segment's own work. A segment that raises gets no END: the
+        ROLLBACK event follows instead.
+        """
         self.cursor.segment = segment.name
-        if self.detectors is None or not segment.is_graph:  # eager breaks may sync: that is their job
+        if self.segment_events:
+            self._emit(EventKind.SEGMENT_BEGIN, phase=self.cursor.phase, descriptor=self.cursor.descriptor,
+                       region=self.cursor.region, segment=segment.name)
+        if watch is None:
             call()
         else:
-            with self.detectors.watch(segment.name, phase, capturing, self._segment_device(segment)):
+            with watch:
                 call()
+        if self.segment_events:
+            self._emit(EventKind.SEGMENT_END, phase=self.cursor.phase, descriptor=self.cursor.descriptor,
+                       region=self.cursor.region, segment=segment.name)
 
     def _make_detectors(self) -> None:
         from graphflow.detectors import Check, Detectors

@@ -6,6 +6,10 @@ compressed caches that later steps read, so a replay that is wrong in any bit of
 shows up as a different token sequence. ``decode_both`` runs the same greedy decode
 through ``Runner`` (replaying the captured step) and through the plan's segments run
 eagerly on a private copy of every buffer, from identical state.
+
+Each step supplies the positions twice, as an engine's scheduler would: on the device
+(``positions``, which the graphs read) and, when the plan declares it, on the host
+(``positions_host``, which the eager attention sizes its work from without a sync).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch
 
 from graphflow.runtime import Runner
 
-__all__ = ["DecodeTrace", "decode_both"]
+__all__ = ["DecodeTrace", "decode_both", "step_inputs"]
 
 
 @attrs.frozen
@@ -24,6 +28,16 @@ class DecodeTrace:
 
     tokens: torch.Tensor
     logits: torch.Tensor
+
+
+def step_inputs(names: tuple[str, ...], tokens: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, ...]:
+    """One step's inputs in ``names`` order: tokens [B], positions [B] on tokens' device and on the host."""
+    host = torch.tensor(positions, dtype=torch.int64)
+    by_name = {"tokens": tokens, "positions": host.to(tokens.device), "positions_host": host}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(f"the dsv4 decode supplies tokens, positions and positions_host, not {missing}")
+    return tuple(by_name[n] for n in names)
 
 
 def decode_both(engine, size: int, steps: int, *, seed: int = 0) -> tuple[DecodeTrace, DecodeTrace]:
@@ -36,21 +50,20 @@ def decode_both(engine, size: int, steps: int, *, seed: int = 0) -> tuple[Decode
     generator = torch.Generator().manual_seed(seed)
     first = torch.randint(0, vocab, (size,), generator=generator).to(device)
     replayed, eager = [], []
-    for feed, run in ((replayed, lambda tok, pos: runner.run(tok, pos)[0]),
-                      (eager, lambda tok, pos: _eager_step(views, eager_calls, tok, pos))):
+    for feed, run in ((replayed, lambda inputs: runner.run(*inputs)[0]),
+                      (eager, lambda inputs: _eager_step(views, eager_calls, runner.inputs, inputs))):
         tokens = first
         for step in range(steps):
-            positions = torch.full((size,), step, dtype=torch.int64, device=device)
-            logits = run(tokens, positions).clone()
+            logits = run(step_inputs(runner.inputs, tokens, [step] * size)).clone()
             feed.append((tokens, logits))
             tokens = logits.argmax(dim=-1)
     return tuple(DecodeTrace(torch.stack([t for t, _ in f]), torch.stack([l for _, l in f]))
                  for f in (replayed, eager))
 
 
-def _eager_step(views, calls, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    views["tokens"].copy_(tokens)
-    views["positions"].copy_(positions)
+def _eager_step(views, calls, names: tuple[str, ...], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    for name, value in zip(names, inputs):
+        views[name].copy_(value)
     for call in calls:
         call()
     return views["logits"]

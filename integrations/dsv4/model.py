@@ -9,7 +9,8 @@ One decode step (T = 1), per plan:
 
     embed:                 tokens, positions → x (streams), rope (cos | sin)
     per layer  pre:        x, rope → q, kv (roped latents), post_mix, res_mix
-               attention:  eager (Python-int counts) or static (device counts, FULL)
+               attention:  eager (Python-int counts from positions_host, a host buffer)
+                           or static (device counts, FULL)
                post:       o, mixes, x → x (mixing, MoE + shared expert, mixing)
     head:                  x → logits
 
@@ -97,23 +98,21 @@ class DecoderLayer(nn.Module):
         res_mix.copy_(h_res)
 
     @graphflow.eager_break("L{layer}.attn", stream="s0",
-                           reads=["q{layer}", "kv{layer}", "positions", "kv_cache{layer}", "comp_cache{layer}"],
+                           reads=["q{layer}", "kv{layer}", "positions", "positions_host", "kv_cache{layer}",
+                                  "comp_cache{layer}"],
                            writes=["o{layer}", "kv_cache{layer}", "comp_cache{layer}"])
-    def attention(self, q, kv, positions, kv_cache, comp_cache, o) -> None:
-        """The eager break: counts are Python ints read back from the device (not capturable).
-
-        The read-back synchronizes with the GPU once per layer; an engine that keeps
-        sequence lengths on the host would pass them instead (see docs/dsv4.md).
-        """
-        o.copy_(eager_attention(self.layout, self.compressor, q, kv, positions, positions.tolist(),
-                                kv_cache, comp_cache))
+    def attention(self, q, kv, positions, positions_host, kv_cache, comp_cache, o) -> None:
+        """The eager break: counts are Python ints (not capturable), read from the host copy
+        of the positions, so the GPU is never waited for (see docs/dsv4.md)."""
+        eager_attention(self.layout, self.compressor, q, kv, positions, positions_host.tolist(), kv_cache,
+                        comp_cache, o)
 
     @graphflow.segment("L{layer}.attn", stream="s0",
                        reads=["q{layer}", "kv{layer}", "positions", "kv_cache{layer}", "comp_cache{layer}"],
                        writes=["o{layer}", "kv_cache{layer}", "comp_cache{layer}"])
     def static_attention(self, q, kv, positions, kv_cache, comp_cache, o) -> None:
         """The capturable form: counts on the device, shapes fixed by the batch size."""
-        o.copy_(static_attention(self.layout, self.compressor, q, kv, positions, kv_cache, comp_cache))
+        static_attention(self.layout, self.compressor, q, kv, positions, kv_cache, comp_cache, o)
 
     @graphflow.segment("L{layer}.post", stream="s0", data_dependent=True,
                        reads=["o{layer}", "post_mix{layer}", "res_mix{layer}", "x", "expert_load"],
@@ -135,6 +134,9 @@ class DSV4Model(nn.Module):
                               values=lambda m: (0, m.config.vocab_size))
     positions = graphflow.buffer(shape=_declared_shape("positions"), dtype="int64", device=_DEVICE, role="input",
                                  values=lambda m: (0, m.config.max_len))
+    # The same positions on the host: the eager attention sizes its work from them without a sync.
+    positions_host = graphflow.buffer(shape=_declared_shape("positions_host"), dtype="int64", device="cpu",
+                                      role="input", values=lambda m: (0, m.config.max_len))
     x = graphflow.buffer(shape=_declared_shape("x"), dtype=_model_dtype, device=_DEVICE)  # hyper-connection streams
     rope = graphflow.buffer(shape=_declared_shape("rope"), dtype=_model_dtype, device=_DEVICE)  # cos | sin
     expert_load = graphflow.buffer(shape=_declared_shape("expert_load"), dtype="int64", device=_DEVICE,
@@ -172,8 +174,10 @@ class DSV4Model(nn.Module):
             q, kv, o, post_mix, res_mix = (bufs[f"{stem}{i}"] for stem in ("q", "kv", "o", "post_mix", "res_mix"))
             kv_cache, comp_cache = bufs[f"kv_cache{i}"], bufs[f"comp_cache{i}"]
             layer.pre_attention(x, rope, q, kv, post_mix, res_mix)
-            attention = layer.static_attention if static else layer.attention
-            attention(q, kv, positions, kv_cache, comp_cache, o)
+            if static:
+                layer.static_attention(q, kv, positions, kv_cache, comp_cache, o)
+            else:
+                layer.attention(q, kv, positions, bufs["positions_host"], kv_cache, comp_cache, o)
             layer.post_attention(o, post_mix, res_mix, x, expert_load)
         self.head(x, bufs["logits"])
 
@@ -198,6 +202,7 @@ def expected_shapes(config: DSV4Config) -> dict[str, tuple]:
     return {
         "tokens": ("B",),
         "positions": ("B",),
+        "positions_host": ("B",),
         "x": ("B", c.hc_streams, c.hidden_size),
         "rope": ("B", c.rope_dim),
         "q": ("B", c.n_heads, c.kv_dim),

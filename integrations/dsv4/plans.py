@@ -38,7 +38,7 @@ def plan_variant(path: str | pathlib.Path, *, sizes: tuple[int, ...] | None = No
             buffer["shape"] = list(shapes[stem])
         if buffer.get("role") == "input" and stem == "tokens":
             buffer["values"] = [0, config.vocab_size]
-        if buffer.get("role") == "input" and stem == "positions":
+        if buffer.get("role") == "input" and stem in ("positions", "positions_host"):
             buffer["values"] = [0, config.max_len]
         if buffer.get("dtype") in ("float32", "bfloat16", "float16") and stem != "logits":
             buffer["dtype"] = config.dtype

@@ -1,7 +1,7 @@
 """Seeded random weights: the model is built, never downloaded.
 
 Weights are drawn on the target device from one seeded generator, in construction
-order, so a model is the same on every run of one device (a 36 GB model is drawn in a
+order, so a model is the same on every run of one device (an 8 GB model is drawn in a
 second on a GPU, not minutes on a CPU). Every parameter is frozen: inference only, and
 no autograd graph is ever recorded during capture.
 """

@@ -2,7 +2,10 @@
 
 For every descriptor of both bundled plans: a 64-step greedy decode replayed through
 graphflow's runtime gives the same tokens and bit-identical logits at every step as the
-same decode run eagerly from the same state.
+same decode run eagerly from the same state. The PIECEWISE plan's eager attentions read
+their counts from ``positions_host``, a buffer the CUDA backend keeps on the host: it
+captures, verifies bit-exact and decodes like any other, and its step never waits for
+the GPU.
 """
 
 import pathlib
@@ -13,6 +16,7 @@ import torch
 from graphflow.engine import run_pipeline
 from graphflow.integrations.dsv4.decode import decode_both
 from graphflow.loader import load_plan
+from graphflow.runtime import Runner
 
 PLANS = pathlib.Path(__file__).resolve().parents[2] / "plans"
 STEPS = 64
@@ -38,3 +42,35 @@ class TestCudaDecodeReplay:
         assert torch.equal(replayed.tokens, eager.tokens)
         for step in range(STEPS):
             assert torch.equal(replayed.logits[step], eager.logits[step]), f"logits differ at step {step}"
+
+
+@pytest.fixture(scope="module")
+def piecewise():
+    engine = run_pipeline(load_plan(PLANS / "dsv4_mini_piecewise.yaml"), backend="cuda")
+    yield engine
+    engine.close()
+
+
+class TestCudaHostPositions:
+    def test_the_host_positions_live_in_host_memory_and_the_rest_on_the_gpu(self, piecewise):
+        devices = {name: tensor.device.type for name, tensor in piecewise.buffers.tensors.items()}
+        assert devices.pop("positions_host") == "cpu"
+        assert set(devices.values()) == {"cuda"}
+        assert piecewise.report.graphs == 5 * len(piecewise.plan.capture.sizes)
+
+    @pytest.mark.parametrize("size", [1, 3, 8])
+    def test_a_piecewise_step_never_waits_for_the_gpu(self, piecewise, size):
+        # Positions 0..7 cover steps with and without a compressed entry due.
+        runner = Runner(piecewise)
+        tokens = torch.randint(0, 512, (size,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        steps = [(torch.full((size,), p, dtype=torch.int64, device="cuda"), torch.full((size,), p, dtype=torch.int64))
+                 for p in range(8)]
+        runner.run(tokens, *steps[0])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for positions, host in steps:
+                runner.run(tokens, positions, host)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()

@@ -1,0 +1,291 @@
+"""The dsv4 decoder split across ranks: attention heads and experts sharded, one all-reduce each.
+
+Each rank builds the whole seeded model (the weights are random, drawn the same on every
+rank) and keeps its shard, so a tensor-parallel step equals the unsharded one up to
+summation order. Per rank, with ``W`` ranks and ``r`` this rank:
+
+* attention: heads ``[r*H/W, (r+1)*H/W)``. The latent (MQA: one key/value per token)
+  and its caches are replicated: every rank writes the same latent into its own cache.
+  The output projection is row-parallel; its partial sum is all-reduced on ``tp_ar``.
+* MoE: the router is replicated (every rank picks the same top-k of all experts);
+  a rank runs experts ``[r*E/W, (r+1)*E/W)`` with the other experts' weights zeroed in
+  its routing, plus its slice of the shared expert's intermediate dimension. The two
+  partial sums are added and all-reduced once, on ``tp_ar``.
+* embedding, hyper-connections, norms and the head are replicated.
+
+So a layer's ``post`` segment makes two all-reduces of ``[B, d]``, always, whatever the
+routing: the collective sequence depends on the batch size alone, the same on every
+rank, which is what lets FULL capture record it.
+
+The plans ``plans/dsv4_tp_piecewise.yaml`` and ``plans/dsv4_tp_full.yaml`` are written
+for 2 ranks; ``tp_plan(path, world_size)`` gives the plan for another number of ranks
+(the sharded buffers ``q`` and ``o`` hold ``n_heads / world_size`` heads). See docs/tp.md.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphflow.errors import PlanError
+from graphflow.integrations.dsv4.config import DSV4Config
+from graphflow.integrations.dsv4.mhc import HyperConnection
+from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, expected_shapes
+from graphflow.integrations.dsv4.moe import count_experts, uses_gather
+from graphflow.integrations.dsv4.rope import apply_rope, rope_table
+
+__all__ = ["TPDecoderLayer", "TPModel", "Shard", "build_tp_model", "tp_plan", "tp_shapes"]
+
+#: The channel every all-reduce of the model goes through.
+TP_CHANNEL = "tp_ar"
+
+
+class Shard:
+    """One rank's slice of a dimension of ``total`` split ``world_size`` ways."""
+
+    def __init__(self, total: int, rank: int, world_size: int, what: str):
+        if total % world_size:
+            raise ValueError(f"{what} ({total}) must be divisible by world_size ({world_size})")
+        self.size = total // world_size
+        self.start = rank * self.size
+        self.stop = self.start + self.size
+
+    def __repr__(self) -> str:
+        return f"Shard({self.start}:{self.stop})"
+
+
+class _SingleRank:
+    """The all-reduce of a group of one rank: the identity."""
+
+    @staticmethod
+    def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor.contiguous().clone(), requires_grad=False)
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class TPDecoderLayer(nn.Module):
+    """One decoder layer's shard; same entry points and calling convention as ``DecoderLayer``."""
+
+    def __init__(self, full: DecoderLayer, rank: int, world_size: int, tp, reduce: torch.Tensor):
+        super().__init__()
+        c = full.config
+        self.index, self.config, self.layout, self.tp = full.index, c, full.layout, tp
+        self.register_buffer("reduce", reduce, persistent=False)  # [max_batch, d], shared by the layers
+        self.heads = Shard(c.n_heads, rank, world_size, "n_heads")
+        self.experts = Shard(c.n_experts, rank, world_size, "n_experts")
+        inter = Shard(c.shared_inter, rank, world_size, "shared_inter")
+        # Replicated: mixing, norms, the compressor and the router.
+        self.attn_mix, self.attn_norm, self.compressor = full.attn_mix, full.attn_norm, full.compressor
+        self.ffn_mix, self.ffn_norm, self.router = full.ffn_mix, full.ffn_norm, full.moe.router
+        # This rank's heads' queries, then the shared latent: [d, (H/W + 1) * kv_dim].
+        qkv = full.qkv.view(c.hidden_size, c.n_heads + 1, c.kv_dim)
+        self.qkv = _frozen(torch.cat([qkv[:, self.heads.start:self.heads.stop], qkv[:, c.n_heads:]], 1)
+                           .flatten(1))
+        self.out = _frozen(full.out[self.heads.start * c.kv_dim:self.heads.stop * c.kv_dim])  # [H/W * kv_dim, d]
+        self.w13 = _frozen(full.moe.w13[self.experts.start:self.experts.stop])  # [E/W, d, 2f]
+        self.w2 = _frozen(full.moe.w2[self.experts.start:self.experts.stop])  # [E/W, f, d]
+        gate, up = full.shared.w13.chunk(2, dim=-1)  # column-parallel halves, each [d, f_shared]
+        self.shared_w13 = _frozen(torch.cat([gate[:, inter.start:inter.stop], up[:, inter.start:inter.stop]], 1))
+        self.shared_w2 = _frozen(full.shared.w2[inter.start:inter.stop])  # row-parallel: [f_shared/W, d]
+
+    def pre_attention(self, x, rope, q, kv, post_mix, res_mix) -> None:
+        """x [B, n, d], rope [B, r] → q [B, H/W, kv_dim] (this rank's heads), kv [B, kv_dim], mixes."""
+        c = self.config
+        h_pre, h_post, h_res = self.attn_mix.coefficients(x)
+        h = F.rms_norm(HyperConnection.pre(x, h_pre), (c.hidden_size,), self.attn_norm, c.norm_eps)
+        qkv = torch.matmul(h, self.qkv).view(-1, self.heads.size + 1, c.kv_dim)
+        qkv[..., : c.rope_dim] = apply_rope(qkv[..., : c.rope_dim], rope)
+        q.copy_(qkv[:, : self.heads.size])
+        kv.copy_(qkv[:, self.heads.size])
+        post_mix.copy_(h_post)
+        res_mix.copy_(h_res)
+
+    # Attention runs on this rank's heads as the whole layer runs on all of them: the
+    # methods read only the layout, the compressor and the shapes of q and o.
+    attention = DecoderLayer.attention  # the eager break (PIECEWISE)
+    static_attention = DecoderLayer.static_attention  # the capturable form (FULL)
+
+    def post_attention(self, o, post_mix, res_mix, x, expert_load) -> None:
+        """o [B, H/W, kv_dim] → x [B, n, d] in place, after two all-reduces; counts into expert_load."""
+        c = self.config
+        reduce = self.reduce[: o.shape[0]]
+        torch.matmul(o.flatten(1), self.out, out=reduce)  # this rank's heads' share of the projection
+        self.tp.all_reduce(reduce)
+        streams = HyperConnection.post(x, reduce, post_mix, res_mix)
+        h_pre, h_post, h_res = self.ffn_mix.coefficients(streams)
+        h = F.rms_norm(HyperConnection.pre(streams, h_pre), (c.hidden_size,), self.ffn_norm, c.norm_eps)
+        ids, weights = self.router(h)
+        count_experts(ids, expert_load[self.index])
+        shared = torch.matmul(_swiglu(torch.matmul(h, self.shared_w13)), self.shared_w2)
+        torch.add(self.routed(h, ids, weights), shared, out=reduce)
+        self.tp.all_reduce(reduce)
+        x.copy_(HyperConnection.post(streams, reduce, h_post, h_res))
+
+    def routed(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' share of the routed FFN, h [B, d] → [B, d].
+
+        The path (gather or dense) is the unsharded model's, chosen by the batch size; a
+        (token, expert) pair of another rank's expert gets weight zero here.
+        """
+        local = ids - self.experts.start
+        mine = (local >= 0) & (local < self.experts.size)
+        weights = weights * mine.to(weights.dtype)
+        if uses_gather(h.shape[0], ids.shape[1], self.config.n_experts):
+            batch, k = ids.shape
+            flat = local.clamp(0, self.experts.size - 1).flatten()
+            x = h.unsqueeze(1).expand(batch, k, h.shape[1]).reshape(batch * k, 1, h.shape[1])  # [B*k, 1, d]
+            act = _swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
+            out = torch.bmm(act, self.w2.index_select(0, flat)).view(batch, k, -1)  # [B, k, d]
+            return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
+        act = _swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E/W, B, f]
+        out = torch.bmm(act, self.w2)  # [E/W, B, d]
+        routing = torch.zeros(h.shape[0], self.config.n_experts, device=h.device, dtype=h.dtype)
+        routing.scatter_(1, ids, weights)
+        routing = routing[:, self.experts.start:self.experts.stop]  # [B, E/W]
+        return torch.bmm(out.permute(1, 2, 0), routing.unsqueeze(-1)).squeeze(-1)
+
+
+class TPModel(nn.Module):
+    """A rank's shard of ``DSV4Model``, built from the whole model; entry points as in the plans.
+
+    ``tp`` is the handle every all-reduce goes through (``channels["tp_ar"]``).
+    ``layer_type`` builds each layer's shard from the whole layer.
+
+    Every all-reduce runs in place on one model-owned buffer (``reduce``, [max_batch, d]),
+    never on a temporary: a custom all-reduce needs its input at a fixed, registered
+    address, and a collective library that keeps a reference to its input after the
+    call (gloo's work objects do, briefly) must not keep alive memory of the graph pool.
+    """
+
+    def __init__(self, full: DSV4Model, rank: int, world_size: int, tp, *,
+                 layer_type: type[TPDecoderLayer] = TPDecoderLayer):
+        super().__init__()
+        self.config, self.layout, self.rank, self.world_size = full.config, full.layout, rank, world_size
+        self.embedding, self.head_mix = full.embedding, full.head_mix
+        self.final_norm, self.lm_head = full.final_norm, full.lm_head
+        c = full.config
+        self.register_buffer("reduce", torch.zeros(c.max_batch, c.hidden_size, device=full.embedding.device,
+                                                   dtype=full.embedding.dtype), persistent=False)
+        self.layers = nn.ModuleList(layer_type(layer, rank, world_size, tp, self.reduce) for layer in full.layers)
+
+    def embed(self, tokens, positions, x, rope) -> None:
+        """tokens [B] → every stream of x [B, n, d]; positions [B] → rope [B, r]."""
+        c = self.config
+        x.copy_(F.embedding(tokens, self.embedding).unsqueeze(1).expand_as(x))
+        rope.copy_(rope_table(positions, c.rope_dim, c.rope_base, rope.dtype))
+
+    def head(self, x, logits) -> None:
+        """x [B, n, d] → logits [B, vocab] (float32), the same on every rank."""
+        c = self.config
+        h = torch.matmul(self.head_mix, x)
+        logits.copy_(torch.matmul(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.norm_eps), self.lm_head))
+
+    def step(self, bufs, *, static: bool) -> None:
+        """One decode step on ``bufs`` (buffer name → view), in the plans' segment order."""
+        x, rope, positions, expert_load = bufs["x"], bufs["rope"], bufs["positions"], bufs["expert_load"]
+        self.embed(bufs["tokens"], positions, x, rope)
+        for i, layer in enumerate(self.layers):
+            q, kv, o, post_mix, res_mix = (bufs[f"{stem}{i}"] for stem in ("q", "kv", "o", "post_mix", "res_mix"))
+            layer.pre_attention(x, rope, q, kv, post_mix, res_mix)
+            kv_cache, comp_cache = bufs[f"kv_cache{i}"], bufs[f"comp_cache{i}"]
+            if static:
+                layer.static_attention(q, kv, positions, kv_cache, comp_cache, o)
+            else:
+                layer.attention(q, kv, positions, bufs["positions_host"], kv_cache, comp_cache, o)
+            layer.post_attention(o, post_mix, res_mix, x, expert_load)
+        self.head(x, bufs["logits"])
+
+
+def tp_shapes(config: DSV4Config, world_size: int) -> dict[str, tuple]:
+    """``expected_shapes`` with the head dimension of ``q`` and ``o`` split ``world_size`` ways."""
+    heads = Shard(config.n_heads, 0, world_size, "n_heads").size
+    shapes = expected_shapes(config)
+    shapes["q"] = shapes["o"] = ("B", heads, config.kv_dim)
+    return shapes
+
+
+def _check_plan(config: DSV4Config, plan, world_size: int) -> None:
+    expected = tp_shapes(config, world_size)
+    symbol = plan.capture.size_symbol
+    for buffer in plan.buffers:
+        want = expected.get(buffer.name.rstrip("0123456789"))
+        if want is None:
+            continue
+        want = tuple(symbol if dim == "B" else dim for dim in want)
+        if tuple(buffer.shape) != want:
+            origin = plan.origin("buffer", buffer.name)
+            raise PlanError(
+                f"buffer {buffer.name!r} has shape {list(buffer.shape)} but the tensor-parallel dsv4 model on "
+                f"{world_size} rank(s) needs {list(want)} — fix the shape, or build the plan with "
+                f"tp_plan(path, world_size={world_size})",
+                **({"file": origin.file, "line": origin.line} if origin else {}), element=f"buffer {buffer.name}")
+
+
+def build_tp_model(*, device: str | torch.device = "cpu", plan=None, rank: int = 0, world_size: int = 1,
+                   channels=None, **model_args) -> TPModel:
+    """The factory the TP plans name: ``graphflow.integrations.dsv4.tp:build_tp_model``.
+
+    ``channels`` must hold ``tp_ar`` when ``world_size`` > 1 (the engine offers the
+    channel runtime's handles). A plan whose ``world_size`` differs from the run's is
+    refused: its sharded buffer shapes would not fit.
+    """
+    config = DSV4Config(**model_args)
+    for total, what in ((config.n_heads, "n_heads"), (config.n_experts, "n_experts"),
+                        (config.shared_inter, "shared_inter")):
+        Shard(total, rank, world_size, what)
+    if plan is not None:
+        if plan.world_size != world_size:
+            raise ValueError(f"plan {plan.name!r} is written for world_size {plan.world_size}, the run has "
+                             f"{world_size} — build it with tp_plan(path, world_size={world_size})")
+        _check_plan(config, plan, world_size)
+    if channels is not None and TP_CHANNEL in channels:
+        tp = channels[TP_CHANNEL]
+    elif world_size == 1:
+        tp = _SingleRank()
+    else:
+        raise ValueError(f"the tensor-parallel dsv4 model on {world_size} ranks needs channel {TP_CHANNEL!r}: "
+                         "declare it in the plan and pass the channel runtime's handles")
+    return TPModel(DSV4Model(config, torch.device(device)), rank, world_size, tp)
+
+
+def tp_plan(path: str | pathlib.Path, world_size: int, *, sizes: tuple[int, ...] | None = None, **model_args):
+    """The TP plan at ``path`` for ``world_size`` ranks, with ``model_args`` overridden.
+
+    Like ``plans.plan_variant``, the YAML document is rewritten (world size, layer range,
+    descriptor sizes, every model buffer's shape) and loaded by the ordinary loader.
+    """
+    import yaml
+
+    from graphflow.loader import loads_plan
+
+    path = pathlib.Path(path)
+    doc = yaml.safe_load(path.read_text())
+    args = {**doc.get("model_args", {}), **model_args}
+    config = DSV4Config(**args)
+    shapes = tp_shapes(config, world_size)
+    doc["model_args"], doc["world_size"] = args, world_size
+    doc["for_each"] = {**doc.get("for_each", {}), "layer": f"range({config.n_layers})"}
+    if sizes is not None:
+        doc["symbols"] = {**doc.get("symbols", {}), "B": sorted(sizes)}
+    for name, buffer in doc["buffers"].items():
+        stem = name.replace("{layer}", "")
+        if stem in shapes:
+            buffer["shape"] = list(shapes[stem])
+        if stem == "tokens":
+            buffer["values"] = [0, config.vocab_size]
+        if stem in ("positions", "positions_host"):
+            buffer["values"] = [0, config.max_len]
+        if buffer.get("dtype") in ("float32", "bfloat16", "float16") and stem != "logits":
+            buffer["dtype"] = config.dtype
+    return loads_plan(yaml.safe_dump(doc, sort_keys=False), file=f"{path} (world_size {world_size})")
