@@ -4,6 +4,7 @@ Layers, from data to GPU:
 
 * ``graphflow.plan``: the capture plan as frozen attrs classes (no torch).
 * ``graphflow.loader``: YAML in and out, with ``for_each`` templating (no torch).
+* ``graphflow.decorators``: the same plan declared on the model's classes (no torch).
 * ``graphflow.validate``: the rule table run before any GPU work (no torch).
 * ``graphflow.engine``: the phase pipeline with rollback, over a CUDA or CPU backend.
 * ``graphflow.runtime``: dispatch a batch to its captured descriptor and replay.

@@ -43,6 +43,8 @@ from typing import Any, TypeVar
 import attrs
 
 from graphflow.errors import PlanError
+# One template grammar for YAML and decorated plans: the loader's.
+from graphflow.loader import _TOKEN, _VAR
 from graphflow.plan import (
     Buffer,
     BufferRole,
@@ -377,8 +379,6 @@ def _is_module_class(owner: type) -> bool:
 
 
 # -- templates -------------------------------------------------------------------------------
-_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
-_VAR = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:([+-])\s*(\d+)\s*)?\Z")
 
 
 def _expand(text: str, env: Mapping[str, int], fail: Callable[[str], PlanError]) -> str:

@@ -154,8 +154,10 @@ class Origin:
 class Buffer:
     """A static tensor, allocated once at its largest descriptor size before capture.
 
-    ``capacity`` caps symbols for this buffer (a KV cache sized for at most 64
-    sequences); descriptors above it cannot be captured. ``alias_of`` declares that
+    ``capacity`` gives the rows this buffer holds along a symbol (a KV cache for 64
+    sequences): it is allocated at ``max(largest descriptor, capacity)``, the runtime's
+    eager fallback may use it for larger batches, and a descriptor above it cannot be
+    captured (GF604). ``alias_of`` declares that
     this buffer is a view of another's storage: writes to either are writes to both.
     ``values`` is the half-open range ``[low, high)`` that verify draws random inputs
     from (token ids need ``[0, vocab)``); floats default to a standard normal.
@@ -390,6 +392,15 @@ class Plan:
         """Every symbol's value for a descriptor of this batch size."""
         values = dict(self.symbols)
         values[self.capture.size_symbol] = size
+        return values
+
+    def buffer_values(self, buffer: Buffer, size: int) -> dict[str, int]:
+        """The symbol values ``buffer`` holds at a descriptor size: a ``capacity`` caps its
+        symbols, since the buffer never grows past it (the validator and ``show`` agree)."""
+        values = self.symbol_values(size)
+        for symbol, cap in buffer.capacity.items():
+            if symbol in values:
+                values[symbol] = min(values[symbol], cap)
         return values
 
     def descriptors(self) -> tuple[Descriptor, ...]:

@@ -164,14 +164,10 @@ def _buffer_bytes(plan: Plan, buffer: Buffer, size: int) -> int | None:
 
     A buffer with a ``capacity`` never grows past it, so its symbols are capped.
     """
-    values = plan.symbol_values(size)
-    for symbol, cap in buffer.capacity.items():
-        if symbol in values:
-            values[symbol] = min(values[symbol], cap)
     if buffer.dtype not in DTYPE_BYTES:
         return None
     try:
-        return buffer.nbytes(values)
+        return buffer.nbytes(plan.buffer_values(buffer, size))
     except (KeyError, ValueError):
         return None
 

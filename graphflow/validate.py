@@ -218,15 +218,6 @@ def _sizes(plan: Plan) -> list[int]:
     return [s for s in plan.capture.sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0]
 
 
-def _alloc_values(plan: Plan, buffer: Buffer, size: int) -> dict[str, int]:
-    """Symbol values a buffer is allocated with at a descriptor size (capacity caps them)."""
-    values = plan.symbol_values(size)
-    for symbol, cap in buffer.capacity.items():
-        if symbol in values:
-            values[symbol] = min(values[symbol], cap)
-    return values
-
-
 def _known_symbols(plan: Plan) -> set[str]:
     return {*plan.symbols, plan.capture.size_symbol}
 
@@ -250,7 +241,7 @@ def _nbytes(plan: Plan, buffer: Buffer) -> int | None:
     sizes = _sizes(plan)
     if not sizes or not _shape_is_valid(plan, buffer) or buffer.dtype not in DTYPE_BYTES:
         return None
-    values = _alloc_values(plan, buffer, max(sizes))
+    values = plan.buffer_values(buffer, max(sizes))
     return buffer.numel(values) * DTYPE_BYTES[buffer.dtype]
 
 
@@ -764,7 +755,7 @@ def uncovered_shapes(plan: Plan) -> Iterator[Finding]:
             continue
         # Sizes are positive, so a dimension's sign is the same at every size: check one.
         size = min(sizes)
-        values = _alloc_values(plan, buffer, size)
+        values = plan.buffer_values(buffer, size)
         bad = [i for i, dim in enumerate(buffer.shape) if eval_dim(dim, values) <= 0]
         if bad:
             dims = ", ".join(f"dimension {i} ({buffer.shape[i]!r}) = {eval_dim(buffer.shape[i], values)}" for i in bad)

@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from graphflow.channels import ChannelRegistry, ChannelRuntime
-from graphflow.errors import CaptureError, DivergenceError
+from graphflow.errors import CaptureError
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.trace import CallPath, Tracer

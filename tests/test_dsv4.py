@@ -37,6 +37,19 @@ def _state(config: DSV4Config, batch: int, seed: int = 0):
     return pool, comp
 
 
+def _attention_case(layer: int, positions: list[int], *, seed: int, state_seed: int = 0):
+    """The mini model, one of its layers, random ``q``/``kv`` for a batch at ``positions``,
+    the positions as a tensor, and two equal copies of one cache state: the eager and
+    the static attention each get their own, so their updates can be compared."""
+    model = build_model()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(positions), MINI.n_heads, MINI.kv_dim, generator=g)
+    kv = torch.randn(len(positions), MINI.kv_dim, generator=g)
+    pool, comp = _state(MINI, len(positions), seed=state_seed)
+    return (model, model.layers[layer], q, kv, torch.tensor(positions), (pool, comp),
+            (pool.clone(), comp.clone()))
+
+
 class TestSinkhorn:
     def test_rows_and_columns_sum_to_one(self):
         logits = torch.randn(64, 4, 4, generator=torch.Generator().manual_seed(0))
@@ -99,16 +112,7 @@ class TestCompressor:
 class TestAttentionForms:
     @pytest.mark.parametrize("positions", [[0], [3], [37], [0, 3, 4, 127, 64, 21, 22, 23]])
     def test_eager_and_static_attention_agree_on_the_same_state(self, positions):
-        config = MINI
-        model = build_model()
-        layer = model.layers[1]
-        batch = len(positions)
-        g = torch.Generator().manual_seed(2)
-        q = torch.randn(batch, config.n_heads, config.kv_dim, generator=g)
-        kv = torch.randn(batch, config.kv_dim, generator=g)
-        pool_e, comp_e = _state(config, batch)
-        pool_s, comp_s = pool_e.clone(), comp_e.clone()
-        pos = torch.tensor(positions)
+        model, layer, q, kv, pos, (pool_e, comp_e), (pool_s, comp_s) = _attention_case(1, positions, seed=2)
         out_e = eager_attention(model.layout, layer.compressor, q, kv, pos, positions, pool_e, comp_e)
         out_s = static_attention(model.layout, layer.compressor, q, kv, pos, pool_s, comp_s)
         assert torch.allclose(out_e, out_s, atol=1e-5, rtol=1e-5)
@@ -171,16 +175,8 @@ class TestHostPositions:
 
     @pytest.mark.parametrize("positions", [[7], [3, 7, 11, 15], [0, 5, 6, 7, 8, 100, 101, 127]])
     def test_both_forms_append_and_attend_alike_when_every_or_some_sequence_is_due(self, positions):
-        config = MINI
-        model = build_model()
-        layer = model.layers[2]
-        batch = len(positions)
-        g = torch.Generator().manual_seed(6)
-        q = torch.randn(batch, config.n_heads, config.kv_dim, generator=g)
-        kv = torch.randn(batch, config.kv_dim, generator=g)
-        pool_e, comp_e = _state(config, batch, seed=1)
-        pool_s, comp_s = pool_e.clone(), comp_e.clone()
-        pos = torch.tensor(positions)
+        model, layer, q, kv, pos, (pool_e, comp_e), (pool_s, comp_s) = _attention_case(2, positions, seed=6,
+                                                                                       state_seed=1)
         out_e = torch.empty_like(q)
         returned = eager_attention(model.layout, layer.compressor, q, kv, pos, positions, pool_e, comp_e, out_e)
         out_s = static_attention(model.layout, layer.compressor, q, kv, pos, pool_s, comp_s)

@@ -531,7 +531,6 @@ class TestChannels:
 
         def __init__(self, channels):
             self.channels = channels
-            self.prepared = []
 
         def a(self, x, h):
             torch.mul(x, 2.0, out=h)

@@ -40,37 +40,8 @@ MALFORMED = sorted((ROOT / "tests" / "malformed").glob("*.yaml"))
 PLANS = sorted((ROOT / "plans").glob("*.yaml"))
 SCHEMA = json.loads((ROOT / "graphflow" / "schema" / "plan.schema.json").read_text())
 
-BRIEF_EXAMPLE = """\
-graphflow: 1
-name: dsv4-mini-decode
-model: graphflow.integrations.dsv4:build_model      # factory: returns the model object
-symbols: {B: [1, 2, 4, 8, 16, 32]}                   # descriptor sizes
-for_each: {layer: "range(4)"}                        # expands every name that uses {layer}
-streams:
-  s0: {device: cuda:0}
-buffers:
-  x:             {shape: [B, 1024], dtype: bfloat16, device: cuda:0, role: input}
-  "q{layer}":    {shape: [B, 8, 1, 128], dtype: bfloat16, device: cuda:0}
-  "kv{layer}":   {shape: [B, 2, 8, 1, 128], dtype: bfloat16, device: cuda:0}
-  "o{layer}":    {shape: [B, 8, 1, 128], dtype: bfloat16, device: cuda:0}
-  logits:        {shape: [B, 32000], dtype: float32, device: cuda:0, role: output}
-channels:
-  tp_ar: {kind: all_reduce, group: tp, id: 1, family: target, warmup: real}
-segments:
-  - {name: "L{layer}.pre",  kind: graph, call: "layers.{layer}.pre_attention",
-     reads: [x], writes: ["q{layer}", "kv{layer}"], stream: s0}
-  - {name: "L{layer}.attn", kind: eager, call: "layers.{layer}.attention",
-     reads: ["q{layer}", "kv{layer}"], writes: ["o{layer}"]}
-  - {name: "L{layer}.post", kind: graph, call: "layers.{layer}.post_attention",
-     reads: ["o{layer}", x], writes: [x], stream: s0, channels: [tp_ar],
-     data_dependent: true}   # MoE top-k routing: values decide the path
-  - {name: head, kind: graph, call: "head", reads: [x], writes: [logits], stream: s0}
-capture:
-  modes: [PIECEWISE]
-  sizes: B
-  warmup_iters: 2
-  verify: {atol: 0, rtol: 0}
-"""
+#: The BRIEF's example plan, shared with the CLI tests.
+BRIEF_EXAMPLE = (ROOT / "tests" / "data" / "brief_example.yaml").read_text()
 
 
 def brief_plan() -> Plan:

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "parse_sizes"]
 
 #: Subcommand modules, in the order ``graphflow --help`` lists them.
 _COMMANDS = ("validate", "show", "run", "launch", "export", "trace", "rules")
@@ -27,14 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for name in _COMMANDS:
-        try:
-            module = importlib.import_module(f"graphflow.cli.{name}_cmd")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"graphflow.cli.{name}_cmd":
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(f"graphflow.cli.{name}_cmd").register(subparsers)
     return parser
+
+
+def parse_sizes(text: str | None) -> tuple[int, ...] | None:
+    """``--sizes 1,2,4`` as a tuple, or None (every descriptor) when the option is absent.
+
+    The ValueError carries the message to print, so ``run`` and ``launch`` word a bad
+    list alike.
+    """
+    if text is None:
+        return None
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError as err:
+        raise ValueError(f"--sizes: expected comma-separated integers (got {text!r})") from err
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from graphflow.cli import parse_sizes
 from graphflow.errors import PlanError
 from graphflow.loader import load_plan
 from graphflow.validate import validate
@@ -50,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
               f"{args.nproc} — set world_size in the plan or launch {plan.world_size} processes", file=sys.stderr)
         return 2
     try:
-        sizes = None if args.sizes is None else tuple(int(s) for s in args.sizes.split(",") if s.strip())
-    except ValueError:
-        print(f"graphflow: --sizes: expected comma-separated integers (got {args.sizes!r})", file=sys.stderr)
+        sizes = parse_sizes(args.sizes)
+    except ValueError as err:
+        print(f"graphflow: {err}", file=sys.stderr)
         return 2
     report = validate(plan)
     if not report.ok:
@@ -91,15 +92,15 @@ def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None) -> dict
     runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size,
                              tracer=Tracer(trace, ctx.rank) if trace else None)
     try:
-        engine = run_pipeline(plan, backend="cuda" if ctx.backend == "nccl" else "cpu", rank=ctx.rank,
-                              world_size=ctx.world_size, channels=runtime, verify=verify, sizes=sizes)
-    except (CaptureError, ValueError) as err:
-        runtime.close()
-        return {"ok": False, "error": str(err)}
-    checked = engine.report.verify
-    result = {"ok": True, "graphs": engine.report.graphs, "descriptors": len(engine.report.descriptors),
-              "verify": ("bit-exact" if all(v.bit_exact for v in checked) else "within tolerance") if checked
-              else "skipped"}
-    engine.close()
-    runtime.close()
-    return result
+        try:
+            engine = run_pipeline(plan, backend="cuda" if ctx.backend == "nccl" else "cpu", rank=ctx.rank,
+                                  world_size=ctx.world_size, channels=runtime, verify=verify, sizes=sizes)
+        except (CaptureError, ValueError) as err:
+            return {"ok": False, "error": str(err)}
+        with engine:
+            checked = engine.report.verify
+            return {"ok": True, "graphs": engine.report.graphs, "descriptors": len(engine.report.descriptors),
+                    "verify": ("bit-exact" if all(v.bit_exact for v in checked) else "within tolerance")
+                    if checked else "skipped"}
+    finally:
+        runtime.close()  # after the engine: communicators before their process groups

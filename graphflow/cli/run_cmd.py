@@ -28,6 +28,7 @@ import os
 import sys
 import time
 
+from graphflow.cli import parse_sizes
 from graphflow.decorators import add_plan_source_arguments, plan_source
 from graphflow.errors import CaptureError, PlanError
 from graphflow.validate import validate
@@ -68,9 +69,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     source = args.plan or args.module
     try:
-        sizes = None if args.sizes is None else tuple(int(s) for s in args.sizes.split(",") if s.strip())
-    except ValueError:
-        print(f"graphflow: --sizes: expected comma-separated integers (got {args.sizes!r})", file=sys.stderr)
+        sizes = parse_sizes(args.sizes)
+    except ValueError as err:
+        print(f"graphflow: {err}", file=sys.stderr)
         return 2
     report = validate(plan)
     if not report.ok:

@@ -3,7 +3,9 @@
 Lifecycle (``run_pipeline(plan, ...)``; each phase emits PHASE_BEGIN/END, and
 DESCRIPTOR/REGION events inside it, to every listener; every segment call of warmup,
 capture and verify, eager breaks of the verify replay included, is bracketed by
-SEGMENT_BEGIN/END naming it, when there is a listener at all):
+SEGMENT_BEGIN/END naming it, when there is a listener at all). Every phase runs under
+``torch.no_grad()``: capture is for inference, and autograd would record every op and
+refuse ``out=`` writes into buffers computed from weights that require grad.
 
 1. **allocate** — map the plan's devices (the CPU backend maps ``cuda:N`` to ``cpu``);
    read each device's baseline memory; build the model (``factory(**model_args,

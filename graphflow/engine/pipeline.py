@@ -169,7 +169,9 @@ def run_pipeline(
     ``model`` skips the plan's factory (tests, integrations that already hold one).
     ``channels`` (the channel runtime) is offered to the factory as ``channels.handles``,
     is bound to the model (``channels.bind(model)``, when it has ``bind``) and listens to
-    every event. ``sizes`` restricts the plan's descriptor sizes.
+    every event. ``sizes`` restricts the plan's descriptor sizes. ``detectors=False``
+    skips the capture-hazard detectors and ``disabled_checks`` names ``Check`` values to
+    ignore. ``seed`` makes verify's random inputs reproducible, so a mismatch can be rerun.
     Raises ``CaptureError`` from the cause; ``KeyboardInterrupt`` is re-raised as is,
     after rollback.
     """

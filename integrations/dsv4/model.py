@@ -35,7 +35,7 @@ from graphflow.integrations.dsv4.moe import MoE, SharedExpert
 from graphflow.integrations.dsv4.rope import apply_rope, rope_table
 from graphflow.integrations.dsv4.weights import WeightSource
 
-__all__ = ["DSV4Model", "DecoderLayer", "build_model", "check_plan", "expected_shapes"]
+__all__ = ["DSV4Model", "DecoderLayer", "build_model", "check_plan", "check_shapes", "expected_shapes"]
 
 #: The device the plans name; the engine places the buffers there.
 _DEVICE = "cuda:0"
@@ -219,22 +219,28 @@ def expected_shapes(config: DSV4Config) -> dict[str, tuple]:
 
 def check_plan(config: DSV4Config, plan) -> None:
     """Fail at build time, naming the buffer, when a plan's shapes disagree with model_args."""
-    expected = expected_shapes(config)
+    check_shapes(plan, expected_shapes(config), lambda buffer, want: (
+        f"buffer {buffer.name!r} has shape {_shape(buffer.shape)} but the dsv4 model built from "
+        f"model_args needs {_shape(want)} — fix the shape or model_args"))
+
+
+def check_shapes(plan, expected: dict[str, tuple], message) -> None:
+    """Raise a PlanError at the first buffer whose shape is not ``expected`` of it.
+
+    ``expected`` is keyed by buffer name without its layer number, with ``"B"`` for the
+    plan's size symbol; ``message(buffer, want)`` says what is wrong and the fix, which
+    differs between the single-device and tensor-parallel models.
+    """
     symbol = plan.capture.size_symbol
     for buffer in plan.buffers:
-        stem = buffer.name.rstrip("0123456789")
-        want = expected.get(stem)
+        want = expected.get(buffer.name.rstrip("0123456789"))
         if want is None:
             continue
         want = tuple(symbol if dim == "B" else dim for dim in want)
         if tuple(buffer.shape) != want:
             origin = plan.origin("buffer", buffer.name)
-            raise PlanError(
-                f"buffer {buffer.name!r} has shape {_shape(buffer.shape)} but the dsv4 model built from "
-                f"model_args needs {_shape(want)} — fix the shape or model_args",
-                **({"file": origin.file, "line": origin.line} if origin else {}),
-                element=f"buffer {buffer.name}",
-            )
+            raise PlanError(message(buffer, want), **({"file": origin.file, "line": origin.line} if origin else {}),
+                            element=f"buffer {buffer.name}")
 
 
 def _shape(shape) -> str:

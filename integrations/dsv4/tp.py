@@ -30,10 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphflow.errors import PlanError
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.mhc import HyperConnection
-from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, expected_shapes
+from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, expected_shapes
 from graphflow.integrations.dsv4.moe import count_experts, uses_gather
 from graphflow.integrations.dsv4.rope import apply_rope, rope_table
 
@@ -216,20 +215,10 @@ def tp_shapes(config: DSV4Config, world_size: int) -> dict[str, tuple]:
 
 
 def _check_plan(config: DSV4Config, plan, world_size: int) -> None:
-    expected = tp_shapes(config, world_size)
-    symbol = plan.capture.size_symbol
-    for buffer in plan.buffers:
-        want = expected.get(buffer.name.rstrip("0123456789"))
-        if want is None:
-            continue
-        want = tuple(symbol if dim == "B" else dim for dim in want)
-        if tuple(buffer.shape) != want:
-            origin = plan.origin("buffer", buffer.name)
-            raise PlanError(
-                f"buffer {buffer.name!r} has shape {list(buffer.shape)} but the tensor-parallel dsv4 model on "
-                f"{world_size} rank(s) needs {list(want)} — fix the shape, or build the plan with "
-                f"tp_plan(path, world_size={world_size})",
-                **({"file": origin.file, "line": origin.line} if origin else {}), element=f"buffer {buffer.name}")
+    check_shapes(plan, tp_shapes(config, world_size), lambda buffer, want: (
+        f"buffer {buffer.name!r} has shape {list(buffer.shape)} but the tensor-parallel dsv4 model on "
+        f"{world_size} rank(s) needs {list(want)} — fix the shape, or build the plan with "
+        f"tp_plan(path, world_size={world_size})"))
 
 
 def build_tp_model(*, device: str | torch.device = "cpu", plan=None, rank: int = 0, world_size: int = 1,
