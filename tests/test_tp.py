@@ -21,7 +21,7 @@ from graphflow.cli import main
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.integrations.dsv4.config import DSV4Config
-from graphflow.integrations.dsv4.model import DSV4Model
+from graphflow.integrations.dsv4.model import DSV4Model, decode_step
 from graphflow.integrations.dsv4.tp import TPDecoderLayer, TPModel, build_tp_model, tp_plan
 from graphflow.launch import NVLS_ENV, launch
 from graphflow.plan import Channel, ChannelKind, WarmupPolicy
@@ -130,7 +130,7 @@ def scenario_equal(ctx, out) -> dict:
     models = {"full": DSV4Model(config, ctx.device),
               "tp": build_tp_model(device=ctx.device, plan=plan, rank=ctx.rank, world_size=ctx.world_size,
                                    channels=runtime.handles, **TINY)}
-    steps = {"full": lambda bufs, static: DSV4Model._decode(models["full"], bufs, static=static),
+    steps = {"full": lambda bufs, static: decode_step(models["full"], bufs, static=static),
              "tp": lambda bufs, static: models["tp"].step(bufs, static=static)}
     batch, worst, logits_sum = 4, 0.0, []
     for static in (True, False):

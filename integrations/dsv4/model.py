@@ -160,26 +160,12 @@ class DSV4Model(nn.Module):
     @graphflow.step(name="dsv4-mini-piecewise", sizes=_MINI_SIZES, modes=["PIECEWISE"])
     def piecewise_step(self, bufs) -> None:
         """One decode step, eager attention between two graphs a layer; ``bufs``: buffer name → view."""
-        self._decode(bufs, static=False)
+        decode_step(self, bufs, static=False)
 
     @graphflow.step(name="dsv4-mini-full", sizes=_MINI_SIZES, modes=["FULL"])
     def full_step(self, bufs) -> None:
         """One decode step with static attention: one graph, no eager break."""
-        self._decode(bufs, static=True)
-
-    def _decode(self, bufs, static: bool) -> None:
-        x, rope, positions, expert_load = bufs["x"], bufs["rope"], bufs["positions"], bufs["expert_load"]
-        self.embed(bufs["tokens"], positions, x, rope)
-        for i, layer in enumerate(self.layers):
-            q, kv, o, post_mix, res_mix = (bufs[f"{stem}{i}"] for stem in ("q", "kv", "o", "post_mix", "res_mix"))
-            kv_cache, comp_cache = bufs[f"kv_cache{i}"], bufs[f"comp_cache{i}"]
-            layer.pre_attention(x, rope, q, kv, post_mix, res_mix)
-            if static:
-                layer.static_attention(q, kv, positions, kv_cache, comp_cache, o)
-            else:
-                layer.attention(q, kv, positions, bufs["positions_host"], kv_cache, comp_cache, o)
-            layer.post_attention(o, post_mix, res_mix, x, expert_load)
-        self.head(x, bufs["logits"])
+        decode_step(self, bufs, static=True)
 
     @graphflow.segment("embed", stream="s0", reads=["tokens", "positions"], writes=["x", "rope"])
     def embed(self, tokens, positions, x, rope) -> None:
@@ -194,6 +180,26 @@ class DSV4Model(nn.Module):
         c = self.config
         h = torch.matmul(self.head_mix, x)  # [B, d]
         logits.copy_(torch.matmul(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.norm_eps), self.lm_head))
+
+
+def decode_step(model, bufs, *, static: bool) -> None:
+    """One decode step in the plans' segment order; ``bufs`` maps buffer name to view.
+
+    Shared by ``DSV4Model`` and the tensor-parallel ``TPModel``, whose layers expose the
+    same segment methods; ``static`` picks the FULL plan's static attention.
+    """
+    x, rope, positions, expert_load = bufs["x"], bufs["rope"], bufs["positions"], bufs["expert_load"]
+    model.embed(bufs["tokens"], positions, x, rope)
+    for i, layer in enumerate(model.layers):
+        q, kv, o, post_mix, res_mix = (bufs[f"{stem}{i}"] for stem in ("q", "kv", "o", "post_mix", "res_mix"))
+        kv_cache, comp_cache = bufs[f"kv_cache{i}"], bufs[f"comp_cache{i}"]
+        layer.pre_attention(x, rope, q, kv, post_mix, res_mix)
+        if static:
+            layer.static_attention(q, kv, positions, kv_cache, comp_cache, o)
+        else:
+            layer.attention(q, kv, positions, bufs["positions_host"], kv_cache, comp_cache, o)
+        layer.post_attention(o, post_mix, res_mix, x, expert_load)
+    model.head(x, bufs["logits"])
 
 
 def expected_shapes(config: DSV4Config) -> dict[str, tuple]:

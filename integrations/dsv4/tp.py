@@ -32,9 +32,9 @@ from torch import nn
 
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.mhc import HyperConnection
-from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, expected_shapes
+from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, decode_step, expected_shapes
 from graphflow.integrations.dsv4.moe import count_experts, uses_gather
-from graphflow.integrations.dsv4.rope import apply_rope, rope_table
+from graphflow.integrations.dsv4.rope import apply_rope
 
 __all__ = ["TPDecoderLayer", "TPModel", "Shard", "build_tp_model", "tp_plan", "tp_shapes"]
 
@@ -178,32 +178,14 @@ class TPModel(nn.Module):
                                                    dtype=full.embedding.dtype), persistent=False)
         self.layers = nn.ModuleList(layer_type(layer, rank, world_size, tp, self.reduce) for layer in full.layers)
 
-    def embed(self, tokens, positions, x, rope) -> None:
-        """tokens [B] → every stream of x [B, n, d]; positions [B] → rope [B, r]."""
-        c = self.config
-        x.copy_(F.embedding(tokens, self.embedding).unsqueeze(1).expand_as(x))
-        rope.copy_(rope_table(positions, c.rope_dim, c.rope_base, rope.dtype))
-
-    def head(self, x, logits) -> None:
-        """x [B, n, d] → logits [B, vocab] (float32), the same on every rank."""
-        c = self.config
-        h = torch.matmul(self.head_mix, x)
-        logits.copy_(torch.matmul(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.norm_eps), self.lm_head))
+    # Embedding and head are replicated, so a rank runs the whole model's (x [B, n, d],
+    # logits [B, vocab] the same on every rank).
+    embed = DSV4Model.embed
+    head = DSV4Model.head
 
     def step(self, bufs, *, static: bool) -> None:
         """One decode step on ``bufs`` (buffer name → view), in the plans' segment order."""
-        x, rope, positions, expert_load = bufs["x"], bufs["rope"], bufs["positions"], bufs["expert_load"]
-        self.embed(bufs["tokens"], positions, x, rope)
-        for i, layer in enumerate(self.layers):
-            q, kv, o, post_mix, res_mix = (bufs[f"{stem}{i}"] for stem in ("q", "kv", "o", "post_mix", "res_mix"))
-            layer.pre_attention(x, rope, q, kv, post_mix, res_mix)
-            kv_cache, comp_cache = bufs[f"kv_cache{i}"], bufs[f"comp_cache{i}"]
-            if static:
-                layer.static_attention(q, kv, positions, kv_cache, comp_cache, o)
-            else:
-                layer.attention(q, kv, positions, bufs["positions_host"], kv_cache, comp_cache, o)
-            layer.post_attention(o, post_mix, res_mix, x, expert_load)
-        self.head(x, bufs["logits"])
+        decode_step(self, bufs, static=static)
 
 
 def tp_shapes(config: DSV4Config, world_size: int) -> dict[str, tuple]:
