@@ -15,9 +15,9 @@ All coefficients are per token and computed on the device: no value leaves the G
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from graphflow.integrations.dsv4.kernels import rms_norm
 from graphflow.integrations.dsv4.weights import WeightSource
 
 __all__ = ["HyperConnection", "sinkhorn"]
@@ -56,7 +56,7 @@ class HyperConnection(nn.Module):
     def coefficients(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """H_pre [B, n], H_post [B, n], H_res [B, n, n] for streams x [B, n, d]."""
         n = self.streams
-        flat = F.rms_norm(x.flatten(1), (x.shape[1] * x.shape[2],), self.norm, self.eps)
+        flat = rms_norm(x.flatten(1), self.norm, self.eps)
         logits = torch.addmm(self.bias, flat, self.proj)  # [B, 2n + n*n]
         gates = torch.sigmoid(logits[:, : 2 * n])
         h_pre = gates[:, :n]

@@ -30,6 +30,7 @@ import graphflow
 from graphflow.errors import PlanError
 from graphflow.integrations.dsv4.attention import Compressor, PagedLayout, eager_attention, static_attention
 from graphflow.integrations.dsv4.config import DSV4Config
+from graphflow.integrations.dsv4.kernels import rms_norm
 from graphflow.integrations.dsv4.mhc import HyperConnection
 from graphflow.integrations.dsv4.moe import MoE, SharedExpert
 from graphflow.integrations.dsv4.rope import apply_rope, rope_table
@@ -89,7 +90,7 @@ class DecoderLayer(nn.Module):
         """x [B, n, d], rope [B, r] → q [B, H, kv_dim], kv [B, kv_dim], post_mix [B, n], res_mix [B, n, n]."""
         c = self.config
         h_pre, h_post, h_res = self.attn_mix.coefficients(x)
-        h = F.rms_norm(HyperConnection.pre(x, h_pre), (c.hidden_size,), self.attn_norm, c.norm_eps)
+        h = rms_norm(HyperConnection.pre(x, h_pre), self.attn_norm, c.norm_eps)
         qkv = torch.matmul(h, self.qkv).view(-1, c.n_heads + 1, c.kv_dim)
         qkv[..., : c.rope_dim] = apply_rope(qkv[..., : c.rope_dim], rope)
         q.copy_(qkv[:, : c.n_heads])
@@ -122,7 +123,7 @@ class DecoderLayer(nn.Module):
         c = self.config
         streams = HyperConnection.post(x, torch.matmul(o.flatten(1), self.out), post_mix, res_mix)
         h_pre, h_post, h_res = self.ffn_mix.coefficients(streams)
-        h = F.rms_norm(HyperConnection.pre(streams, h_pre), (c.hidden_size,), self.ffn_norm, c.norm_eps)
+        h = rms_norm(HyperConnection.pre(streams, h_pre), self.ffn_norm, c.norm_eps)
         ffn = self.moe(h, expert_load[self.index]) + self.shared(h)
         x.copy_(HyperConnection.post(streams, ffn, h_post, h_res))
 
@@ -179,7 +180,7 @@ class DSV4Model(nn.Module):
         """x [B, n, d] → logits [B, vocab] (float32)."""
         c = self.config
         h = torch.matmul(self.head_mix, x)  # [B, d]
-        logits.copy_(torch.matmul(F.rms_norm(h, (c.hidden_size,), self.final_norm, c.norm_eps), self.lm_head))
+        logits.copy_(torch.matmul(rms_norm(h, self.final_norm, c.norm_eps), self.lm_head))
 
 
 def decode_step(model, bufs, *, static: bool) -> None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphflow.integrations.dsv4.config import DSV4Config
+from graphflow.integrations.dsv4.kernels import rms_norm
 from graphflow.integrations.dsv4.mhc import HyperConnection
 from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, decode_step, expected_shapes
 from graphflow.integrations.dsv4.moe import count_experts, uses_gather
@@ -102,7 +103,7 @@ class TPDecoderLayer(nn.Module):
         """x [B, n, d], rope [B, r] → q [B, H/W, kv_dim] (this rank's heads), kv [B, kv_dim], mixes."""
         c = self.config
         h_pre, h_post, h_res = self.attn_mix.coefficients(x)
-        h = F.rms_norm(HyperConnection.pre(x, h_pre), (c.hidden_size,), self.attn_norm, c.norm_eps)
+        h = rms_norm(HyperConnection.pre(x, h_pre), self.attn_norm, c.norm_eps)
         qkv = torch.matmul(h, self.qkv).view(-1, self.heads.size + 1, c.kv_dim)
         qkv[..., : c.rope_dim] = apply_rope(qkv[..., : c.rope_dim], rope)
         q.copy_(qkv[:, : self.heads.size])
@@ -123,7 +124,7 @@ class TPDecoderLayer(nn.Module):
         self.tp.all_reduce(reduce)
         streams = HyperConnection.post(x, reduce, post_mix, res_mix)
         h_pre, h_post, h_res = self.ffn_mix.coefficients(streams)
-        h = F.rms_norm(HyperConnection.pre(streams, h_pre), (c.hidden_size,), self.ffn_norm, c.norm_eps)
+        h = rms_norm(HyperConnection.pre(streams, h_pre), self.ffn_norm, c.norm_eps)
         ids, weights = self.router(h)
         count_experts(ids, expert_load[self.index])
         shared = torch.matmul(_swiglu(torch.matmul(h, self.shared_w13)), self.shared_w2)
