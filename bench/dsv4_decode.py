@@ -19,7 +19,11 @@ device for the graphs and on the host (``positions_host``) for the eager attenti
   for one eager step; the floor any replay can reach. Measured for both steps: the
   PIECEWISE step's eager attention and the FULL step's static attention differ;
 * hand-written FULL: ``torch.cuda.CUDAGraph`` over the same FULL step, inputs copied in
-  before each replay, the same work the runner does;
+  before each replay, the same work the runner does, all on one stream (what a
+  hand-written capture loop does; graphflow runs the plan's side streams concurrently);
+* timing: eager, PIECEWISE, FULL and hand-written FULL are timed side by side in
+  ``--rounds`` rounds (each round times every mode in turn); the table shows each mode's
+  median and the JSON every round's sample, so host drift hits every mode alike;
 * torch.compile: ``mode="reduce-overhead"`` on the FULL step of an 8-layer copy of the
   model (at 61 layers its warm-up did not finish within 140 s), with that copy's
   graphflow FULL and eager times beside it. It runs in a child process under what is
@@ -35,6 +39,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import pathlib
 import subprocess
 import sys
@@ -78,6 +83,21 @@ def _time(step, iters: int, warmup: int = 3) -> float:
         step()
     _sync()
     return (time.perf_counter() - start) * 1e3 / iters
+
+
+def _rounds(steps: dict, rounds: int, iters: int) -> dict[str, list[float]]:
+    """ms per step of every mode, measured side by side: each round times each mode in turn.
+
+    The eager step is bound by the host's speed, which drifts on a shared machine by
+    tens of percent within a minute; interleaving puts every mode under the same drift,
+    and the medians (and the per-round ratios) are what the table reports. Eager steps
+    are ~6x slower, so they take a quarter of the iterations.
+    """
+    samples: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(rounds):
+        for mode, step in steps.items():
+            samples[mode].append(_time(step, max(3, iters // 4) if mode == "eager" else iters))
+    return samples
 
 
 def _guard(record: dict, key: str, measure) -> None:
@@ -165,8 +185,12 @@ def _run_all(calls) -> None:
         call()
 
 
-def _hand_graph(engine, size: int, tokens, positions, iters: int) -> dict:
-    """A bare torch.cuda.CUDAGraph over the FULL step on the engine's buffers."""
+def _hand_graph(engine, size: int, tokens, positions) -> dict:
+    """A bare torch.cuda.CUDAGraph over the FULL step on the engine's buffers, on one stream.
+
+    Returns its capture time, pool growth and ``step`` (inputs copied in, then replay: the
+    work the runner does); the caller times ``step`` and resets ``graph``.
+    """
     views = engine.buffers.views(size)
     calls = engine.eager_calls(size)
     stream = torch.cuda.Stream()
@@ -190,9 +214,7 @@ def _hand_graph(engine, size: int, tokens, positions, iters: int) -> dict:
         views["positions"].copy_(positions)
         graph.replay()
 
-    ms = _time(step, iters)
-    graph.reset()
-    return {"ms": ms, "capture_s": capture_s, "pool_reserved_bytes": pool}
+    return {"capture_s": capture_s, "pool_reserved_bytes": pool, "step": step, "graph": graph}
 
 
 class _SkipLog(logging.Handler):
@@ -320,21 +342,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out", help="folder for dsv4_decode.json")
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--sizes", default="1,8,32", help="batch sizes, comma separated")
-    parser.add_argument("--iters", type=int, default=20, help="timed steps per row")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps per mode and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of side-by-side timing per batch size")
     parser.add_argument("--compile-sizes", default="1", help="batch sizes to run torch.compile at ('' for none)")
     parser.add_argument("--compile-layers", type=int, default=8,
                         help="layers of the model torch.compile runs on; its warm-up grows with depth, and at "
                              "61 layers it did not finish within a 140 s device budget")
-    parser.add_argument("--budget-s", type=float, default=135.0,
+    parser.add_argument("--budget-s", type=float, default=220.0,
                         help="wall-clock budget of the run after imports; what is left of it bounds torch.compile "
-                             "(the device check allows 150 s in all)")
+                             "(the device check allows it about 4 minutes)")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script on a CPU: the mini model's widths, 2 layers, B=1,2, 2 iterations")
     parser.add_argument("--compile-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.backend, args.layers, args.sizes, args.iters = "cpu", 2, "1,2", 2
+        args.backend, args.layers, args.sizes, args.iters, args.rounds = "cpu", 2, "1,2", 2, 2
         args.compile_layers = min(args.compile_layers, 2)
     if args.compile_child:
         return _compile_child(args)
@@ -392,12 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         row["positions"] = inputs["positions_host"].tolist()
         for engine in filter(None, (piecewise, full)):
             _fill(engine, size, inputs)
+        timed: dict[str, object] = {}  # mode -> a step, timed side by side in every round
         if piecewise is not None:
             eager_calls = piecewise.eager_calls(size)
-            _guard(row, "eager_ms", lambda: _time(lambda: _run_all(eager_calls), max(3, args.iters // 4)))
             runner_pw = Runner(piecewise)
             pw_inputs = _ordered(runner_pw, inputs)
-            _guard(row, "piecewise_ms", lambda: _time(lambda: runner_pw.run(*pw_inputs), args.iters))
+            timed["eager"] = lambda: _run_all(eager_calls)
+            timed["piecewise"] = lambda: runner_pw.run(*pw_inputs)
             program = piecewise.programs[runner_pw.descriptor_for(size)]
             _guard(row, "attention_host_ms", lambda: _attention_host_ms(program))
             if cuda:
@@ -408,18 +432,24 @@ def main(argv: list[str] | None = None) -> int:
             full_calls = full.eager_calls(size)
             runner_full = Runner(full)
             full_inputs = _ordered(runner_full, inputs)
-            _guard(row, "full_ms", lambda: _time(lambda: runner_full.run(*full_inputs), args.iters))
+            timed["full"] = lambda: runner_full.run(*full_inputs)
             if cuda:
                 _guard(row, "busy_full", lambda: _busy(lambda: _run_all(full_calls)))
                 if size == min(sizes):
                     _guard(row, "full_kernels", lambda: _top_kernels(lambda: _run_all(full_calls)))
-                _guard(row, "hand_full", lambda: _hand_graph(full, size, inputs["tokens"], inputs["positions"],
-                                                             args.iters))
+                _guard(row, "hand_full", lambda: _hand_graph(full, size, inputs["tokens"], inputs["positions"]))
+                if "hand_full" in row:
+                    timed["hand_full"] = row["hand_full"].pop("step")
+        _guard(row, "rounds", lambda: _rounds(timed, args.rounds, args.iters))
+        for mode, samples in row.get("rounds", {}).items():
+            row[f"{mode}_ms"] = statistics.median(samples)
+        if "eager" in row.get("rounds", {}) and "full" in row["rounds"]:
+            row["eager_over_full_by_round"] = [e / f for e, f in zip(row["rounds"]["eager"], row["rounds"]["full"])]
+        if "hand_full" in row:
+            row["hand_full"].pop("graph").reset()
         for key in ("busy_piecewise", "busy_full"):
             if key in row:
                 row[f"{key}_ms"], row[f"kernels_{key.removeprefix('busy_')}"] = row.pop(key)
-        if "hand_full" in row:
-            row["hand_full_ms"] = row["hand_full"]["ms"]
         save()
         print(f"B={size}: " + ", ".join(f"{k} {row[k]:.2f}" for k in ("eager_ms", "piecewise_ms", "full_ms",
                                                                      "busy_full_ms") if k in row), flush=True)
@@ -446,6 +476,9 @@ def _print_table(result: dict) -> None:
                  _ratio(row, "full_ms", "busy_full_ms"), _ratio(row, "piecewise_ms", "busy_piecewise_ms"),
                  _ratio(row, "eager_ms", "full_ms"), row.get("attention_host_ms"))
         print("  ".join(f"{c:>10.2f}" if isinstance(c, float) else f"{'-' if c is None else c:>10}" for c in cells))
+        by_round = row.get("eager_over_full_by_round")
+        if by_round:
+            print(f"  B={row['batch']} eager/FULL by round: " + ", ".join(f"{r:.2f}" for r in by_round))
         for key, error in row.get("errors", {}).items():
             print(f"  B={row['batch']} {key} failed: {error.splitlines()[0] if error else ''}")
         if "skipped" in row:

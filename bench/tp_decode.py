@@ -1,6 +1,6 @@
 """Decode-step time of the tensor-parallel dsv4 model per GPU count: eager, PIECEWISE, FULL.
 
-    PYTHONPATH=. python3 bench/tp_decode.py --out DIR [--layers 8] [--sizes 1,8,32] [--steps 50]
+    PYTHONPATH=. python3 bench/tp_decode.py --out DIR [--layers 61] [--sizes 1,8,32] [--steps 30]
     PYTHONPATH=. python3 bench/tp_decode.py --out DIR --smoke     # CPU, gloo, tiny model: checks the script
 
 For each GPU count in 1, 2, 4, 8 up to the GPUs present (and dividing the model's heads
@@ -117,9 +117,9 @@ def _table(document: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "bench/results"), help="directory for tp_decode.json")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    parser.add_argument("--layers", type=int, default=61, help="decoder layers (default 61, the dsv4 benchmark depth)")
     parser.add_argument("--sizes", default="1,8,32", help="batch sizes (default 1,8,32)")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per row (default 50)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per row (default 30)")
     parser.add_argument("--timeout-s", type=float, default=540.0, help="per GPU count, for the whole launch")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, 1 and 2 ranks, a tiny model")
     args = parser.parse_args(argv)

@@ -16,7 +16,9 @@ before anything is committed. The checks:
 * ``ESCAPE``: a tensor created inside a captured region and still referenced after the
   segment returns: its memory belongs to the graph's pool.
 * ``UNCAPTURED_KERNEL``: during capture, an op launched on a stream that is not
-  capturing: it runs once and is missing from the graph.
+  capturing: it runs once and is missing from the graph. A side stream the engine
+  forked from the capture stream is capturing (joined into the capture) and is not
+  flagged; a stream never joined is.
 * ``CROSS_DEVICE``: tensors on another device than the segment's, CPU tensors, and
   copies between devices.
 

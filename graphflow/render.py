@@ -34,6 +34,7 @@ __all__ = [
     "format_summary",
     "group_by_template",
     "layout_rows",
+    "plural",
     "shown_mode",
     "summarize",
     "to_dot",
@@ -172,7 +173,8 @@ def _buffer_bytes(plan: Plan, buffer: Buffer, size: int) -> int | None:
         return None
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
+    """``1 segment``, ``1,220 segments``: counts as the summaries print them."""
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
@@ -192,7 +194,7 @@ def _kind_counts(segments: Iterable[Segment]) -> str:
 
 def _region_line(region) -> str:
     names = region.segments
-    body = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]} ({_plural(len(names), 'segment')})"
+    body = ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]} ({plural(len(names), 'segment')})"
     return f"{region.family}#{region.index}: {body}"
 
 
@@ -229,7 +231,7 @@ def _overview(plan: Plan, sizes: list[int]) -> Section:
 
 
 def _segments_section(plan: Plan) -> Section:
-    lines = [f"{_plural(len(plan.segments), 'segment')}: {_kind_counts(plan.segments)}"]
+    lines = [f"{plural(len(plan.segments), 'segment')}: {_kind_counts(plan.segments)}"]
     for family in plan.families:
         members = plan.family_segments(family.name)
         if members:
@@ -241,9 +243,9 @@ def _regions_section(plan: Plan, mode: Mode, n_sizes: int) -> Section:
     regions = plan.regions(mode)
     per_family = Counter(r.family for r in regions)
     lines = [
-        f"{_plural(len(regions), 'region')} ({', '.join(f'{f} {n}' for f, n in per_family.items())}): "
-        f"{_plural(len(regions), 'graph')} per descriptor, {_plural(len(regions) * n_sizes, 'graph')} over "
-        f"{_plural(n_sizes, 'size')}"
+        f"{plural(len(regions), 'region')} ({', '.join(f'{f} {n}' for f, n in per_family.items())}): "
+        f"{plural(len(regions), 'graph')} per descriptor, {plural(len(regions) * n_sizes, 'graph')} over "
+        f"{plural(n_sizes, 'size')}"
     ]
     if mode is Mode.PIECEWISE:
         elide = len(regions) > _REGIONS_SHOWN + 2  # never elide a single region
@@ -257,7 +259,7 @@ def _regions_section(plan: Plan, mode: Mode, n_sizes: int) -> Section:
         for region in regions:
             segments = [plan.segment(name) for name in region.segments]
             eager = sum(1 for s in segments if s is not None and not s.is_graph)
-            note = f"; {_plural(eager, 'eager segment')} inside (FULL needs none)" if eager else ""
+            note = f"; {plural(eager, 'eager segment')} inside (FULL needs none)" if eager else ""
             lines.append(f"  {_region_line(region)}{note}")
     return Section(f"{mode.value} regions", tuple(lines))
 
@@ -281,7 +283,7 @@ def _buffers_section(plan: Plan, sizes: list[int]) -> Section:
                 total = None if n is None or total is None else total + n
             cells.append("?" if total is None else format_bytes(total))
         rows.append((group.label, str(len(group.members)), _shape(first), first.dtype, first.device, role, *cells))
-    lines = (f"{_plural(len(plan.buffers), 'buffer')}; a row of a group shows the group's total bytes",)
+    lines = (f"{plural(len(plan.buffers), 'buffer')}; a row of a group shows the group's total bytes",)
     return Section("buffers", lines, Table(columns, tuple(rows), frozenset({1, 6, 7})))
 
 
@@ -297,7 +299,7 @@ def _channels_section(plan: Plan) -> Section:
             extra = (f" prewarm={c.prewarm}" if c.prewarm else "") + (" jit" if c.jit else "")
             lines.append(
                 f"  {c.name}: {c.kind.value} group={c.group} id={c.id} warmup={c.warmup.value}{extra}, "
-                f"used by {_plural(users[c.name], 'segment')}"
+                f"used by {plural(users[c.name], 'segment')}"
             )
     orphans = [c for c in plan.channels if plan.family(c.family) is None]
     for c in orphans:
@@ -314,7 +316,7 @@ def _memory_section(plan: Plan, sizes: list[int]) -> Section:
         counts = [_buffer_bytes(plan, b, size) for b in owners]
         known = sum(n for n in counts if n is not None)
         unknown = sum(1 for n in counts if n is None)
-        note = f" ({_plural(unknown, 'buffer')} with unknown shape or dtype not counted)" if unknown else ""
+        note = f" ({plural(unknown, 'buffer')} with unknown shape or dtype not counted)" if unknown else ""
         lines.append(f"total static memory at {sym}={size}: {format_bytes(known)} ({known:,} bytes){note}")
     return Section("memory", tuple(lines) or ("no descriptors",))
 
@@ -551,8 +553,8 @@ def draw(plan: Plan, path: str, image_format: ImageFormat) -> None:
     modes = ", ".join(f"{m.value} x {len(sizes)}" for m in plan.capture.modes)
     ax.text(0.2, 0.3, plan.name, fontsize=14, fontweight="bold", va="center")
     ax.text(0.2, 0.58, f"{len(plan.segments)} segments ({_kind_counts(plan.segments)}), "
-            f"{_plural(len(regions), mode.value + ' region')}, {_plural(len(plan.buffers), 'buffer')}, "
-            f"{_plural(len(plan.channels), 'channel')}", fontsize=9, va="center", color="#333333")
+            f"{plural(len(regions), mode.value + ' region')}, {plural(len(plan.buffers), 'buffer')}, "
+            f"{plural(len(plan.channels), 'channel')}", fontsize=9, va="center", color="#333333")
     ax.text(0.2, 0.78, f"descriptors: {modes} ({plan.capture.size_symbol} = {compact_sizes(sizes)})",
             fontsize=9, va="center", color="#333333")
 

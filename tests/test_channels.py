@@ -397,3 +397,47 @@ class TestWithTheEngine:
         with pytest.raises(CaptureError, match="capture failed"):
             run_pipeline(runtime.plan, backend="cpu", model=model, channels=runtime)
         assert registry.taken == {}
+
+
+def _collectives_over_gloo(ctx) -> dict:
+    """One rank: every collective kind of a handle, on a real gloo group, outside any pipeline."""
+    plan = Plan(
+        name="kinds",
+        buffers=[Buffer("x", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
+                 Buffer("y", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT)],
+        channels=[Channel("a2a", ChannelKind.ALL_TO_ALL, "tp", 1, "target"),
+                  Channel("ag", ChannelKind.ALL_GATHER, "tp", 2, "target"),
+                  Channel("ar", ChannelKind.ALL_REDUCE, "tp", 3, "target")],
+        segments=[Segment("s", SegmentKind.GRAPH, "s", reads=["x"], writes=["y"], channels=["a2a", "ag", "ar"])],
+        capture=CaptureSettings(modes=[Mode.PIECEWISE], sizes=[2]),
+    )
+    runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=False, namespace="kinds")
+    handles = runtime.handles
+    # Row i of rank r holds 10 * r + i: all_to_all sends row j to rank j.
+    rows = torch.tensor([[10.0 * ctx.rank + i] * 4 for i in range(ctx.world_size)])
+    out = torch.empty_like(rows)
+    returned = handles["a2a"].all_to_all(rows, out)
+    scratch = handles["a2a"].all_to_all(rows)
+    gathered = handles["ag"].all_gather(torch.full((1, 4), float(ctx.rank)))
+    reduced = handles["ar"].all_reduce(torch.ones(2))
+    runtime.close()
+    return {"out": out[:, 0].tolist(), "same": returned is out, "scratch": scratch[:, 0].tolist(),
+            "gathered": gathered[:, 0].tolist(), "reduced": reduced.tolist()}
+
+
+class TestCollectivesOverGloo:
+    """Three processes: what each collective kind of a handle delivers, on a real group."""
+
+    def test_all_to_all_all_gather_and_all_reduce_deliver_every_ranks_data(self):
+        from graphflow.launch import launch
+
+        world = 3
+        results = launch(_collectives_over_gloo, world, "gloo", timeout_s=120)
+        for rank, result in enumerate(results):
+            assert result.ok, result.traceback
+            value = result.value
+            assert value["out"] == [10.0 * src + rank for src in range(world)]  # row `rank` of every rank
+            assert value["same"] is True
+            assert value["scratch"] == value["out"]
+            assert value["gathered"] == [0.0, 1.0, 2.0]
+            assert value["reduced"] == [3.0, 3.0]

@@ -22,7 +22,8 @@ from torch import nn
 
 import graphflow
 from graphflow.cli import main
-from graphflow.decorators import add_plan_source_arguments, normalized, plan_from_module, plan_source
+from graphflow.cli.source import add_plan_source_arguments, plan_source
+from graphflow.decorators import normalized, plan_from_module
 from graphflow.errors import PlanError
 from graphflow.loader import load_plan, loads_plan
 from graphflow.plan import Buffer, BufferRole, Mode, SegmentKind
@@ -684,8 +685,9 @@ class TestDsv4DeclaresItsPlans:
         from graphflow.integrations.dsv4 import build_model as build_dsv4
 
         plan = plan_from_module(build_dsv4(n_layers=2, hidden_size=32), step="full_step")
-        assert [s.name for s in plan.segments] == ["embed", "L0.pre", "L0.attn", "L0.post", "L1.pre", "L1.attn",
-                                                   "L1.post", "head"]
+        layer = ["pre", "attn", "res", "mix", "ffn_res", "shared", "moe", "ffn_out"]
+        assert [s.name for s in plan.segments] == ["embed", *(f"L{i}.{part}" for i in (0, 1) for part in layer),
+                                                   "head"]
         assert plan.buffer("x").shape == ("B", 4, 32) and plan.buffer("expert_load").shape == (2, 8)
 
     def test_the_step_run_eagerly_equals_the_plan_segments_run_in_order(self):

@@ -6,6 +6,8 @@ version, every descriptor, is tests/cuda/test_cuda_dsv4.py).
 
 import pathlib
 
+import attrs
+import networkx as nx
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -204,11 +206,13 @@ class TestExperts:
         count_experts(ids[:5], counts)
         assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=8) + torch.bincount(ids[:5].flatten(), minlength=8))
 
-    @pytest.mark.parametrize("batch", [1, 2, 16])
-    def test_the_moe_uses_no_data_dependent_shape_op_and_matches_a_per_token_loop(self, batch):
-        moe = MoE(MINI, WeightSource(0, torch.device("cpu"), torch.float32))
+    @pytest.mark.parametrize("experts,batch,gather", [(8, 1, False), (8, 16, False), (32, 1, True), (32, 2, False)])
+    def test_the_moe_uses_no_data_dependent_shape_op_and_matches_a_per_token_loop(self, experts, batch, gather):
+        config = attrs.evolve(MINI, n_experts=experts)
+        moe = MoE(config, WeightSource(0, torch.device("cpu"), torch.float32))
+        assert uses_gather(batch, config.top_k, experts) is gather  # both paths are covered
         h = torch.randn(batch, MINI.hidden_size, generator=torch.Generator().manual_seed(4))
-        counts = torch.zeros(MINI.n_experts, dtype=torch.int64)
+        counts = torch.zeros(experts, dtype=torch.int64)
         with _OpLog() as log:
             out = moe(h, counts)
         assert not log.ops & {"bincount", "nonzero", "unique", "masked_select", "_unique2", "item",
@@ -221,10 +225,11 @@ class TestExperts:
                 for j, e in enumerate(ids[b].tolist()))
             for b in range(batch)])
         assert torch.allclose(out, expected, atol=1e-5)
-        assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=MINI.n_experts))
+        assert torch.equal(counts, torch.bincount(ids.flatten(), minlength=experts))
 
-    def test_gather_is_chosen_only_while_it_moves_fewer_weight_bytes(self):
-        assert [uses_gather(b, 2, 16) for b in (1, 2, 3, 8)] == [True, True, False, False]
+    def test_gather_is_chosen_only_while_the_chosen_experts_are_a_small_fraction(self):
+        assert [uses_gather(b, 2, 64) for b in (1, 3, 4, 8)] == [True, True, False, False]
+        assert not uses_gather(1, 2, 16)
 
 
 class TestPlans:
@@ -249,7 +254,9 @@ class TestPlans:
     def test_piecewise_breaks_at_attention_and_full_is_one_graph(self):
         piecewise = load_plan(PLANS / "dsv4_mini_piecewise.yaml")
         full = load_plan(PLANS / "dsv4_mini_full.yaml")
-        assert len(piecewise.regions(Mode.PIECEWISE)) == 5  # [embed, L0.pre], [L0.post, L1.pre] ... [L3.post, head]
+        regions = [r.segments for r in piecewise.regions(Mode.PIECEWISE)]
+        assert len(regions) == 5  # [embed, L0.pre], [L0.res .. L0.ffn_out, L1.pre] ... [L3.res .. L3.ffn_out, head]
+        assert regions[1] == ("L0.res", "L0.mix", "L0.ffn_res", "L0.shared", "L0.moe", "L0.ffn_out", "L1.pre")
         assert [r.segments for r in full.regions(Mode.FULL)][0][0] == "embed"
         assert len(full.regions(Mode.FULL)) == 1
         assert not any(s.kind.value == "eager" for s in full.segments)
@@ -275,7 +282,58 @@ class TestPlans:
         assert info.value.element == "buffer q0"
         assert info.value.message == ("buffer 'q0' has shape [B, 4, 32] but the dsv4 model built from "
                                       "model_args needs [B, 4, 16] — fix the shape or model_args")
-        assert info.value.line == 36
+        assert info.value.line == 38
+
+
+ALL_PLANS = ["dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml", "dsv4_61l_decode.yaml", "dsv4_61l_full.yaml",
+             "dsv4_tp_piecewise.yaml", "dsv4_tp_full.yaml"]
+#: A layer's side segments: (stream, the main-chain segment it forks after, the one that joins it).
+SIDE = {"res": ("s1", "pre", "mix"), "ffn_res": ("s1", "mix", "ffn_out"), "shared": ("s2", "mix", "ffn_out")}
+
+
+class TestSideStreams:
+    """The Sinkhorn normalizations (s1) and the shared expert (s2) are segments of their own,
+    which the plans' DAG leaves free to run beside the main chain (s0)."""
+
+    @pytest.mark.parametrize("name", ALL_PLANS)
+    def test_only_the_sinkhorns_and_the_shared_expert_leave_the_main_stream(self, name):
+        plan = load_plan(PLANS / name)
+        assert {s.name: s.device for s in plan.streams} == {"s0": "cuda:0", "s1": "cuda:0", "s2": "cuda:0"}
+        off_main = {s.name: s.stream for s in plan.segments if s.stream != "s0"}
+        assert off_main == {f"L{i}.{part}": stream for i in range(plan.model_args["n_layers"])
+                            for part, (stream, _, _) in SIDE.items()}
+
+    @pytest.mark.parametrize("name", ALL_PLANS)
+    def test_each_side_segment_waits_only_for_its_fork_and_is_awaited_only_after_its_join(self, name):
+        # The transients (res_logits, h, ffn_*, shared_out, moe_out) are one buffer for all
+        # layers: the write-after-read edges that reuse adds must not order a side segment
+        # later than its fork point or earlier than its join, or it would lose its overlap.
+        plan = load_plan(PLANS / name)
+        dag = plan.dag()
+        for i in range(plan.model_args["n_layers"]):
+            for part, (_, fork, join) in SIDE.items():
+                segment, fork, join = f"L{i}.{part}", f"L{i}.{fork}", f"L{i}.{join}"
+                assert fork in dag.predecessors(segment) and join in dag.successors(segment)
+                for before in dag.predecessors(segment):
+                    assert before == fork or nx.has_path(dag, before, fork), (segment, before)
+                for after in dag.successors(segment):
+                    assert after == join or nx.has_path(dag, join, after), (segment, after)
+
+    @pytest.mark.parametrize("name", ["dsv4_mini_full.yaml", "dsv4_tp_full.yaml"])
+    def test_the_side_segments_are_unordered_against_attention_and_the_routed_experts(self, name):
+        plan = load_plan(PLANS / name)
+        dag = plan.dag()
+        for i in range(plan.model_args["n_layers"]):
+            for a, b in (("res", "attn"), ("ffn_res", "moe"), ("shared", "moe"), ("ffn_res", "shared")):
+                a, b = f"L{i}.{a}", f"L{i}.{b}"
+                assert not nx.has_path(dag, a, b) and not nx.has_path(dag, b, a), (a, b)
+
+    @pytest.mark.parametrize("name", ["dsv4_tp_piecewise.yaml", "dsv4_tp_full.yaml"])
+    def test_every_all_reduce_stays_on_the_main_stream_two_a_layer(self, name):
+        plan = load_plan(PLANS / name)
+        users = [(s.name, s.stream) for s in plan.segments if "tp_ar" in s.channels]
+        layers = range(plan.model_args["n_layers"])
+        assert users == [(f"L{i}.{part}", "s0") for i in layers for part in ("mix", "ffn_out")]
 
 
 @pytest.fixture(scope="module", params=["dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml"])

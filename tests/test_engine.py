@@ -37,8 +37,8 @@ class RecordingBackend(CpuBackend):
         self.released: list[object] = []
         self.broken_destroys = broken_destroys
 
-    def capture(self, calls, recording, stream, pool):
-        graph = super().capture(calls, recording, stream, pool)
+    def capture(self, calls, recording, stream, pool, side=()):
+        graph = super().capture(calls, recording, stream, pool, side)
         destroy = graph.destroy
 
         def recorded_destroy():

@@ -52,16 +52,17 @@ def plan_for(mode: str, world: int, *, policy: WarmupPolicy = WarmupPolicy.REAL)
 # -- models for the fault and seed scenarios ------------------------------------------------
 
 class FaultyLayer(TPDecoderLayer):
-    """Raises in one rank's capture of its post segment; remembers the static buffers it saw."""
+    """Raises in one rank's capture of its mix segment (the first all-reduce); remembers the
+    static buffers it saw."""
 
     runtime: ChannelRuntime | None = None
     seen: list = []
 
-    def post_attention(self, o, post_mix, res_mix, x, expert_load) -> None:
+    def post_attention(self, o, post_mix, res_mix, x, h, ffn_post, ffn_logits) -> None:
         self.seen.append(weakref.ref(x._base if x._base is not None else x))
         if self.runtime.site.phase is Phase.CAPTURE and self.runtime.rank == FAULTY_RANK:
             raise RuntimeError(f"injected capture fault on rank {FAULTY_RANK}")
-        super().post_attention(o, post_mix, res_mix, x, expert_load)
+        super().post_attention(o, post_mix, res_mix, x, h, ffn_post, ffn_logits)
 
 
 class LegacyAllReduce:
@@ -100,7 +101,7 @@ class LegacyDispatchLayer(TPDecoderLayer):
                 share = torch.matmul(torch.nn.functional.silu(gate) * up, self.w2[expert - self.experts.start]) * weight
             self.ep.all_reduce(share)
             total.index_add_(0, rows, share)
-        return total / len(self.ep.binding.members)  # post_attention all-reduces it once more
+        return total / len(self.ep.binding.members)  # post_ffn all-reduces it once more
 
 
 # -- scenarios: each runs on every rank and returns a picklable dict -------------------------
@@ -243,7 +244,7 @@ def scenario_seed(ctx, out, policy: WarmupPolicy) -> dict:
     plan = plan_for("full", ctx.world_size, policy=policy)
     ep = Channel("ep_ar", ChannelKind.ALL_REDUCE, "ep", 2, "target")
     plan = ctx.place(attrs.evolve(plan, channels=[*plan.channels, ep], segments=[
-        attrs.evolve(s, channels=[*s.channels, "ep_ar"]) if s.name.endswith(".post") else s for s in plan.segments]))
+        attrs.evolve(s, channels=[*s.channels, "ep_ar"]) if s.name.endswith(".moe") else s for s in plan.segments]))
     report = validate(plan, disable={"GF503"} if policy is WarmupPolicy.PLACEHOLDER else ())
     assert report.ok, report.diagnostics
     runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size,
@@ -379,7 +380,8 @@ class TestCapture:
 
     def test_graph_counts_match_the_plan(self, world, mode):
         _, _, results = world
-        # PIECEWISE: embed+pre, then per layer post+pre (the last post with head), per size; FULL: 1 per size.
+        # PIECEWISE: embed+pre, then per layer res..ffn_out+pre (the last one with head), per size;
+        # FULL: 1 per size.
         per_size = TINY["n_layers"] + 1 if mode == "piecewise" else 1
         assert [r["graphs"] for r in results[mode]] == [per_size * len(SIZES)] * len(results[mode])
 

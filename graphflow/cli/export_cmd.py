@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from graphflow.decorators import add_plan_source_arguments, plan_source
+from graphflow.cli.source import add_plan_source_arguments, plan_source
 from graphflow.errors import PlanError
 from graphflow.loader import dump_plan
 

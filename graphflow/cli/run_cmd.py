@@ -29,7 +29,7 @@ import sys
 import time
 
 from graphflow.cli import parse_sizes
-from graphflow.decorators import add_plan_source_arguments, plan_source
+from graphflow.cli.source import add_plan_source_arguments, plan_source
 from graphflow.errors import CaptureError, PlanError
 from graphflow.validate import validate
 

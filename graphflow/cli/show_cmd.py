@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from graphflow.errors import PlanError
-from graphflow.decorators import add_plan_source_arguments, plan_source
+from graphflow.cli.source import add_plan_source_arguments, plan_source
 
 __all__ = ["register"]
 

@@ -13,6 +13,7 @@ import sys
 
 from graphflow.errors import PlanError
 from graphflow.loader import load_plan
+from graphflow.render import plural
 from graphflow.validate import RULES, Report, validate
 
 __all__ = ["register"]
@@ -34,14 +35,10 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def summary_line(path: str, report: Report, plan) -> str:
     """``plans/x.yaml: 0 errors, 1 warning (183 segments, 67 descriptors)``."""
-    return (f"{path}: {_plural(len(report.errors), 'error')}, {_plural(len(report.warnings), 'warning')} "
-            f"({_plural(len(plan.segments), 'segment')}, {_plural(len(plan.descriptors()), 'descriptor')})")
+    return (f"{path}: {plural(len(report.errors), 'error')}, {plural(len(report.warnings), 'warning')} "
+            f"({plural(len(plan.segments), 'segment')}, {plural(len(plan.descriptors()), 'descriptor')})")
 
 
 def _read_error(path: str, err: PlanError) -> dict:

@@ -14,15 +14,18 @@ refuse ``out=`` writes into buffers computed from weights that require grad.
    ``bind``, so a channel's prewarm hook resolves on it; unbound on rollback and
    close); resolve every segment's and prewarm hook's ``call`` path (digits index
    ModuleLists); create the plan's streams (plus one per device for segments naming
-   none) and one capture pool per device; allocate every static buffer once, at its
-   largest size; set up the capture-safety detectors.
+   none) and one capture pool per device; schedule the eager step and each region over
+   their streams (``graphflow.engine.schedule``) and preallocate their events; allocate
+   every static buffer once, at its largest size; set up the capture-safety detectors.
 2. **warmup** — per descriptor, largest first, run the whole step eagerly
-   ``warmup_iters`` times, each segment on its stream, each call watched by the detectors.
+   ``warmup_iters`` times, each segment on its stream (the streams capture uses, forked
+   and joined by events as in capture), each call watched by the detectors.
 3. **prewarm** — run each declared prewarm hook once per specialization: with each
    descriptor size when ``per_size``, else once. No communication happens here.
 4. **capture** — with the garbage collector frozen, PIECEWISE then FULL descriptors,
    largest first: each region is captured as one graph on its first segment's stream,
-   into its device's shared pool, every call watched by the detectors.
+   its other streams forked from it and joined back, into its device's shared pool,
+   every call watched by the detectors.
 5. **verify** — per descriptor: fill inputs randomly (floats standard normal, ints from
    ``Buffer.values``), run the eager step, restore every read and state buffer, run the
    captured step program, and compare every written buffer: bit-exact unless the plan

@@ -14,13 +14,23 @@ Lifecycle of a backend, as the pipeline drives it:
 2. ``memory_allocated(device)`` is read once per device: the baseline rollback returns to
    (0 for host memory, which no graph allocates).
 3. ``new_stream(device)`` and ``new_pool(device)``, once per stream and once per device,
-   in the allocate phase.
-4. ``on_stream(stream)`` wraps every eager run (warmup, prewarm, verify's eager step):
-   it orders the stream after the caller's current stream on entry, and back on exit.
-5. ``capture(calls, recording, stream, pool)``, once per region per descriptor, returns a
-   ``Graph``: its ``replay`` is a bare callable the runtime calls in its hot loop.
-6. ``Graph.destroy()`` on rollback or close; then ``release_pool(pool)`` per device.
-7. ``synchronize(device)`` at phase boundaries (nothing to wait for on the host);
+   and ``new_event(device)`` as many times per device as the largest schedule needs
+   (``graphflow.engine.schedule``), in the allocate phase.
+4. ``on_stream(stream)`` wraps every eager run (warmup, prewarm, verify's eager step) on
+   its origin stream: it orders the stream after the caller's current stream on entry,
+   and the caller after it on exit.
+5. Inside an eager run or a capture, the pipeline runs the schedule: ``fork(origin,
+   streams, event)`` at the start (each other stream waits for the origin), ``use(stream)``
+   around each segment (makes it current, orders nothing), ``wait(stream, event)`` before
+   and ``record(event, stream)`` after a segment for cross-stream edges, and
+   ``join(origin, events)`` at the end (the origin waits for every other stream).
+6. ``capture(calls, recording, stream, pool, side)``, once per region per descriptor,
+   returns a ``Graph``: its ``replay`` is a bare callable the runtime calls in its hot
+   loop. ``side`` are the region's other streams: if ``recording`` raises with one of
+   them still joined into the capture, the backend joins it back and ends the capture,
+   so no stream is left capturing.
+7. ``Graph.destroy()`` on rollback or close; then ``release_pool(pool)`` per device.
+8. ``synchronize(device)`` at phase boundaries (nothing to wait for on the host);
    ``is_capturing(stream)`` for checks.
 
 The choice between backends lives in ``make_backend`` (one table, ``BACKENDS``).
@@ -73,13 +83,43 @@ class Backend(abc.ABC):
     def new_pool(self, device: torch.device) -> object: ...
 
     @abc.abstractmethod
+    def new_event(self, device: torch.device) -> object: ...
+
+    @abc.abstractmethod
     def on_stream(self, stream: object) -> contextlib.AbstractContextManager[None]: ...
 
     @abc.abstractmethod
-    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object) -> Graph:
-        """Record ``recording`` (the region's ``calls``, wrapped by the detectors) as a graph.
+    def use(self, stream: object) -> contextlib.AbstractContextManager[None]:
+        """Make ``stream`` current for the work inside, without ordering it against anything."""
 
-        ``calls`` are the same calls bare: a backend that cannot record replays them.
+    @abc.abstractmethod
+    def record(self, event: object, stream: object) -> None:
+        """Mark ``event`` done once the work issued so far on ``stream`` is."""
+
+    @abc.abstractmethod
+    def wait(self, stream: object, event: object) -> None:
+        """Make later work on ``stream`` wait for ``event``'s latest ``record``."""
+
+    def fork(self, origin: object, streams: Sequence[object], event: object) -> None:
+        """Start ``streams`` after the work issued so far on ``origin`` (during capture,
+        this joins them into the origin's capture)."""
+        self.record(event, origin)
+        for stream in streams:
+            self.wait(stream, event)
+
+    def join(self, origin: object, events: Sequence[object]) -> None:
+        """Make ``origin`` wait for ``events`` (each recorded last on another stream)."""
+        for event in events:
+            self.wait(origin, event)
+
+    @abc.abstractmethod
+    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object,
+                side: Sequence[object] = ()) -> Graph:
+        """Record ``recording`` (the region's ``calls``, wrapped by the detectors and
+        scheduled over ``stream`` and the ``side`` streams it forks) as a graph.
+
+        ``calls`` are the same calls bare, in step order: a backend that cannot record
+        replays them.
         """
 
     @abc.abstractmethod
@@ -157,10 +197,24 @@ class CpuBackend(Backend):
     def new_pool(self, device: torch.device) -> object:
         return _CpuPool(device)
 
+    def new_event(self, device: torch.device) -> object:
+        return _HostEvent()
+
     def on_stream(self, stream: object) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object) -> Graph:
+    def use(self, stream: object) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def record(self, event: object, stream: object) -> None:
+        """Nothing to record: the CPU runs the segments one by one in step order, and
+        step order satisfies every dependency (it is a valid schedule)."""
+
+    def wait(self, stream: object, event: object) -> None:
+        """Nothing to wait for (see ``record``)."""
+
+    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object,
+                side: Sequence[object] = ()) -> Graph:
         recording()
         return _EagerGraph(calls)
 
@@ -179,6 +233,12 @@ class _CpuStream:
 
     def __init__(self, device: torch.device):
         self.device = device
+
+
+class _HostEvent:
+    """An event on the host: host work is finished when its Python returns."""
+
+    __slots__ = ()
 
 
 class _CpuPool:
@@ -217,6 +277,12 @@ class CudaBackend(Backend):
     name = "cuda"
     captures_graphs = True
 
+    def __init__(self, *, debug_graphs: bool = False) -> None:
+        super().__init__()
+        #: Keep each graph's definition after capture (``CUDAGraph(keep_graph=True)``), so
+        #: ``graph.graph.debug_dump(path)`` writes it as Graphviz DOT to inspect what was captured.
+        self.debug_graphs = debug_graphs
+
     def device(self, name: str) -> torch.device:
         device = torch.device(name)
         if device.type == "cpu":
@@ -237,6 +303,11 @@ class CudaBackend(Backend):
         with torch.cuda.device(device):
             return torch.cuda.graph_pool_handle()
 
+    def new_event(self, device: torch.device) -> object:
+        if device.type == "cpu":
+            return _HostEvent()
+        return torch.cuda.Event()  # created on its device at the first record
+
     @contextlib.contextmanager
     def on_stream(self, stream: object) -> Iterator[None]:
         if isinstance(stream, _CpuStream):
@@ -248,12 +319,37 @@ class CudaBackend(Backend):
             yield
         caller.wait_stream(stream)
 
-    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object) -> Graph:
-        graph = torch.cuda.CUDAGraph()
+    def use(self, stream: object) -> contextlib.AbstractContextManager[None]:
+        if isinstance(stream, _CpuStream):
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)
+
+    def record(self, event: object, stream: object) -> None:
+        # Host work is done when its Python returns: a host event needs no record.
+        if not isinstance(event, _HostEvent):
+            event.record(stream)
+
+    def wait(self, stream: object, event: object) -> None:
+        if isinstance(event, _HostEvent):
+            return
+        if isinstance(stream, _CpuStream):
+            event.synchronize()  # the host itself waits: an eager segment reading device results
+        else:
+            stream.wait_event(event)
+
+    def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object,
+                side: Sequence[object] = ()) -> Graph:
+        graph = torch.cuda.CUDAGraph(keep_graph=self.debug_graphs)
         before = torch.cuda.current_stream(stream.device)
         try:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                recording()
+                try:
+                    recording()
+                except BaseException:
+                    # A side stream still joined into the capture makes ending it fail
+                    # as "unjoined": join it back first, so the capture ends cleanly.
+                    self._rejoin(stream, side)
+                    raise
         except BaseException:
             # torch.cuda.graph skips restoring the stream when capture_end raises; end a
             # capture still open so no stream is left capturing, then drop the graph.
@@ -264,7 +360,18 @@ class CudaBackend(Backend):
                 torch.cuda.set_stream(before)
             graph.reset()
             raise
+        if self.debug_graphs:
+            graph.instantiate()  # kept graphs instantiate lazily: do it here, as capture_end would
         return _CudaGraph(graph)
+
+    def _rejoin(self, origin: object, side: Sequence[object]) -> None:
+        """Make ``origin`` wait for every side stream still capturing. An invalidated
+        capture refuses the event calls: ending it on the origin then ends every stream
+        joined into it, which is all that is left to do."""
+        for stream in side:
+            if self.is_capturing(stream):
+                with contextlib.suppress(RuntimeError):
+                    origin.wait_stream(stream)
 
     def release_pool(self, pool: object) -> None:
         # The pool has no handle to free: its blocks return once every graph using it is

@@ -24,6 +24,7 @@ from graphflow.engine.backend import Backend, Call, Graph, make_backend
 from graphflow.engine.binding import build_model, resolve
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.rollback import UndoError, UndoStack
+from graphflow.engine.schedule import Schedule, build_schedule, dependencies
 from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Listener, Phase
 from graphflow.plan import BufferRole, CaptureRegion, Descriptor, Mode, Plan, Segment
@@ -103,6 +104,35 @@ class _Cursor:
     region: str | None = None
     segment: str | None = None
     listener: Listener | None = None
+
+
+@attrs.frozen(eq=False)
+class _BoundStep:
+    """One scheduled segment with its stream and its events, looked up once."""
+
+    stream: object
+    waits: tuple[object, ...]  # events to wait on before the segment
+    record: object | None  # the event to record after it
+
+
+@attrs.frozen(eq=False)
+class _Run:
+    """A schedule (``graphflow.engine.schedule``) bound to this pipeline's streams and
+    preallocated events."""
+
+    origin: object
+    side: tuple[object, ...]  # the forked streams
+    fork: object | None  # the event the side streams wait on at the start
+    steps: tuple[_BoundStep, ...]
+    join: tuple[object, ...]  # the events the origin waits on at the end
+
+    @classmethod
+    def bind(cls, schedule: Schedule, events: Sequence[object]) -> _Run:
+        recorded = {s.name: events[s.event] for s in schedule.steps if s.event is not None}
+        steps = tuple(_BoundStep(s.stream, tuple(recorded[w] for w in s.waits),
+                                 None if s.event is None else events[s.event]) for s in schedule.steps)
+        fork = None if schedule.fork_event is None else events[schedule.fork_event]
+        return cls(schedule.origin, schedule.fork, fork, steps, tuple(recorded[n] for n in schedule.join))
 
 
 @attrs.define(eq=False)
@@ -225,6 +255,7 @@ class _Pipeline:
         self.baseline: dict[torch.device, int] = {}
         self.pools: dict[torch.device, object] = {}
         self.streams: dict[str, object] = {}  # segment name -> the stream it runs on
+        self.runs: dict[tuple[str, ...], _Run] = {}  # segment names (eager step, region) -> its schedule
         self.fns: dict[str, Callable[..., object]] = {}
         self.hooks: dict[str, Callable[..., object]] = {}
         self.buffers: StaticBuffers | None = None
@@ -369,6 +400,7 @@ class _Pipeline:
                     defaults[device] = self.backend.new_stream(device)
                 self.streams[segment.name] = defaults[device]
         self.stack.push("drop the streams", self.streams.clear)
+        self._schedule()
         for segment in self.segments:
             device = self._segment_device(segment)
             if segment.is_graph and device not in self.pools:
@@ -383,12 +415,10 @@ class _Pipeline:
     def _warmup(self) -> None:
         for index, descriptor in enumerate(self.descriptors, 1):
             self._begin_descriptor(descriptor, index)
-            runs = self._stream_runs(self._eager_step(descriptor.size))
+            step = self._eager_step(descriptor.size)
+            watched = functools.partial(self._watched, phase=Phase.WARMUP, capturing=False)
             for _ in range(self.plan.capture.warmup_iters):
-                for stream, calls in runs:
-                    with self.backend.on_stream(stream):
-                        for segment, call in calls:
-                            self._watched(segment, call, Phase.WARMUP, capturing=False)
+                self._run_eager(step, watched)
             self._synchronize()
             self._check_findings(Phase.WARMUP)
             self._end_descriptor(descriptor, index)
@@ -434,14 +464,15 @@ class _Pipeline:
         self._emit(EventKind.REGION_BEGIN, phase=Phase.CAPTURE, descriptor=descriptor, region=region.name,
                    index=index, total=len(self.descriptors))
         calls = [_bind(s, self.fns[s.name], views) for s in segments]
+        run = self.runs[tuple(s.name for s in segments)]
+        watched = functools.partial(self._watched, phase=Phase.CAPTURE, capturing=True)
 
         def recording() -> None:
-            for segment, call in zip(segments, calls):
-                self._watched(segment, call, Phase.CAPTURE, capturing=True)
+            self._run_scheduled(run, tuple(zip(segments, calls)), watched)
 
         try:
-            graph = self.backend.capture(tuple(calls), recording, self.streams[segments[0].name],
-                                         self.pools[self._segment_device(segments[0])])
+            graph = self.backend.capture(tuple(calls), recording, run.origin,
+                                         self.pools[self._segment_device(segments[0])], run.side)
         finally:
             # A traceback keeps ``recording`` alive through its frame even after the frame
             # is cleared; emptied, its closure no longer holds views of the static buffers.
@@ -469,10 +500,7 @@ class _Pipeline:
             kept = {n: views[n].clone() for n in state}
             self._fill_inputs(views, descriptor.size)
             start = {n: views[n].clone() for n in dict.fromkeys((*read, *state))}
-            for stream, calls in self._stream_runs(self._eager_step(descriptor.size)):
-                with self.backend.on_stream(stream):
-                    for segment, call in calls:
-                        self._run_segment(segment, call)
+            self._run_eager(self._eager_step(descriptor.size), self._run_segment)
             self.cursor.segment = None
             self._synchronize()
             expected = {n: views[n].clone() for n in written}
@@ -554,15 +582,61 @@ class _Pipeline:
         views = self.buffers.views(size)
         return tuple((s, _bind(s, self.fns[s.name], views)) for s in self.segments)
 
-    def _stream_runs(self, step: tuple[tuple[Segment, Call], ...]) -> list[tuple[object, list]]:
-        """Consecutive calls on one stream, grouped: one stream switch per run, not per call."""
-        runs: list[tuple[object, list]] = []
-        for segment, call in step:
-            stream = self.streams[segment.name]
-            if not runs or runs[-1][0] is not stream:
-                runs.append((stream, []))
-            runs[-1][1].append((segment, call))
-        return runs
+    def _schedule(self) -> None:
+        """Schedule the eager step and every region to capture over their streams, and
+        preallocate the events the largest of them needs on each device."""
+        sequences = [self.segments]
+        for mode in dict.fromkeys(d.mode for d in self.descriptors):
+            sequences += [item[1] for item in self._step_items(mode) if not isinstance(item, Segment)]
+        device_of = {id(self.streams[s.name]): self._segment_device(s) for s in self.segments}
+        placed: dict[tuple[str, ...], tuple[Schedule, list[tuple[torch.device, int]]]] = {}
+        needed: dict[torch.device, int] = {}
+        for segments in sequences:
+            names = tuple(s.name for s in segments)
+            if names in placed:
+                continue
+            schedule = build_schedule(names, [self.streams[n] for n in names], dependencies(self.plan, segments))
+            # Each event slot is the k-th event of its stream's device; schedules never run
+            # at the same time, so they share each device's events.
+            taken: dict[torch.device, int] = {}
+            slots = []
+            for stream in schedule.events:
+                device = device_of[id(stream)]
+                slots.append((device, taken.get(device, 0)))
+                taken[device] = taken.get(device, 0) + 1
+                needed[device] = max(needed.get(device, 0), taken[device])
+            placed[names] = (schedule, slots)
+        events = {device: [self.backend.new_event(device) for _ in range(count)] for device, count in needed.items()}
+        for names, (schedule, slots) in placed.items():
+            self.runs[names] = _Run.bind(schedule, [events[device][k] for device, k in slots])
+        self.stack.push("drop the schedules and their events", self.runs.clear)
+
+    def _run_eager(self, step: tuple[tuple[Segment, Call], ...], run: Callable[[Segment, Call], None]) -> None:
+        """The eager step on its schedule, ordered after the caller's stream and before it."""
+        scheduled = self.runs[tuple(segment.name for segment, _ in step)]
+        if scheduled.origin is None:
+            return
+        with self.backend.on_stream(scheduled.origin):
+            self._run_scheduled(scheduled, step, run)
+
+    def _run_scheduled(self, scheduled: _Run, step: Sequence[tuple[Segment, Call]],
+                       run: Callable[[Segment, Call], None]) -> None:
+        """Fork, each segment on its stream between its waits and its record, join."""
+        backend = self.backend
+        if scheduled.side:
+            backend.fork(scheduled.origin, scheduled.side, scheduled.fork)
+        for (segment, call), bound in zip(step, scheduled.steps, strict=True):
+            for event in bound.waits:
+                backend.wait(bound.stream, event)
+            if bound.stream is scheduled.origin:  # already current: no switch to pay for
+                run(segment, call)
+            else:
+                with backend.use(bound.stream):
+                    run(segment, call)
+            if bound.record is not None:
+                backend.record(bound.record, bound.stream)
+        if scheduled.join:
+            backend.join(scheduled.origin, scheduled.join)
 
     def _watched(self, segment: Segment, call: Call, phase: Phase, *, capturing: bool) -> None:
         watch = None

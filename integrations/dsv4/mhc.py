@@ -37,7 +37,8 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 class HyperConnection(nn.Module):
-    """The mixing around one block: coefficients, pre-mix (streams → block input), post-mix."""
+    """The mixing around one block: gates and residual-mix logits, the Sinkhorn-normalized
+    residual mix, pre-mix (streams → block input), post-mix."""
 
     def __init__(self, hidden: int, streams: int, sinkhorn_iters: int, eps: float, source: WeightSource):
         super().__init__()
@@ -53,16 +54,22 @@ class HyperConnection(nn.Module):
         bias[2 * n:] = 2.0 * torch.eye(n, device=source.device).flatten()
         self.bias = nn.Parameter(bias.to(source.dtype), requires_grad=False)
 
-    def coefficients(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """H_pre [B, n], H_post [B, n], H_res [B, n, n] for streams x [B, n, d]."""
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """H_pre [B, n], H_post [B, n] and the residual mix's raw logits [B, n, n] for streams x [B, n, d].
+
+        The logits are normalized by ``residual_mix``, a separate call, so the Sinkhorn
+        iterations (a chain of tiny kernels) can run on a side stream while the main
+        chain goes on with the block (docs/dsv4.md).
+        """
         n = self.streams
         flat = rms_norm(x.flatten(1), self.norm, self.eps)
         logits = torch.addmm(self.bias, flat, self.proj)  # [B, 2n + n*n]
         gates = torch.sigmoid(logits[:, : 2 * n])
-        h_pre = gates[:, :n]
-        h_post = 2.0 * gates[:, n:]
-        h_res = sinkhorn(logits[:, 2 * n:].reshape(-1, n, n), self.sinkhorn_iters).to(x.dtype)
-        return h_pre, h_post, h_res
+        return gates[:, :n], 2.0 * gates[:, n:], logits[:, 2 * n:].reshape(-1, n, n)
+
+    def residual_mix(self, logits: torch.Tensor) -> torch.Tensor:
+        """H_res [B, n, n] (float32, doubly stochastic) from the logits ``gates`` gave."""
+        return sinkhorn(logits, self.sinkhorn_iters)
 
     @staticmethod
     def pre(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:

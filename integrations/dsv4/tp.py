@@ -6,16 +6,20 @@ summation order. Per rank, with ``W`` ranks and ``r`` this rank:
 
 * attention: heads ``[r*H/W, (r+1)*H/W)``. The latent (MQA: one key/value per token)
   and its caches are replicated: every rank writes the same latent into its own cache.
-  The output projection is row-parallel; its partial sum is all-reduced on ``tp_ar``.
+  The output projection is row-parallel; its partial sum is all-reduced on ``tp_ar``
+  in the layer's ``mix`` segment.
 * MoE: the router is replicated (every rank picks the same top-k of all experts);
   a rank runs experts ``[r*E/W, (r+1)*E/W)`` with the other experts' weights zeroed in
-  its routing, plus its slice of the shared expert's intermediate dimension. The two
-  partial sums are added and all-reduced once, on ``tp_ar``.
+  its routing (``moe``, on s0), plus its slice of the shared expert's intermediate
+  dimension (``shared``, on s2). The layer's ``ffn_out`` segment adds the two partial
+  sums and all-reduces them once, on ``tp_ar``.
 * embedding, hyper-connections, norms and the head are replicated.
 
-So a layer's ``post`` segment makes two all-reduces of ``[B, d]``, always, whatever the
-routing: the collective sequence depends on the batch size alone, the same on every
-rank, which is what lets FULL capture record it.
+So a layer makes two all-reduces of ``[B, d]``, always, whatever the routing, both in
+segments on s0 (``mix`` and ``ffn_out``): the collective sequence depends on the batch
+size alone, the same on every rank, which is what lets FULL capture record it. The
+segments and their order are the dense model's (model.py), run by the same
+``decode_step``.
 
 The plans ``plans/dsv4_tp_piecewise.yaml`` and ``plans/dsv4_tp_full.yaml`` are written
 for 2 ranks; ``tp_plan(path, world_size)`` gives the plan for another number of ranks
@@ -31,11 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphflow.integrations.dsv4.config import DSV4Config
-from graphflow.integrations.dsv4.kernels import rms_norm
 from graphflow.integrations.dsv4.mhc import HyperConnection
 from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, decode_step, expected_shapes
 from graphflow.integrations.dsv4.moe import count_experts, uses_gather
-from graphflow.integrations.dsv4.rope import apply_rope
 
 __all__ = ["TPDecoderLayer", "TPModel", "Shard", "build_tp_model", "tp_plan", "tp_shapes"]
 
@@ -99,38 +101,40 @@ class TPDecoderLayer(nn.Module):
         self.shared_w13 = _frozen(torch.cat([gate[:, inter.start:inter.stop], up[:, inter.start:inter.stop]], 1))
         self.shared_w2 = _frozen(full.shared.w2[inter.start:inter.stop])  # row-parallel: [f_shared/W, d]
 
-    def pre_attention(self, x, rope, q, kv, post_mix, res_mix) -> None:
-        """x [B, n, d], rope [B, r] → q [B, H/W, kv_dim] (this rank's heads), kv [B, kv_dim], mixes."""
-        c = self.config
-        h_pre, h_post, h_res = self.attn_mix.coefficients(x)
-        h = rms_norm(HyperConnection.pre(x, h_pre), self.attn_norm, c.norm_eps)
-        qkv = torch.matmul(h, self.qkv).view(-1, self.heads.size + 1, c.kv_dim)
-        qkv[..., : c.rope_dim] = apply_rope(qkv[..., : c.rope_dim], rope)
-        q.copy_(qkv[:, : self.heads.size])
-        kv.copy_(qkv[:, self.heads.size])
-        post_mix.copy_(h_post)
-        res_mix.copy_(h_res)
-
-    # Attention runs on this rank's heads as the whole layer runs on all of them: the
-    # methods read only the layout, the compressor and the shapes of q and o.
+    # Attention, and everything around it but the output projection, runs on this rank's
+    # heads as the whole layer runs on all of them: these methods read only the layout,
+    # the compressor, the mixing and norm weights, ``qkv`` (this rank's columns) and the
+    # shapes of q and o.
+    pre_attention = DecoderLayer.pre_attention
     attention = DecoderLayer.attention  # the eager break (PIECEWISE)
     static_attention = DecoderLayer.static_attention  # the capturable form (FULL)
+    attention_residual = DecoderLayer.attention_residual
+    mix_streams = DecoderLayer.mix_streams
+    ffn_residual = DecoderLayer.ffn_residual
 
-    def post_attention(self, o, post_mix, res_mix, x, expert_load) -> None:
-        """o [B, H/W, kv_dim] → x [B, n, d] in place, after two all-reduces; counts into expert_load."""
-        c = self.config
+    def post_attention(self, o, post_mix, res_mix, x, h, ffn_post, ffn_logits) -> None:
+        """o [B, H/W, kv_dim] → x [B, n, d] in place after the first all-reduce; the FFN's inputs."""
         reduce = self.reduce[: o.shape[0]]
         torch.matmul(o.flatten(1), self.out, out=reduce)  # this rank's heads' share of the projection
         self.tp.all_reduce(reduce)
-        streams = HyperConnection.post(x, reduce, post_mix, res_mix)
-        h_pre, h_post, h_res = self.ffn_mix.coefficients(streams)
-        h = rms_norm(HyperConnection.pre(streams, h_pre), self.ffn_norm, c.norm_eps)
+        self.mix_streams(reduce, post_mix, res_mix, x, h, ffn_post, ffn_logits)
+
+    def shared_expert(self, h, shared_out) -> None:
+        """h [B, d] → shared_out [B, d], this rank's slice of the shared expert (a partial sum)."""
+        shared_out.copy_(torch.matmul(_swiglu(torch.matmul(h, self.shared_w13)), self.shared_w2))
+
+    def routed_experts(self, h, expert_load, moe_out) -> None:
+        """h [B, d] → moe_out [B, d], this rank's experts' partial sum; counts of all experts into expert_load."""
         ids, weights = self.router(h)
         count_experts(ids, expert_load[self.index])
-        shared = torch.matmul(_swiglu(torch.matmul(h, self.shared_w13)), self.shared_w2)
-        torch.add(self.routed(h, ids, weights), shared, out=reduce)
+        moe_out.copy_(self.routed(h, ids, weights))
+
+    def post_ffn(self, x, moe_out, shared_out, ffn_post, ffn_res) -> None:
+        """The partial sums added, all-reduced once, and mixed into x [B, n, d] in place."""
+        reduce = self.reduce[: x.shape[0]]
+        torch.add(moe_out, shared_out, out=reduce)
         self.tp.all_reduce(reduce)
-        x.copy_(HyperConnection.post(streams, reduce, h_post, h_res))
+        x.copy_(HyperConnection.post(x, reduce, ffn_post, ffn_res))
 
     def routed(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's experts' share of the routed FFN, h [B, d] → [B, d].

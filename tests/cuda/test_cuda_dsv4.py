@@ -56,6 +56,7 @@ class TestCudaHostPositions:
         devices = {name: tensor.device.type for name, tensor in piecewise.buffers.tensors.items()}
         assert devices.pop("positions_host") == "cpu"
         assert set(devices.values()) == {"cuda"}
+        # One graph per region between attention breaks, whatever streams (s0, s1, s2) its segments use.
         assert piecewise.report.graphs == 5 * len(piecewise.plan.capture.sizes)
 
     @pytest.mark.parametrize("size", [1, 3, 8])

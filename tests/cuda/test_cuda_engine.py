@@ -27,8 +27,8 @@ MiB = 1 << 20
 class TrackingBackend(CudaBackend):
     """The CUDA backend, remembering graphs and streams so tests can check they are gone."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.graphs, self.streams = [], []
 
     def new_stream(self, device):
@@ -36,8 +36,8 @@ class TrackingBackend(CudaBackend):
         self.streams.append(stream)
         return stream
 
-    def capture(self, calls, recording, stream, pool):
-        graph = super().capture(calls, recording, stream, pool)
+    def capture(self, calls, recording, stream, pool, side=()):
+        graph = super().capture(calls, recording, stream, pool, side)
         self.graphs.append(graph)
         return graph
 
