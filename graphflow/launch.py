@@ -9,7 +9,11 @@ integrations that drive ``run_pipeline`` themselves. Per rank, in this order:
 2. on NCCL: ``cuda:{rank}`` becomes the current device and a stream created on it the
    current stream (capture on a non-default GPU needs a stream of that device);
 3. ``torch.distributed`` is initialized over a TCPStore the parent hosts (port chosen by
-   the OS, so launches never clash), with ``group_timeout_s`` as the backstop;
+   the OS, so launches never clash), with ``group_timeout_s`` as the backstop. The
+   parent opens the store's listening socket before it starts the ranks but the store
+   (whose server is a thread) only after: a rank forked while that thread holds a lock
+   can hang before it ever reaches the store (seen once in CI: one of three gloo ranks
+   never registered);
 4. ``fn(RankContext, *args)`` runs; its return value (picklable) or its error is sent
    back to the parent; the process group is destroyed.
 
@@ -23,6 +27,7 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -95,17 +100,22 @@ def launch(fn: Callable[..., object], nproc: int, backend: str = "gloo", *, args
     if backend == "nccl" and torch.cuda.device_count() < nproc:
         raise ValueError(f"{nproc} NCCL ranks need {nproc} GPUs, this machine has {torch.cuda.device_count()} "
                          "— lower --nproc or use backend gloo")
-    server = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+    listener = socket.create_server(("127.0.0.1", 0))  # bound and listening, and no thread yet
+    port = listener.getsockname()[1]
     context = multiprocessing.get_context("spawn" if backend == "nccl" else "fork")
     readers, procs = [], []
     for rank in range(nproc):
         reader, writer = context.Pipe(duplex=False)
-        proc = context.Process(target=_worker, args=(fn, tuple(args), rank, nproc, backend, server.port,
+        proc = context.Process(target=_worker, args=(fn, tuple(args), rank, nproc, backend, port,
                                                      group_timeout_s, writer), name=f"graphflow-rank{rank}")
         proc.start()
         writer.close()
         readers.append(reader)
         procs.append(proc)
+    # The store takes the socket over (and closes it with itself); ranks that connected
+    # before it started wait in the socket's backlog.
+    store = dist.TCPStore("127.0.0.1", port, nproc + 1, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach())
     results: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout_s
     pending = {reader: rank for rank, reader in enumerate(readers)}
@@ -128,6 +138,7 @@ def launch(fn: Callable[..., object], nproc: int, backend: str = "gloo", *, args
                                                    "and was killed", elapsed_s=timeout_s)
     for reader in readers:
         reader.close()
+    del store  # every rank has finished or been killed: the server thread can stop
     return tuple(results[r] for r in range(nproc))
 
 

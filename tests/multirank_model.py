@@ -11,16 +11,14 @@ of a FULL descriptor it leaves rank-local values where the reduced ones belong (
 ``torch.empty_like`` handed back). Ranks then route differently, so some call ``ep_ar``
 and some do not: the divergence graphflow must report instead of hanging.
 
-``run_workers`` starts ``world_size`` processes (fork: they inherit the imported torch,
-which keeps the test fast) that initialize gloo over a FileStore, run every scenario in
-turn, and write one JSON result per (scenario, rank).
+``run_workers`` starts ``world_size`` gloo processes with ``graphflow.launch`` (forked:
+they inherit the imported torch, which keeps the test fast), which run every scenario in
+turn and write one JSON result per (scenario, rank).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import multiprocessing
 import os
 import time
 import traceback
@@ -31,6 +29,7 @@ import torch
 
 from graphflow.channels import ChannelRegistry, ChannelRuntime
 from graphflow.errors import CaptureError
+from graphflow.launch import launch
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.trace import CallPath, Tracer
@@ -255,46 +254,25 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world: int, out: str, port: int, names: tuple[str, ...]) -> None:
-    import torch.distributed as dist
-
+def _run_scenarios(ctx, out: str, names: tuple[str, ...]) -> None:
+    """One rank (``graphflow.launch``): every scenario in turn, one JSON result file each."""
     out = Path(out)
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    try:
-        for name in names:
-            try:
-                result = SCENARIOS[name](rank, world, out)
-            except Exception as e:  # reported to the test, which fails with the traceback
-                result = {"ok": False, "type": type(e).__name__, "message": str(e),
-                          "traceback": traceback.format_exc()}
-            (out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=str))
-    finally:
-        dist.destroy_process_group()
+    for name in names:
+        try:
+            result = SCENARIOS[name](ctx.rank, ctx.world_size, out)
+        except Exception as e:  # reported to the test, which fails with the traceback
+            result = {"ok": False, "type": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+        (out / f"{name}.rank{ctx.rank}.json").write_text(json.dumps(result, default=str))
 
 
 def run_workers(out: Path, world: int, names, timeout_s: float = 120.0) -> dict[str, list[dict]]:
-    """Run the scenarios in ``world`` processes; results[name][rank].
+    """Run the scenarios in ``world`` gloo processes (``graphflow.launch``); results[name][rank].
 
-    The parent hosts the TCPStore (port chosen by the OS), so no port can clash.
+    A rank that never got to write a scenario's result reads as ``{"ok": False, "type": "missing"}``.
     """
-    import torch.distributed as dist
-
-    server = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_worker, args=(r, world, str(out), server.port, tuple(names)))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    launch(_run_scenarios, world, "gloo", args=(str(out), tuple(names)), timeout_s=timeout_s,
+           group_timeout_s=GROUP_TIMEOUT_S)
     results = {}
     for name in names:
         results[name] = []
