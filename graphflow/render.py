@@ -201,7 +201,7 @@ def _region_line(region) -> str:
 def summarize(plan: Plan) -> Summary:
     """Everything ``graphflow show`` prints about a plan, as sections of lines and tables."""
     sizes = sorted(set(plan.capture.sizes))
-    sections = [_overview(plan, sizes), _segments_section(plan)]
+    sections = [_overview(plan, sizes), _segments_section(plan), _streams_section(plan)]
     for mode in (Mode.PIECEWISE, Mode.FULL):
         if mode in plan.capture.modes:
             sections.append(_regions_section(plan, mode, len(sizes)))
@@ -237,6 +237,35 @@ def _segments_section(plan: Plan) -> Section:
         if members:
             lines.append(f"  {family.name}: {_kind_counts(members)}")
     return Section("segments", tuple(lines))
+
+
+def _streams_section(plan: Plan) -> Section:
+    """Which streams carry how many segments, and what the engine can run side by side.
+
+    A DAG edge between segments on different streams is what the engine turns into an
+    event (docs/engine.md, "Streams"); segments on other streams with no path between
+    them are the work a captured region overlaps.
+    """
+    counts = Counter(s.stream for s in plan.segments)
+    lines = []
+    for stream in plan.streams:
+        lines.append(f"{stream.name} ({stream.device}): {plural(counts.pop(stream.name, 0), 'segment')}")
+    for name, count in counts.items():
+        label = "no stream (the engine's own stream on their device)" if name is None else f"{name} (undeclared)"
+        lines.append(f"{label}: {plural(count, 'segment')}")
+    stream_of = {s.name: s.stream for s in plan.segments}
+    crossing = sum(1 for a, b in plan.dag().edges if stream_of[a] != stream_of[b])
+    if crossing:
+        verb = "dependency crosses" if crossing == 1 else "dependencies cross"
+        lines.append(f"{crossing:,} {verb} streams: each is an event wait, unless another wait already covers it")
+    for mode in plan.capture.modes:
+        regions = plan.regions(mode)
+        several = sum(1 for r in regions if len({stream_of[n] for n in r.segments}) > 1)
+        if several:
+            verb = "forks" if several == 1 else "fork"
+            lines.append(f"{mode.value}: {several} of {plural(len(regions), 'region')} {verb} onto several "
+                         "streams inside the graph")
+    return Section("streams", tuple(lines) or ("none",))
 
 
 def _regions_section(plan: Plan, mode: Mode, n_sizes: int) -> Section:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import pytest
@@ -20,6 +21,7 @@ from graphflow.plan import (
     Stream,
     WarmupPolicy,
 )
+from graphflow.loader import load_plan
 from graphflow.render import (
     ImageFormat,
     compact_sizes,
@@ -36,6 +38,7 @@ from graphflow.render import (
 
 GRAPH, EAGER = SegmentKind.GRAPH, SegmentKind.EAGER
 DEV = "cuda:0"
+PLANS = pathlib.Path(__file__).resolve().parents[1] / "plans"
 
 
 def split_plan(layers: int = 2, modes=(Mode.PIECEWISE,), sizes=(1, 2, 4, 8)) -> Plan:
@@ -323,3 +326,27 @@ class TestDraw:
         draw(split_plan(layers=61), str(path), ImageFormat.PNG)
         width, height = Image.open(path).size
         assert width > height  # wrapped into columns instead of one very tall strip
+
+
+class TestStreamsSection:
+    def section(self, plan: Plan) -> list[str]:
+        return format_summary(summarize(plan)).split("streams\n-------\n")[1].split("\n\n")[0].splitlines()
+
+    def test_a_one_stream_plan_lists_the_stream_and_nothing_to_overlap(self):
+        assert self.section(load_plan(PLANS / "toy.yaml")) == ["s0 (cuda:0): 10 segments"]
+
+    def test_segments_without_a_stream_run_on_the_engines_and_their_edges_cross(self):
+        assert self.section(split_plan(layers=2)) == [
+            "s0 (cuda:0): 5 segments",
+            "no stream (the engine's own stream on their device): 2 segments",
+            "4 dependencies cross streams: each is an event wait, unless another wait already covers it",
+        ]
+
+    def test_side_streams_count_segments_crossings_and_forking_regions(self):
+        section = self.section(load_plan(PLANS / "dsv4_mini_full.yaml"))
+        assert section[:3] == ["s0 (cuda:0): 22 segments", "s1 (cuda:0): 8 segments", "s2 (cuda:0): 4 segments"]
+        assert re.fullmatch(r"\d+ dependencies cross streams: each is an event wait, unless another wait already "
+                            r"covers it", section[3])
+        assert section[4] == "FULL: 1 of 1 region forks onto several streams inside the graph"
+        assert self.section(load_plan(PLANS / "dsv4_mini_piecewise.yaml"))[-1] == (
+            "PIECEWISE: 4 of 5 regions fork onto several streams inside the graph")
