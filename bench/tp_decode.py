@@ -121,13 +121,13 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1,8,32", help="batch sizes (default 1,8,32)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per row (default 30)")
     parser.add_argument("--timeout-s", type=float, default=540.0, help="per GPU count, for the whole launch")
-    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, 1 and 2 ranks, a tiny model")
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, 1 and 2 ranks, a tiny 2-layer model")
     args = parser.parse_args(argv)
     sizes = tuple(sorted(int(s) for s in args.sizes.split(",")))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpus = torch.cuda.device_count()
-    model_args = {**(SMOKE_ARGS if args.smoke else MODEL_ARGS), "n_layers": args.layers}
+    model_args = {**(SMOKE_ARGS if args.smoke else MODEL_ARGS), "n_layers": 2 if args.smoke else args.layers}
     if args.smoke:
         sizes = tuple(s for s in sizes if s <= model_args["max_batch"])
     document = {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus, "torch": torch.__version__,
