@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import pathlib
 import sys
 import time
@@ -44,8 +45,13 @@ SMOKE_ARGS = {"vocab_size": 64, "hidden_size": 32, "hc_streams": 2, "n_heads": 4
               "block_size": 8, "max_batch": 8, "sinkhorn_iters": 4, "dtype": "float32"}
 
 
-def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int) -> dict:
-    """One rank: capture both plans, time eager and each mode per size (milliseconds per step)."""
+def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds: int) -> dict:
+    """One rank: capture both plans, then time eager, PIECEWISE and FULL side by side per size.
+
+    Each round times every mode in turn (eager with a quarter of the steps: it is ~8x
+    slower); the row keeps every round and reports medians, so the host's drift, which
+    moves the host-bound eager step by tens of percent, hits every mode alike.
+    """
     import torch.distributed as dist
 
     from graphflow.channels import ChannelRuntime
@@ -57,32 +63,45 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int) -> dic
     sync = torch.cuda.synchronize if backend == "cuda" else (lambda: None)
     every = model_args["compress_every"]
     position = min(POSITION, model_args["max_len"] - every)  # the smoke model is shorter
-    row: dict = {"capture_s": {}, "verify_bit_exact": {}, "eager_ms": {}, "piecewise_ms": {}, "full_ms": {}}
-    for mode, path in PLANS.items():
-        plan = ctx.place(tp_plan(path, ctx.world_size, sizes=sizes, **model_args))
-        runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=False,
-                                 namespace=f"bench-{mode}")
-        start = time.perf_counter()
-        engine = run_pipeline(plan, backend=backend, rank=ctx.rank, world_size=ctx.world_size, channels=runtime,
-                              detectors=False)
-        row["capture_s"][mode] = time.perf_counter() - start
-        row["verify_bit_exact"][mode] = all(v.bit_exact for v in engine.report.verify)
-        runner = Runner(engine)
+    row: dict = {"capture_s": {}, "verify_bit_exact": {}, "eager_ms": {}, "piecewise_ms": {}, "full_ms": {},
+                 "rounds": {}}
+    engines, runtimes = {}, []
+    try:
+        for mode, path in PLANS.items():
+            plan = ctx.place(tp_plan(path, ctx.world_size, sizes=sizes, **model_args))
+            runtimes.append(ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=False,
+                                           namespace=f"bench-{mode}"))
+            start = time.perf_counter()
+            engines[mode] = run_pipeline(plan, backend=backend, rank=ctx.rank, world_size=ctx.world_size,
+                                         channels=runtimes[-1], detectors=False)
+            row["capture_s"][mode] = time.perf_counter() - start
+            row["verify_bit_exact"][mode] = all(v.bit_exact for v in engines[mode].report.verify)
         for size in sizes:
             host = torch.tensor([position + b % every for b in range(size)], dtype=torch.int64)
             generator = torch.Generator().manual_seed(size)
             inputs = {"tokens": torch.randint(0, model_args["vocab_size"], (size,), generator=generator)
                       .to(ctx.device), "positions": host.to(ctx.device), "positions_host": host}
-            ordered = tuple(inputs[name] for name in runner.inputs)
-            row[f"{mode}_ms"][size] = _time(lambda: runner.run(*ordered), steps, sync, dist)
-            if mode == "piecewise":
-                views = engine.buffers.views(size)
-                for name, value in inputs.items():
-                    views[name].copy_(value)
-                calls = engine.eager_calls(size)
-                row["eager_ms"][size] = _time(lambda: [call() for call in calls], steps, sync, dist)
-        engine.close()
-        runtime.close()
+            views = engines["piecewise"].buffers.views(size)
+            for name, value in inputs.items():
+                views[name].copy_(value)
+            calls = engines["piecewise"].eager_calls(size)
+            timed = {"eager": (lambda: [call() for call in calls], max(3, steps // 4))}
+            for mode, engine in engines.items():
+                runner = Runner(engine)
+                ordered = tuple(inputs[name] for name in runner.inputs)
+                timed[mode] = (lambda runner=runner, ordered=ordered: runner.run(*ordered), steps)
+            samples = {mode: [] for mode in timed}
+            for _ in range(rounds):
+                for mode, (step, iters) in timed.items():
+                    samples[mode].append(_time(step, iters, sync, dist))
+            row["rounds"][size] = samples
+            for mode, values in samples.items():
+                row[f"{mode}_ms"][size] = statistics.median(values)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for runtime in runtimes:
+            runtime.close()
     return row
 
 
@@ -120,7 +139,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench/results"), help="directory for tp_decode.json")
     parser.add_argument("--layers", type=int, default=61, help="decoder layers (default 61, the dsv4 benchmark depth)")
     parser.add_argument("--sizes", default="1,8,32", help="batch sizes (default 1,8,32)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per row (default 30)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per mode and round (default 30)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of side-by-side timing (default 3)")
     parser.add_argument("--timeout-s", type=float, default=540.0, help="per GPU count, for the whole launch")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, 1 and 2 ranks, a tiny 2-layer model")
     args = parser.parse_args(argv)
@@ -133,7 +153,7 @@ def main(argv=None) -> int:
         sizes = tuple(s for s in sizes if s <= model_args["max_batch"])
     document = {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus, "torch": torch.__version__,
                 "backend": "gloo" if args.smoke else "nccl", "env": NVLS_ENV, "model_args": model_args,
-                "sizes": list(sizes), "steps": args.steps, "runs": []}
+                "sizes": list(sizes), "steps": args.steps, "rounds": args.rounds, "runs": []}
     path = out / "tp_decode.json"
     if gpus < 1 and not args.smoke:
         document["skipped"] = "no GPU: tensor-parallel timing runs NCCL ranks, one per GPU"
@@ -142,7 +162,7 @@ def main(argv=None) -> int:
         return 0
     counts = [1, 2] if args.smoke else _counts(gpus, model_args)
     for count in counts:
-        ranks = launch(rank_bench, count, document["backend"], args=(model_args, sizes, args.steps),
+        ranks = launch(rank_bench, count, document["backend"], args=(model_args, sizes, args.steps, args.rounds),
                        timeout_s=args.timeout_s)
         failed = [r for r in ranks if not r.ok]
         if failed:
@@ -151,6 +171,7 @@ def main(argv=None) -> int:
             run = {"gpus": count}
             for key in ("eager_ms", "piecewise_ms", "full_ms"):
                 run[key] = {str(s): max(r.value[key][s] for r in ranks) for s in sizes}  # the slowest rank
+            run["rounds_rank0"] = {str(s): ranks[0].value["rounds"][s] for s in sizes}
             run["capture_s"] = {m: max(r.value["capture_s"][m] for r in ranks) for m in PLANS}
             run["verify_bit_exact"] = all(all(r.value["verify_bit_exact"].values()) for r in ranks)
             document["runs"].append(run)
