@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Union
 
 import attrs
@@ -45,6 +45,7 @@ __all__ = [
     "Stream",
     "WarmupPolicy",
     "DTYPE_BYTES",
+    "dataflow_edges",
     "eval_dim",
     "dim_symbols",
 ]
@@ -415,8 +416,14 @@ class Plan:
 
     # -- derived graph views ---------------------------------------------------------
     def dag(self) -> nx.DiGraph:
-        """The dataflow DAG over segment names (see the module docstring)."""
-        return _build_dag(self)
+        """The dataflow DAG over segment names (see the module docstring): built once per
+        plan (validation's rules, ``show`` and the engine all ask) and frozen, so no
+        caller can change what the others read."""
+        return self._dag
+
+    @functools.cached_property
+    def _dag(self) -> nx.DiGraph:
+        return nx.freeze(_build_dag(self))
 
     def regions(self, mode: Mode) -> tuple[CaptureRegion, ...]:
         """The regions captured as one graph each, for every family, in step order."""
@@ -458,34 +465,52 @@ def _graph_runs(segments: tuple[Segment, ...]) -> Iterator[tuple[str, ...]]:
         yield tuple(run)
 
 
+def dataflow_edges(segments: Sequence[Segment], *, storage: Callable[[str], str] | None = None,
+                   waw: bool = False) -> Iterator[tuple[str, str, str, str | None, int | None]]:
+    """The orderings among ``segments`` (in run order): ``(source, target, kind, buffer, version)``.
+
+    A buffer is versioned at each write: a reader follows the writer of the version it
+    reads (``raw``), a writer follows the readers of the version it replaces (``war``),
+    and ``after`` entries naming one of ``segments`` order too. ``waw`` adds a writer
+    following the previous writer: nothing observes that when segments run one by one
+    (so ``Plan.dag`` leaves it out), but concurrent streams must keep it.
+    ``storage(name)`` maps a buffer to the key conflicts are found by (the engine passes
+    the root of its ``alias_of`` chain, so a view conflicts with its target). Edges from
+    a segment to itself are left out.
+    """
+    key = storage or (lambda name: name)
+    present = {s.name for s in segments}
+    writer: dict[str, tuple[str, int]] = {}  # key -> (segment, version) of its latest write
+    readers: dict[str, list[str]] = {}  # key -> readers of its latest version
+    for segment in segments:
+        target = segment.name
+        for name in segment.reads:
+            k = key(name)
+            if k in writer and writer[k][0] != target:
+                yield writer[k][0], target, "raw", name, writer[k][1]
+            readers.setdefault(k, []).append(target)
+        for name in segment.writes:
+            k = key(name)
+            version = writer[k][1] + 1 if k in writer else 1
+            for reader in readers.get(k, ()):
+                if reader != target:
+                    yield reader, target, "war", name, version - 1
+            if waw and k in writer and writer[k][0] != target:
+                yield writer[k][0], target, "waw", name, version - 1
+            writer[k] = (target, version)
+            readers[k] = []
+        for before in segment.after:
+            if before in present and before != target:
+                yield before, target, "after", None, None
+
+
 def _build_dag(plan: Plan) -> nx.DiGraph:
     dag = nx.DiGraph()
-    writer: dict[str, tuple[str, int]] = {}  # buffer -> (segment, version) of its latest write
-    readers: dict[str, list[str]] = {}  # buffer -> readers of its latest version
     for segment in plan.segments:
         dag.add_node(segment.name, segment=segment)
-    for segment in plan.segments:
-        for name in segment.reads:
-            if name in writer:
-                source, version = writer[name]
-                _add_edge(dag, source, segment.name, name, version, "raw")
-            readers.setdefault(name, []).append(segment.name)
-        for name in segment.writes:
-            version = writer[name][1] + 1 if name in writer else 1
-            for reader in readers.get(name, ()):
-                _add_edge(dag, reader, segment.name, name, version - 1, "war")
-            writer[name] = (segment.name, version)
-            readers[name] = []
-        for before in segment.after:
-            if before in dag:
-                _add_edge(dag, before, segment.name, None, None, "after")
+    for source, target, kind, buffer, version in dataflow_edges(plan.segments):
+        if dag.has_edge(source, target):
+            dag.edges[source, target]["buffers"].append((buffer, version, kind))
+        else:
+            dag.add_edge(source, target, buffers=[(buffer, version, kind)])
     return dag
-
-
-def _add_edge(dag: nx.DiGraph, source: str, target: str, buffer, version, kind: str) -> None:
-    if source == target:
-        return
-    if dag.has_edge(source, target):
-        dag.edges[source, target]["buffers"].append((buffer, version, kind))
-    else:
-        dag.add_edge(source, target, buffers=[(buffer, version, kind)])

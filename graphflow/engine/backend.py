@@ -21,7 +21,8 @@ Lifecycle of a backend, as the pipeline drives it:
    and the caller after it on exit.
 5. Inside an eager run or a capture, the pipeline runs the schedule: ``fork(origin,
    streams, event)`` at the start (each other stream waits for the origin), ``use(stream)``
-   around each segment (makes it current, orders nothing), ``wait(stream, event)`` before
+   around each segment on another stream (makes it current, orders nothing; the origin
+   is current already), ``wait(stream, event)`` before
    and ``record(event, stream)`` after a segment for cross-stream edges, and
    ``join(origin, events)`` at the end (the origin waits for every other stream).
 6. ``capture(calls, recording, stream, pool, side)``, once per region per descriptor,

@@ -588,7 +588,6 @@ class _Pipeline:
         sequences = [self.segments]
         for mode in dict.fromkeys(d.mode for d in self.descriptors):
             sequences += [item[1] for item in self._step_items(mode) if not isinstance(item, Segment)]
-        device_of = {id(self.streams[s.name]): self._segment_device(s) for s in self.segments}
         placed: dict[tuple[str, ...], tuple[Schedule, list[tuple[torch.device, int]]]] = {}
         needed: dict[torch.device, int] = {}
         for segments in sequences:
@@ -601,7 +600,7 @@ class _Pipeline:
             taken: dict[torch.device, int] = {}
             slots = []
             for stream in schedule.events:
-                device = device_of[id(stream)]
+                device = stream.device
                 slots.append((device, taken.get(device, 0)))
                 taken[device] = taken.get(device, 0) + 1
                 needed[device] = max(needed.get(device, 0), taken[device])

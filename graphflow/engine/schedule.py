@@ -33,11 +33,12 @@ clocks, one latest position per stream).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Hashable, Iterable, Sequence
 
 import attrs
 
-from graphflow.plan import Plan, Segment
+from graphflow.plan import Plan, Segment, dataflow_edges
 
 __all__ = ["Dependency", "Hazard", "Schedule", "Step", "build_schedule", "dependencies"]
 
@@ -114,36 +115,15 @@ def _storage(plan: Plan, name: str) -> str:
 def dependencies(plan: Plan, segments: Sequence[Segment]) -> tuple[Dependency, ...]:
     """Every ordering among ``segments`` (in run order) that concurrent execution must keep.
 
-    Computed over the sequence itself, so a segment left out (another rank's, another
-    region's) neither adds an edge nor hides one: on this rank, a reader depends on the
-    segment that last wrote the storage here.
+    ``Plan.dag``'s edges (``graphflow.plan.dataflow_edges``) plus write-after-write, with
+    buffers compared by storage; computed over the sequence itself, so a segment left
+    out (another rank's, another region's) neither adds an edge nor hides one: on this
+    rank, a reader depends on the segment that last wrote the storage here.
     """
-    present = {s.name for s in segments}
     found: dict[tuple[str, str, Hazard], Dependency] = {}
-
-    def add(source: str, target: str, hazard: Hazard, buffer: str | None) -> None:
-        if source != target:
-            found.setdefault((source, target, hazard), Dependency(source, target, hazard, buffer))
-
-    writer: dict[str, str] = {}  # storage -> the segment that last wrote it
-    readers: dict[str, list[str]] = {}  # storage -> readers since that write
-    for segment in segments:
-        for name in segment.reads:
-            storage = _storage(plan, name)
-            if storage in writer:
-                add(writer[storage], segment.name, Hazard.RAW, name)
-            readers.setdefault(storage, []).append(segment.name)
-        for name in segment.writes:
-            storage = _storage(plan, name)
-            for reader in readers.get(storage, ()):
-                add(reader, segment.name, Hazard.WAR, name)
-            if storage in writer:
-                add(writer[storage], segment.name, Hazard.WAW, name)
-            writer[storage] = segment.name
-            readers[storage] = []
-        for before in segment.after:
-            if before in present:
-                add(before, segment.name, Hazard.AFTER, None)
+    edges = dataflow_edges(segments, storage=functools.partial(_storage, plan), waw=True)
+    for source, target, kind, buffer, _ in edges:
+        found.setdefault((source, target, Hazard(kind)), Dependency(source, target, Hazard(kind), buffer))
     return tuple(found.values())
 
 

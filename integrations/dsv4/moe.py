@@ -29,7 +29,7 @@ from torch import nn
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.weights import WeightSource
 
-__all__ = ["MoE", "Router", "SharedExpert", "count_experts", "uses_gather"]
+__all__ = ["MoE", "Router", "SharedExpert", "count_experts", "swiglu", "uses_gather"]
 
 
 def count_experts(ids: torch.Tensor, counts: torch.Tensor) -> None:
@@ -47,7 +47,7 @@ def uses_gather(batch: int, top_k: int, n_experts: int) -> bool:
     return GATHER_COST * batch * top_k < n_experts
 
 
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -98,12 +98,12 @@ class MoE(nn.Module):
         batch, k = ids.shape
         flat = ids.flatten()
         x = h.unsqueeze(1).expand(batch, k, h.shape[1]).reshape(batch * k, 1, h.shape[1])  # [B*k, 1, d]
-        act = _swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
+        act = swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
         out = torch.bmm(act, self.w2.index_select(0, flat)).view(batch, k, -1)  # [B, k, d]
         return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
 
     def dense(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        act = _swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E, B, f]
+        act = swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E, B, f]
         out = torch.bmm(act, self.w2)  # [E, B, d]
         routing = torch.zeros(h.shape[0], self.n_experts, device=h.device, dtype=h.dtype).scatter_(1, ids, weights)
         return torch.bmm(out.permute(1, 2, 0), routing.unsqueeze(-1)).squeeze(-1)  # [B, d]
@@ -119,4 +119,4 @@ class SharedExpert(nn.Module):
         self.w2 = source.normal(f, d)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(_swiglu(torch.matmul(h, self.w13)), self.w2)
+        return torch.matmul(swiglu(torch.matmul(h, self.w13)), self.w2)

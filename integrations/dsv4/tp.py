@@ -31,13 +31,12 @@ from __future__ import annotations
 import pathlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.mhc import HyperConnection
 from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, decode_step, expected_shapes
-from graphflow.integrations.dsv4.moe import count_experts, uses_gather
+from graphflow.integrations.dsv4.moe import count_experts, swiglu, uses_gather
 
 __all__ = ["TPDecoderLayer", "TPModel", "Shard", "build_tp_model", "tp_plan", "tp_shapes"]
 
@@ -69,11 +68,6 @@ class _SingleRank:
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor.contiguous().clone(), requires_grad=False)
-
-
-def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class TPDecoderLayer(nn.Module):
@@ -121,7 +115,7 @@ class TPDecoderLayer(nn.Module):
 
     def shared_expert(self, h, shared_out) -> None:
         """h [B, d] → shared_out [B, d], this rank's slice of the shared expert (a partial sum)."""
-        shared_out.copy_(torch.matmul(_swiglu(torch.matmul(h, self.shared_w13)), self.shared_w2))
+        shared_out.copy_(torch.matmul(swiglu(torch.matmul(h, self.shared_w13)), self.shared_w2))
 
     def routed_experts(self, h, expert_load, moe_out) -> None:
         """h [B, d] → moe_out [B, d], this rank's experts' partial sum; counts of all experts into expert_load."""
@@ -149,10 +143,10 @@ class TPDecoderLayer(nn.Module):
             batch, k = ids.shape
             flat = local.clamp(0, self.experts.size - 1).flatten()
             x = h.unsqueeze(1).expand(batch, k, h.shape[1]).reshape(batch * k, 1, h.shape[1])  # [B*k, 1, d]
-            act = _swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
+            act = swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
             out = torch.bmm(act, self.w2.index_select(0, flat)).view(batch, k, -1)  # [B, k, d]
             return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
-        act = _swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E/W, B, f]
+        act = swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E/W, B, f]
         out = torch.bmm(act, self.w2)  # [E/W, B, d]
         routing = torch.zeros(h.shape[0], self.config.n_experts, device=h.device, dtype=h.dtype)
         routing.scatter_(1, ids, weights)
