@@ -639,7 +639,11 @@ class _Reader:
                 kwargs[key] = tuple(self.choice(item, f"{at}[{index}]", Mode)
                                     for index, item in enumerate(self.sequence(value, at, "modes (PIECEWISE, FULL)")))
             elif key == "sizes":
-                kwargs[key] = self.sizes(value, constants, size_list)
+                if value.is_map:
+                    kwargs["mode_sizes"] = self.mode_sizes(value, constants, size_list)
+                    kwargs[key] = tuple(sorted({s for sizes in kwargs["mode_sizes"].values() for s in sizes}))
+                else:
+                    kwargs[key] = self.sizes(value, constants, size_list)
             elif key == "size_symbol":
                 symbol = self.identifier(value, at, "a symbol name")
                 if size_list is not None and symbol != size_list[0]:
@@ -654,21 +658,38 @@ class _Reader:
                     kwargs[name] = self.number(bound, f"{at}.{name}", minimum=0.0)
             elif key == "barrier_timeout_s":
                 kwargs[key] = self.number(value, at, minimum=0.0, strict=True)
+        if "mode_sizes" in kwargs:
+            missing = [m.value for m in kwargs.get("modes", CaptureSettings().modes) if m not in kwargs["mode_sizes"]]
+            if missing:
+                self.fail(f"capture.modes lists {', '.join(missing)} but capture.sizes gives {'it' if len(missing) == 1 else 'them'} "
+                          f"no sizes: add {missing[0]}: [...] to capture.sizes", fields["sizes"].line, "capture.sizes")
         return CaptureSettings(**kwargs)
 
     def sizes(self, node: _Node, constants: Mapping[str, int],
-              size_list: tuple[str, tuple[int, ...], int] | None) -> tuple[int, ...]:
+              size_list: tuple[str, tuple[int, ...], int] | None, where: str = "capture.sizes") -> tuple[int, ...]:
         if node.is_list:
-            return self.ints(node, "capture.sizes", "descriptor sizes", minimum=1)
-        symbol = self.string(node, "capture.sizes", "a symbol listing sizes under symbols, or a list of sizes")
+            return self.ints(node, where, "descriptor sizes", minimum=1)
+        symbol = self.string(node, where, "a symbol listing sizes under symbols, a list of sizes, or a mapping "
+                                          "of modes to either")
         if size_list is not None and symbol == size_list[0]:
             return size_list[1]
         if symbol in constants:
-            self.fail(f"symbol {symbol!r} is a constant; give it a list of sizes under symbols", node.line,
-                      "capture.sizes")
+            self.fail(f"symbol {symbol!r} is a constant; give it a list of sizes under symbols", node.line, where)
         known = (size_list[0],) if size_list else ()
         self.fail(f"unknown symbol {symbol!r}{_closest(symbol, known)}: list the sizes under symbols "
-                  f"(symbols: {{{symbol}: [1, 2, 4]}}) or here", node.line, "capture.sizes")
+                  f"(symbols: {{{symbol}: [1, 2, 4]}}) or here", node.line, where)
+
+    def mode_sizes(self, node: _Node, constants: Mapping[str, int],
+                   size_list: tuple[str, tuple[int, ...], int] | None) -> dict[Mode, tuple[int, ...]]:
+        """``sizes: {PIECEWISE: B, FULL: [1, 2, 4]}``: each mode's own sizes."""
+        allowed = tuple(m.value for m in Mode)
+        result: dict[Mode, tuple[int, ...]] = {}
+        for key, value in self.mapping(node, "capture.sizes", allowed).items():
+            result[Mode(key)] = self.sizes(value, constants, size_list, f"capture.sizes.{key}")
+        if not result:
+            self.fail("expected at least one mode's sizes, e.g. {PIECEWISE: B, FULL: [1, 2, 4]}", node.line,
+                      "capture.sizes")
+        return result
 
 
 # -- writing ----------------------------------------------------------------------------
@@ -738,9 +759,14 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             data[section] = {_escape(element.name): _fields(element, order) for element in elements}
     if plan.segments:
         data["segments"] = [_fields(segment, _SEGMENT_KEYS, skip=()) for segment in plan.segments]
+    def sizes(values: tuple[int, ...]) -> Any:
+        return capture.size_symbol if by_symbol and values == capture.sizes else list(values)
+
     settings: dict[str, Any] = {
         "modes": [mode.value for mode in capture.modes],
-        "sizes": capture.size_symbol if by_symbol else list(capture.sizes),
+        "sizes": _Flow({m.value: sizes(capture.sizes_for(m)) for m in (*capture.modes, *capture.mode_sizes)
+                        if m in capture.modes or m in capture.mode_sizes})
+        if capture.mode_sizes else sizes(capture.sizes),
     }
     if not by_symbol and capture.size_symbol != CaptureSettings().size_symbol:
         settings["size_symbol"] = capture.size_symbol

@@ -276,9 +276,19 @@ class Descriptor:
         return f"{self.mode.value}(B={self.size})"
 
 
+def _mode_sizes(value) -> dict:
+    return {Mode(mode): tuple(sizes) for mode, sizes in dict(value).items()}
+
+
 @attrs.frozen
 class CaptureSettings:
-    """How to capture: which modes and sizes, how many warmups, how to verify."""
+    """How to capture: which modes and sizes, how many warmups, how to verify.
+
+    ``sizes`` are the batch sizes every mode captures; ``mode_sizes`` gives a mode its
+    own list instead (vLLM captures FULL decode graphs only up to ``max_num_seqs``
+    requests, PIECEWISE graphs up to its largest capture size). Buffers are allocated
+    for the largest size of any captured mode.
+    """
 
     modes: tuple[Mode, ...] = attrs.field(default=(Mode.PIECEWISE,), converter=_tuple)
     sizes: tuple[int, ...] = attrs.field(default=(1,), converter=_tuple)
@@ -287,6 +297,25 @@ class CaptureSettings:
     atol: float = 0.0
     rtol: float = 0.0
     barrier_timeout_s: float = 60.0
+    mode_sizes: Mapping[Mode, tuple[int, ...]] = attrs.field(factory=dict, converter=_mode_sizes, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        # One spelling per meaning, so equal settings compare equal: when every captured
+        # mode has its own list, ``sizes`` is their union; a list equal to ``sizes`` is
+        # no override.
+        own = self.mode_sizes
+        if own and self.modes and all(m in own for m in self.modes):
+            object.__setattr__(self, "sizes", tuple(sorted({s for m in self.modes for s in own[m]})))
+        object.__setattr__(self, "mode_sizes", {m: v for m, v in own.items() if v != self.sizes})
+
+    def sizes_for(self, mode: Mode) -> tuple[int, ...]:
+        """The sizes ``mode`` captures: its own list, else ``sizes``."""
+        return self.mode_sizes.get(mode, self.sizes)
+
+    @property
+    def all_sizes(self) -> tuple[int, ...]:
+        """Every size some captured mode captures, sorted and de-duplicated."""
+        return tuple(sorted({s for mode in self.modes for s in self.sizes_for(mode)}))
 
 
 @attrs.frozen
@@ -406,13 +435,14 @@ class Plan:
 
     def descriptors(self) -> tuple[Descriptor, ...]:
         """Every capture key, PIECEWISE before FULL, each mode's sizes largest first."""
-        sizes = sorted(set(self.capture.sizes), reverse=True)
         order = [m for m in (Mode.PIECEWISE, Mode.FULL) if m in self.capture.modes]
-        return tuple(Descriptor(mode, size) for mode in order for size in sizes)
+        return tuple(Descriptor(mode, size) for mode in order
+                     for size in sorted(set(self.capture.sizes_for(mode)), reverse=True))
 
     @property
     def max_size(self) -> int:
-        return max(self.capture.sizes, default=0)
+        """The largest descriptor size of any captured mode (0 with none)."""
+        return max(self.capture.all_sizes, default=0)
 
     # -- derived graph views ---------------------------------------------------------
     def dag(self) -> nx.DiGraph:

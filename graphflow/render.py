@@ -200,7 +200,7 @@ def _region_line(region) -> str:
 
 def summarize(plan: Plan) -> Summary:
     """Everything ``graphflow show`` prints about a plan, as sections of lines and tables."""
-    sizes = sorted(set(plan.capture.sizes))
+    sizes = list(plan.capture.all_sizes)
     sections = [_overview(plan, sizes), _segments_section(plan), _streams_section(plan)]
     for mode in (Mode.PIECEWISE, Mode.FULL):
         if mode in plan.capture.modes:
@@ -578,7 +578,7 @@ def draw(plan: Plan, path: str, image_format: ImageFormat) -> None:
     region_last = {r.segments[-1] for r in regions}
     one_family = len({r.family for r in regions}) <= 1
 
-    sizes = sorted(set(plan.capture.sizes))
+    sizes = list(plan.capture.all_sizes)
     modes = ", ".join(f"{m.value} x {len(sizes)}" for m in plan.capture.modes)
     ax.text(0.2, 0.3, plan.name, fontsize=14, fontweight="bold", va="center")
     ax.text(0.2, 0.58, f"{len(plan.segments)} segments ({_kind_counts(plan.segments)}), "

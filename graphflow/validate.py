@@ -213,9 +213,22 @@ def _duplicates(items: Iterable[str]) -> list[str]:
     return [name for name, n in counts.items() if n > 1]
 
 
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _sizes(plan: Plan) -> list[int]:
-    """The usable descriptor sizes (GF605 reports the others)."""
-    return [s for s in plan.capture.sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0]
+    """The usable descriptor sizes of every captured mode (GF605 reports the others)."""
+    return sorted({s for _, sizes in _size_lists(plan) for s in sizes if _is_size(s)})
+
+
+def _size_lists(plan: Plan) -> list[tuple[str, tuple]]:
+    """Each list of sizes the plan declares, with the key it is written under."""
+    capture = plan.capture
+    lists = [(f"capture.sizes.{m.value}", tuple(v)) for m, v in capture.mode_sizes.items()]
+    if not capture.mode_sizes or any(m not in capture.mode_sizes for m in capture.modes):
+        lists.insert(0, ("capture.sizes", tuple(capture.sizes)))
+    return lists
 
 
 def _known_symbols(plan: Plan) -> set[str]:
@@ -1045,10 +1058,11 @@ def unsorted_sizes(plan: Plan) -> Iterator[Finding]:
 
     Fix: list the sizes in increasing order.
     """
-    sizes = _sizes(plan)
-    if sizes != sorted(sizes):
-        yield Finding("capture", None, f"capture.sizes {list(plan.capture.sizes)} are not in increasing order",
-                      f"list them sorted: {sorted(set(sizes))}", at="sizes")
+    for what, values in _size_lists(plan):
+        sizes = [s for s in values if _is_size(s)]
+        if sizes != sorted(sizes):
+            yield Finding("capture", None, f"{what} {list(values)} are not in increasing order",
+                          f"list them sorted: {sorted(set(sizes))}", at="sizes")
 
 
 @_rule("GF603", Severity.ERROR, "duplicated sizes or modes")
@@ -1060,12 +1074,12 @@ def duplicated_sizes(plan: Plan) -> Iterator[Finding]:
 
     Fix: list each size and mode once.
     """
-    for what, values in (("sizes", plan.capture.sizes), ("modes", plan.capture.modes)):
+    for what, values in (*_size_lists(plan), ("capture.modes", plan.capture.modes)):
         shown = [v.value if isinstance(v, Mode) else v for v in values]
         repeated = _duplicates(map(repr, shown))
         if repeated:
-            yield Finding("capture", None, f"capture.{what} lists {', '.join(repeated)} more than once",
-                          f"list each of capture.{what} once", at=what)
+            yield Finding("capture", None, f"{what} lists {', '.join(repeated)} more than once",
+                          f"list each of {what} once", at=what.split(".")[1])
 
 
 @_rule("GF604", Severity.ERROR, "size above capacity")
@@ -1096,8 +1110,8 @@ def sizes_above_capacity(plan: Plan) -> Iterator[Finding]:
 
 @_rule("GF605", Severity.ERROR, "no descriptors")
 def missing_descriptors(plan: Plan) -> Iterator[Finding]:
-    """``capture.modes`` or ``capture.sizes`` is empty, or a size is not a positive
-    integer.
+    """``capture.modes`` or a mode's ``capture.sizes`` is empty, a size is not a positive
+    integer, or sizes are given for a mode that is not captured.
 
     Nothing (or a meaningless shape) would be captured, and every batch would fall back
     to eager.
@@ -1106,12 +1120,17 @@ def missing_descriptors(plan: Plan) -> Iterator[Finding]:
     """
     if not plan.capture.modes:
         yield Finding("capture", None, "capture.modes is empty", "list PIECEWISE and/or FULL", at="modes")
-    if not plan.capture.sizes:
-        yield Finding("capture", None, "capture.sizes is empty", "list the batch sizes to capture", at="sizes")
-    bad = [s for s in plan.capture.sizes if not (isinstance(s, int) and not isinstance(s, bool) and s > 0)]
-    if bad:
-        yield Finding("capture", None, f"capture.sizes has {', '.join(map(repr, bad))}, not positive integers",
-                      "list positive integer batch sizes", at="sizes")
+    for what, values in _size_lists(plan):
+        if not values:
+            yield Finding("capture", None, f"{what} is empty", "list the batch sizes to capture", at="sizes")
+        bad = [s for s in values if not _is_size(s)]
+        if bad:
+            yield Finding("capture", None, f"{what} has {', '.join(map(repr, bad))}, not positive integers",
+                          "list positive integer batch sizes", at="sizes")
+    extra = [m.value for m in plan.capture.mode_sizes if m not in plan.capture.modes]
+    if extra:
+        yield Finding("capture", None, f"capture.sizes gives sizes for {', '.join(extra)}, which capture.modes "
+                      "does not list", "add the mode to capture.modes or drop its sizes", at="sizes")
 
 
 @_rule("GF606", Severity.ERROR, "bad capture settings")

@@ -191,6 +191,12 @@ class _Builder:
                 self.segments[index] = attrs.evolve(self.segments[index], after=[before])
 
 
+def _mode_sizes(modes, sizes):
+    """Sometimes one captured mode takes a prefix of the sizes (vLLM caps FULL decode graphs)."""
+    return st.one_of(st.just({}), st.builds(lambda mode, n: {mode: sizes[:n]}, st.sampled_from(modes),
+                                            st.integers(1, len(sizes))))
+
+
 @st.composite
 def valid_plans(draw) -> Plan:
     """A plan that validates with no error and no warning."""
@@ -212,7 +218,8 @@ def valid_plans(draw) -> Plan:
         families=[Family(f) for f in families],
         prewarm=builder.prewarm,
         symbols=symbols,
-        capture=CaptureSettings(modes=modes, sizes=sizes, warmup_iters=draw(st.integers(1, 3))),
+        capture=CaptureSettings(modes=modes, sizes=sizes, warmup_iters=draw(st.integers(1, 3)),
+                                mode_sizes=draw(_mode_sizes(modes, sizes))),
         world_size=builder.world_size,
     )
 

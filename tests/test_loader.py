@@ -502,6 +502,48 @@ class TestDump:
         assert loads_plan(dump_plan(plan)) == plan
 
 
+class TestModeSizes:
+    """``capture.sizes`` as a mapping: each mode captures its own sizes (vLLM's FULL decode cap)."""
+
+    TEXT = plan_text("""\
+        symbols: {B: [1, 2, 4, 8]}
+        capture:
+          modes: [PIECEWISE, FULL]
+          sizes: {PIECEWISE: B, FULL: [1, 2]}
+        """)
+
+    def test_each_mode_gets_its_own_sizes_and_buffers_the_largest(self):
+        plan = loads_plan(self.TEXT)
+        assert plan.capture.sizes_for(Mode.PIECEWISE) == (1, 2, 4, 8)
+        assert plan.capture.sizes_for(Mode.FULL) == (1, 2)
+        assert plan.capture.all_sizes == (1, 2, 4, 8) and plan.max_size == 8
+        assert [str(d) for d in plan.descriptors()] == [
+            "PIECEWISE(B=8)", "PIECEWISE(B=4)", "PIECEWISE(B=2)", "PIECEWISE(B=1)", "FULL(B=2)", "FULL(B=1)"]
+
+    def test_round_trips_and_writes_the_mapping(self):
+        plan = loads_plan(self.TEXT)
+        assert plan_to_dict(plan)["capture"]["sizes"] == {"PIECEWISE": "B", "FULL": [1, 2]}
+        assert loads_plan(dump_plan(plan)) == plan
+
+    def test_an_override_from_python_round_trips(self):
+        settings = CaptureSettings(modes=(Mode.PIECEWISE, Mode.FULL), sizes=(1, 2, 4), mode_sizes={Mode.FULL: (1,)})
+        plan = Plan("p", capture=settings)
+        assert loads_plan(dump_plan(plan)) == plan
+        assert CaptureSettings(sizes=(1, 2), mode_sizes={Mode.PIECEWISE: (1, 2)}) == CaptureSettings(sizes=(1, 2))
+
+    def test_a_captured_mode_without_sizes_is_an_error_at_its_line(self):
+        err = load_error(self.TEXT.replace(", FULL: [1, 2]", ""))
+        assert (err.line, err.element) == (6, "capture.sizes")
+        assert "capture.modes lists FULL but capture.sizes gives it no sizes" in err.message
+
+    def test_an_unknown_mode_is_named_with_a_suggestion(self):
+        err = load_error(self.TEXT.replace("FULL: [1, 2]", "FUL: [1, 2]"))
+        assert err.line == 6 and "unknown key 'FUL' (did you mean 'FULL'?)" in err.message
+
+    def test_the_schema_accepts_the_mapping(self):
+        jsonschema.validate(yaml.safe_load(self.TEXT), SCHEMA)
+
+
 def _expectation(path: pathlib.Path) -> tuple[int, str, bool]:
     header = path.read_bytes().split(b"\n", 2)
     match = re.fullmatch(r"# expect: line (\d+): (.+)", header[0].decode())

@@ -711,6 +711,23 @@ class TestDuplicatedSizes:
         assert found(base(), "GF603") == []
 
 
+class TestModeSizes:
+    def test_each_mode_list_is_checked_for_order_and_repeats(self):
+        plan = replace_capture(base(), modes=[Mode.PIECEWISE], mode_sizes={Mode.PIECEWISE: (4, 1, 1)})
+        assert only(plan, "GF602").message == "capture.sizes.PIECEWISE [4, 1, 1] are not in increasing order"
+        assert only(plan, "GF603").message == "capture.sizes.PIECEWISE lists 1 more than once"
+
+    def test_sizes_for_a_mode_that_is_not_captured_are_an_error(self):
+        plan = replace_capture(base(), mode_sizes={Mode.FULL: (1,)})
+        assert only(plan, "GF605").message == ("capture.sizes gives sizes for FULL, which capture.modes does not "
+                                               "list")
+
+    def test_capacity_is_checked_against_every_mode(self):
+        plan = replace_capture(replace_buffer(base(), "q0", capacity={"B": 4}), sizes=[1, 2],
+                               mode_sizes={Mode.PIECEWISE: (1, 8)})
+        assert only(plan, "GF604").message == "sizes 8 are above buffer 'q0' capacity B=4"
+
+
 class TestSizesAboveCapacity:
     def test_flags_sizes_above_a_buffer_capacity(self):
         d = only(replace_buffer(base(), "q0", capacity={"B": 2}), "GF604")

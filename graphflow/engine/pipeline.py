@@ -217,9 +217,9 @@ def _select(plan: Plan, sizes: Iterable[int] | None) -> tuple[Descriptor, ...]:
     if sizes is None:
         return descriptors
     wanted = set(sizes)
-    unknown = wanted - set(plan.capture.sizes)
+    unknown = wanted - set(plan.capture.all_sizes)
     if unknown:
-        raise ValueError(f"sizes {sorted(unknown)} are not among the plan's sizes {sorted(set(plan.capture.sizes))}")
+        raise ValueError(f"sizes {sorted(unknown)} are not among the plan's sizes {list(plan.capture.all_sizes)}")
     return tuple(d for d in descriptors if d.size in wanted)
 
 
