@@ -6,7 +6,7 @@ element, phase or rank instead of parsing text.
 
 from __future__ import annotations
 
-__all__ = ["GraphflowError", "PlanError", "CaptureError", "DivergenceError"]
+__all__ = ["GraphflowError", "PlanError", "InvalidPlanError", "CaptureError", "DivergenceError"]
 
 
 class GraphflowError(Exception):
@@ -32,6 +32,20 @@ class PlanError(GraphflowError, ValueError):
             where = f"{self.file}:{self.line}: " if self.line is not None else f"{self.file}: "
         elem = f"{self.element}: " if self.element else ""
         return f"{where}{elem}{self.message}"
+
+
+class InvalidPlanError(GraphflowError, ValueError):
+    """A plan the validator rejects: refused before any model is built or GPU touched.
+
+    ``report`` is the ``graphflow.validate.Report`` with every diagnostic.
+    """
+
+    def __init__(self, report):
+        self.report = report
+        errors = report.errors
+        shown = "; ".join(str(d) for d in errors[:3]) + (f"; and {len(errors) - 3} more" if len(errors) > 3 else "")
+        super().__init__(f"plan {report.plan_name!r} has {len(errors)} validation error(s): {shown} — "
+                         "fix them before capture (graphflow validate lists them all)")
 
 
 class CaptureError(GraphflowError, RuntimeError):

@@ -16,7 +16,7 @@ from graphflow.channels import ChannelRegistry, ChannelRuntime, GroupBinding
 from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
-                            Prewarm, Segment, SegmentKind, WarmupPolicy)
+                            Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.trace import CallPath, Tracer, read_trace
 
 P = Descriptor(Mode.PIECEWISE, 2)
@@ -25,14 +25,16 @@ P = Descriptor(Mode.PIECEWISE, 2)
 def _plan(warmup=WarmupPolicy.REAL, kind=ChannelKind.ALL_REDUCE, prewarm=None, hooks=()):
     return Plan(
         name="ch",
-        buffers=[Buffer("x", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
-                 Buffer("y", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT),
-                 Buffer("dx", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
-                 Buffer("dy", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT)],
+        buffers=[Buffer("x", ("B", 4), "float32", "cuda:0", role=BufferRole.INPUT),
+                 Buffer("y", ("B", 4), "float32", "cuda:0", role=BufferRole.OUTPUT),
+                 Buffer("dx", ("B", 4), "float32", "cuda:0", role=BufferRole.INPUT),
+                 Buffer("dy", ("B", 4), "float32", "cuda:0", role=BufferRole.OUTPUT)],
+        streams=[Stream("s0", "cuda:0")],
         channels=[Channel("tp", kind, "tp", 1, "target", warmup, prewarm=prewarm),
                   Channel("dr", ChannelKind.ALL_REDUCE, "tp", 2, "draft")],
-        segments=[Segment("s", SegmentKind.GRAPH, "s", reads=["x"], writes=["y"], channels=["tp"]),
-                  Segment("d", SegmentKind.GRAPH, "d", reads=["dx"], writes=["dy"], channels=["dr"], family="draft")],
+        segments=[Segment("s", SegmentKind.GRAPH, "s", reads=["x"], writes=["y"], channels=["tp"], stream="s0"),
+                  Segment("d", SegmentKind.GRAPH, "d", reads=["dx"], writes=["dy"], channels=["dr"], family="draft",
+                          stream="s0")],
         families=[Family("target"), Family("draft")],
         prewarm=hooks,
         capture=CaptureSettings(modes=[Mode.PIECEWISE], sizes=[1, 2]),
@@ -364,11 +366,11 @@ class TestWithTheEngine:
             self.channels["dr"].all_reduce(dy)
 
     def test_pipeline_commits_with_one_trace_event_per_boundary_and_call(self, tmp_path):
-        from graphflow.engine import run_pipeline
+        from graphflow.engine import RunOptions, run_pipeline
 
         registry = ChannelRegistry()
         runtime = ChannelRuntime(_plan(), registry=registry, tracer=Tracer(tmp_path, 0))
-        engine = run_pipeline(runtime.plan, backend="cpu", model=self.Model(runtime.handles), channels=runtime)
+        engine = run_pipeline(runtime.plan, RunOptions(backend="cpu"), model=self.Model(runtime.handles), channels=runtime)
         events = read_trace(tmp_path / "rank0.jsonl")
         paths = {(e["phase"], e["path"]) for e in events if e["event"] == "collective"}
         assert paths == {("warmup", "eager_warmup"), ("capture", "captured"), ("verify", "outside_capture")}
@@ -383,7 +385,7 @@ class TestWithTheEngine:
         assert registry.taken == {}
 
     def test_a_failed_capture_rolls_back_the_channel_ids(self):
-        from graphflow.engine import run_pipeline
+        from graphflow.engine import RunOptions, run_pipeline
 
         registry = ChannelRegistry()
         runtime = ChannelRuntime(_plan(), registry=registry)
@@ -395,7 +397,7 @@ class TestWithTheEngine:
 
         model.d = broken
         with pytest.raises(CaptureError, match="capture failed"):
-            run_pipeline(runtime.plan, backend="cpu", model=model, channels=runtime)
+            run_pipeline(runtime.plan, RunOptions(backend="cpu"), model=model, channels=runtime)
         assert registry.taken == {}
 
 

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None) -> dict:
     """One rank of ``graphflow launch``: load, place, capture, report, release."""
     from graphflow.channels import ChannelRuntime
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
     from graphflow.errors import CaptureError
     from graphflow.trace import Tracer
 
@@ -93,8 +93,7 @@ def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None) -> dict
                              tracer=Tracer(trace, ctx.rank) if trace else None)
     try:
         try:
-            engine = run_pipeline(plan, backend="cuda" if ctx.backend == "nccl" else "cpu", rank=ctx.rank,
-                                  world_size=ctx.world_size, channels=runtime, verify=verify, sizes=sizes)
+            engine = run_pipeline(plan, RunOptions(backend="cuda" if ctx.backend == "nccl" else "cpu", verify=verify, sizes=sizes), rank=ctx.rank, world_size=ctx.world_size, channels=runtime)
         except (CaptureError, ValueError) as err:
             return {"ok": False, "error": str(err)}
         with engine:

@@ -156,14 +156,12 @@ def _close(channels) -> bool:
 
 def _capture(args, plan, source: str, backend, listeners, channels, sizes) -> tuple[int, dict | None]:
     """Run the pipeline and time it: ``(status, report document or None)``."""
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
     from graphflow.runtime import Runner
 
     start = time.perf_counter()
     try:
-        engine = run_pipeline(plan, backend=backend, listeners=listeners, channels=channels,
-                              verify=not args.no_verify, detectors=not args.no_detectors,
-                              disabled_checks=args.disable_check, sizes=sizes)
+        engine = run_pipeline(plan, RunOptions(verify=not args.no_verify, detectors=not args.no_detectors, disabled_checks=args.disable_check, sizes=sizes), backend=backend, listeners=listeners, channels=channels)
     except CaptureError as err:
         print(f"graphflow: capture failed, rolled back: {err}", file=sys.stderr)
         for note in getattr(err, "__notes__", ()):
