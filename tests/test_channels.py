@@ -8,6 +8,7 @@ policies are about.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
+from graphflow.engine.locus import Locus, Where
 from graphflow.trace import CallPath, Tracer, read_trace
 
 P = Descriptor(Mode.PIECEWISE, 2)
@@ -62,14 +64,31 @@ class Wire:
 
 
 class Driver:
-    """Emits the engine's events to a listener and keeps its rollback stack."""
+    """Emits the engine's events to a listener, and keeps its rollback stack and its locus
+    (where the pipeline is, which the runtime reads between events) as the engine does."""
 
     def __init__(self, listener):
         self.listener = listener
         self.undos: list[tuple[str, object]] = []
+        self.locus = Locus()
 
     def emit(self, kind, **fields):
-        self.listener.on_event(Event(kind, defer=lambda label, fn: self.undos.append((label, fn)), **fields))
+        here = self.locus.here
+        if kind is EventKind.PHASE_BEGIN:
+            here = Where(fields["phase"])
+        elif kind is EventKind.DESCRIPTOR_BEGIN:
+            here = Where(here.phase, fields.get("descriptor"))
+        elif kind is EventKind.REGION_BEGIN:
+            here = attrs.evolve(here, region=fields.get("region"))
+        self.locus.here = here
+        self.listener.on_event(Event(kind, defer=lambda label, fn: self.undos.append((label, fn)), locus=self.locus,
+                                     **fields))
+        if kind is EventKind.REGION_END:
+            self.locus.here = attrs.evolve(here, region=None)
+        elif kind is EventKind.DESCRIPTOR_END:
+            self.locus.here = Where(here.phase)
+        elif kind is EventKind.PHASE_END:
+            self.locus.here = Where()
 
     def begin(self, phase):
         self.emit(EventKind.PHASE_BEGIN, phase=phase)
@@ -346,7 +365,7 @@ class TestTeardown:
         assert tuple(log) == self.STEPS
         assert info.value.message == "channel teardown: 1 of 5 steps failed"
         (error,) = info.value.exceptions
-        assert error.__notes__ == [f"graphflow: during channel teardown step {failing!r}"]
+        assert error.__notes__ == [f"while undoing: {failing}"]
         assert runtime.registry.taken == {}
 
 
