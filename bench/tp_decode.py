@@ -54,10 +54,9 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
     """
     import torch.distributed as dist
 
-    from graphflow.channels import ChannelRuntime
-    from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine import RunOptions
     from graphflow.integrations.dsv4.tp import tp_plan
-    from graphflow.runtime import Runner
+    from graphflow.session import Session
 
     backend = "cuda" if ctx.backend == "nccl" else "cpu"
     sync = torch.cuda.synchronize if backend == "cuda" else (lambda: None)
@@ -65,14 +64,14 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
     position = min(POSITION, model_args["max_len"] - every)  # the smoke model is shorter
     row: dict = {"capture_s": {}, "verify_bit_exact": {}, "eager_ms": {}, "piecewise_ms": {}, "full_ms": {},
                  "rounds": {}}
-    engines, runtimes = {}, []
+    engines, sessions = {}, {}
     try:
         for mode, path in PLANS.items():
             plan = ctx.place(tp_plan(path, ctx.world_size, sizes=sizes, **model_args))
-            runtimes.append(ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=False,
-                                           namespace=f"bench-{mode}"))
+            session = sessions[mode] = Session(plan, RunOptions(backend=backend, detectors=False), rank=ctx.rank,
+                                               world_size=ctx.world_size, namespace=f"bench-{mode}")
             start = time.perf_counter()
-            engines[mode] = run_pipeline(plan, RunOptions(backend=backend, detectors=False), rank=ctx.rank, world_size=ctx.world_size, channels=runtimes[-1])
+            engines[mode] = session.capture()
             row["capture_s"][mode] = time.perf_counter() - start
             row["verify_bit_exact"][mode] = all(v.bit_exact for v in engines[mode].report.verify)
         for size in sizes:
@@ -85,8 +84,8 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
                 views[name].copy_(value)
             calls = engines["piecewise"].eager_calls(size)
             timed = {"eager": (lambda: [call() for call in calls], max(3, steps // 4))}
-            for mode, engine in engines.items():
-                runner = Runner(engine)
+            for mode in engines:
+                runner = sessions[mode].runner
                 ordered = tuple(inputs[name] for name in runner.inputs)
                 timed[mode] = (lambda runner=runner, ordered=ordered: runner.run(*ordered), steps)
             samples = {mode: [] for mode in timed}
@@ -97,10 +96,8 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
             for mode, values in samples.items():
                 row[f"{mode}_ms"][size] = statistics.median(values)
     finally:
-        for engine in engines.values():
-            engine.close()
-        for runtime in runtimes:
-            runtime.close()
+        for session in reversed(sessions.values()):
+            session.close()
     return row
 
 

@@ -27,12 +27,13 @@ from pathlib import Path
 import attrs
 import torch
 
-from graphflow.channels import ChannelRegistry, ChannelRuntime
+from graphflow.channels import ChannelRegistry
 from graphflow.errors import CaptureError
 from graphflow.launch import launch
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Segment, SegmentKind, Stream, WarmupPolicy)
-from graphflow.trace import CallPath, Tracer
+from graphflow.session import Session
+from graphflow.trace import CallPath
 from graphflow.validate import validate
 
 H = 4  # hidden size
@@ -138,64 +139,55 @@ def _outcome(fn) -> dict:
 
 
 def scenario_seed(rank: int, world: int, out: Path, policy: WarmupPolicy) -> dict:
-    from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine import RunOptions
 
     plan = family_plan(step_plan(policy, world_size=world), "target")
     # The legacy placeholder is what GF503 forbids: the reproduction turns that rule off.
     skip = {"GF503"} if policy is WarmupPolicy.PLACEHOLDER else set()
     report = validate(plan, disable=skip)
     assert report.ok, report.diagnostics
-    runtime = ChannelRuntime(plan, rank=rank, world_size=world, tracer=Tracer(out / f"seed-{policy.value}", rank),
-                             namespace=f"seed-{policy.value}")
-    model = Step(runtime.handles, rank, tp=LegacyAllReduce(runtime.handles["tp_ar"], runtime, rank))
-
-    def run():
-        engine = run_pipeline(plan, RunOptions(backend="cpu", detectors=False, verify=False, skip_rules=skip), model=model,
-                              rank=rank, world_size=world, channels=runtime)
-        engine.close()
-        return {"graphs": engine.report.graphs}
-
-    result = _outcome(run)
-    runtime.close()
-    return result
+    options = RunOptions(backend="cpu", detectors=False, verify=False, skip_rules=skip)
+    with Session(plan, options, rank=rank, world_size=world, trace=str(out / f"seed-{policy.value}"),
+                 namespace=f"seed-{policy.value}") as session:
+        model = Step(session.handles, rank, tp=LegacyAllReduce(session.handles["tp_ar"], session.channels, rank))
+        return _outcome(lambda: {"graphs": session.capture(model).report.graphs})
 
 
 def scenario_families(rank: int, world: int, out: Path) -> dict:
-    from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine import RunOptions
 
     full = step_plan(WarmupPolicy.REAL, sizes=(1, 2), modes=(Mode.PIECEWISE,), world_size=world)
     registry = ChannelRegistry()
-    runtimes, engines = {}, {}
-    for family in ("target", "draft"):
-        plan = family_plan(full, family)
-        assert validate(plan).ok, validate(plan).diagnostics
-        runtime = runtimes[family] = ChannelRuntime(plan, rank=rank, world_size=world, registry=registry,
-                                                    namespace=f"families-{family}")
-        model = Step(runtime.handles, rank, fail_draft_capture_on=1)
+    sessions = {}
+    try:
+        for family in ("target", "draft"):
+            plan = family_plan(full, family)
+            assert validate(plan).ok, validate(plan).diagnostics
+            session = sessions[family] = Session(plan, RunOptions(backend="cpu", detectors=False), rank=rank,
+                                                 world_size=world, registry=registry, namespace=f"families-{family}")
+            def capture(session=session) -> None:
+                session.capture(Step(session.handles, rank, fail_draft_capture_on=1))
 
-        def run(plan=plan, model=model, runtime=runtime, family=family):
-            engines[family] = run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, rank=rank, world_size=world, channels=runtime)
-
-        result = _outcome(run)
-        if family == "draft":
-            draft = result
-        else:
-            ids_after_target = registry.taken
-    taken_after_draft = registry.taken
-    # The target's graphs still replay: x -> (sum over ranks of x*(r+1)) * 2, all-reduced on ep_ar, + 1.
-    engine = engines["target"]
-    views = engine.buffers.views(2)
-    views["x"].copy_(torch.arange(2 * H, dtype=torch.float32).view(2, H) + 1)
-    for call in engine.programs[next(d for d in engine.descriptors if d.size == 2)]:
-        call()
-    expected = (views["x"] * sum(r + 1 for r in range(world)) * 2 * world + 1).tolist()
-    replay_ok = views["out"].tolist() == expected
-    engine.close()
-    for runtime in runtimes.values():
-        runtime.close()
+            result = _outcome(capture)
+            if family == "draft":
+                draft = result
+            else:
+                ids_after_target = registry.taken
+        taken_after_draft = registry.taken
+        # The target's graphs still replay: x -> (sum over ranks of x*(r+1)) * 2, all-reduced on ep_ar, + 1.
+        engine = sessions["target"].engine
+        views = engine.buffers.views(2)
+        views["x"].copy_(torch.arange(2 * H, dtype=torch.float32).view(2, H) + 1)
+        for call in engine.programs[next(d for d in engine.descriptors if d.size == 2)]:
+            call()
+        expected = (views["x"] * sum(r + 1 for r in range(world)) * 2 * world + 1).tolist()
+        replay_ok = views["out"].tolist() == expected
+        handle_ids = {f: [h.channel.id for h in s.handles.values()] for f, s in sessions.items()}
+    finally:
+        for session in reversed(sessions.values()):
+            session.close()
     return {"ids_after_target": ids_after_target, "draft": draft, "ids_after_draft": taken_after_draft,
-            "replay_ok": replay_ok, "handle_ids": {f: [h.channel.id for h in r.handles.values()]
-                                                   for f, r in runtimes.items()}}
+            "replay_ok": replay_ok, "handle_ids": handle_ids}
 
 
 class Layered(torch.nn.Module):
@@ -214,7 +206,7 @@ class Layered(torch.nn.Module):
 def scenario_subgroups(rank: int, world: int, out: Path) -> dict:
     """``tp`` partitions ranks into [0, 1] and [2]: each partition sums its partials, then the world sums."""
     from graphflow.channels import new_group_factory
-    from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine import RunOptions
 
     plan = Plan(
         name="subgroups",
@@ -230,19 +222,16 @@ def scenario_subgroups(rank: int, world: int, out: Path) -> dict:
     )
     assert validate(plan).ok, validate(plan).diagnostics
     layout = {"tp": [list(range(world - 1)), [world - 1]]}
-    runtime = ChannelRuntime(plan, rank=rank, world_size=world, tracer=Tracer(out / "subgroups", rank),
-                             group_factory=new_group_factory(rank, layout, timeout_s=GROUP_TIMEOUT_S),
-                             namespace="subgroups")
-    engine = run_pipeline(plan, RunOptions(backend="cpu"), model=Layered(runtime.handles, rank), rank=rank, world_size=world, channels=runtime)
-    views = engine.buffers.views(2)
-    views["x"].fill_(1.0)
-    for call in engine.programs[Descriptor(Mode.PIECEWISE, 2)]:
-        call()
-    result = {"h": views["h"].unique().tolist(), "tp_members": list(runtime.handles["tp_ar"].binding.members),
-              "verify_bit_exact": [v.bit_exact for v in engine.report.verify]}
-    engine.close()
-    runtime.close()
-    return result
+    with Session(plan, RunOptions(backend="cpu"), rank=rank, world_size=world, trace=str(out / "subgroups"),
+                 group_factory=new_group_factory(rank, layout, timeout_s=GROUP_TIMEOUT_S),
+                 namespace="subgroups") as session:
+        engine = session.capture(Layered(session.handles, rank))
+        views = engine.buffers.views(2)
+        views["x"].fill_(1.0)
+        for call in engine.programs[Descriptor(Mode.PIECEWISE, 2)]:
+            call()
+        return {"h": views["h"].unique().tolist(), "tp_members": list(session.handles["tp_ar"].binding.members),
+                "verify_bit_exact": [v.bit_exact for v in engine.report.verify]}
 
 
 SCENARIOS = {

@@ -385,11 +385,12 @@ class TestWithTheEngine:
             self.channels["dr"].all_reduce(dy)
 
     def test_pipeline_commits_with_one_trace_event_per_boundary_and_call(self, tmp_path):
-        from graphflow.engine import RunOptions, run_pipeline
+        from graphflow.engine import RunOptions
+        from graphflow.session import Session
 
         registry = ChannelRegistry()
-        runtime = ChannelRuntime(_plan(), registry=registry, tracer=Tracer(tmp_path, 0))
-        engine = run_pipeline(runtime.plan, RunOptions(backend="cpu"), model=self.Model(runtime.handles), channels=runtime)
+        session = Session(_plan(), RunOptions(backend="cpu"), registry=registry, trace=str(tmp_path))
+        session.capture(self.Model(session.handles))
         events = read_trace(tmp_path / "rank0.jsonl")
         paths = {(e["phase"], e["path"]) for e in events if e["event"] == "collective"}
         assert paths == {("warmup", "eager_warmup"), ("capture", "captured"), ("verify", "outside_capture")}
@@ -399,25 +400,25 @@ class TestWithTheEngine:
             ("PIECEWISE(B=1)", "s", "tp"), ("PIECEWISE(B=1)", "d", "dr")]
         assert [e["n"] for e in events] == list(range(len(events)))
         assert registry.taken == {1: "target/tp", 2: "draft/dr"}
-        engine.close()
-        runtime.close()
+        session.close()
         assert registry.taken == {}
 
     def test_a_failed_capture_rolls_back_the_channel_ids(self):
-        from graphflow.engine import RunOptions, run_pipeline
+        from graphflow.engine import RunOptions
+        from graphflow.session import Session
 
         registry = ChannelRegistry()
-        runtime = ChannelRuntime(_plan(), registry=registry)
-        model = self.Model(runtime.handles)
+        with Session(_plan(), RunOptions(backend="cpu"), registry=registry) as session:
+            model = self.Model(session.handles)
 
-        def broken(dx, dy):
-            if runtime.site.phase is Phase.CAPTURE:
-                raise RuntimeError("capture failed")
+            def broken(dx, dy):
+                if session.channels.site.phase is Phase.CAPTURE:
+                    raise RuntimeError("capture failed")
 
-        model.d = broken
-        with pytest.raises(CaptureError, match="capture failed"):
-            run_pipeline(runtime.plan, RunOptions(backend="cpu"), model=model, channels=runtime)
-        assert registry.taken == {}
+            model.d = broken
+            with pytest.raises(CaptureError, match="capture failed"):
+                session.capture(model)
+            assert registry.taken == {}
 
 
 def _collectives_over_gloo(ctx) -> dict:

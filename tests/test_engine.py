@@ -547,15 +547,13 @@ class TestChannels:
             self.channels["tp"].all_reduce(y)
 
     def test_the_trace_names_the_running_segment_where_the_plan_cannot(self, tmp_path):
-        from graphflow.channels import ChannelRuntime
-        from graphflow.trace import Tracer, read_trace
+        from graphflow.session import Session
+        from graphflow.trace import read_trace
 
         plan = self._plan()
         assert len(plan.regions(P)) == 1  # a and b share one region and one channel
-        runtime = ChannelRuntime(plan, tracer=Tracer(tmp_path, 0))
-        with run_pipeline(plan, RunOptions(backend="cpu"), model=self.Model(runtime.handles), channels=runtime):
-            pass
-        runtime.close()
+        with Session(plan, RunOptions(backend="cpu"), trace=str(tmp_path)) as session:
+            session.capture(self.Model(session.handles))
         calls = [(e["phase"], e["descriptor"], e["segment"]) for e in read_trace(tmp_path / "rank0.jsonl")
                  if e["event"] == "collective"]
         named = [(phase, d, s) for phase, d, s in calls if phase != "verify"]
@@ -568,7 +566,8 @@ class TestChannels:
         """Warmup calls the channel's prewarm hook (bound from the factory's model), never the wire."""
         import graphflow.channels as channels_module
         import graphflow.toy
-        from graphflow.channels import ChannelRuntime, GroupBinding
+        from graphflow.channels import GroupBinding
+        from graphflow.session import Session
 
         wire = object()
         log = []
@@ -590,8 +589,10 @@ class TestChannels:
         monkeypatch.setattr(graphflow.toy, "channel_factory_for_test", factory, raising=False)
         plan = self._plan(WarmupPolicy.PREPARE, prewarm="warm_tp", hooks=[Prewarm("warm_tp", "comm.prepare")],
                           model="graphflow.toy:channel_factory_for_test")
-        runtime = ChannelRuntime(plan, group_factory=lambda name: GroupBinding(name, wire, (0,)))
-        engine = run_pipeline(plan, RunOptions(backend="cpu", detectors=False), channels=runtime)
+        session = Session(plan, RunOptions(backend="cpu", detectors=False),
+                          group_factory=lambda name: GroupBinding(name, wire, (0,)))
+        runtime = session.channels
+        engine = session.capture()
         warmup = [entry for entry in log if entry[-1] is Phase.WARMUP]
         # once per specialization: both segments all-reduce [B, 4] float32, so once per size
         assert warmup == [("prepare", 2, Phase.WARMUP), ("prepare", 1, Phase.WARMUP)]
@@ -600,7 +601,7 @@ class TestChannels:
         engine.close()
         with pytest.raises(CaptureError, match="channel tp has warmup 'prepare' but no prepare hook"):
             runtime.resolve_prepare(plan.channels[0])  # close unbound the model
-        runtime.close()
+        session.close()
 
 
 def _fault(phase, segment, exc=None):

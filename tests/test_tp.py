@@ -25,6 +25,7 @@ from graphflow.integrations.dsv4.model import DSV4Model, decode_step
 from graphflow.integrations.dsv4.tp import TPDecoderLayer, TPModel, build_tp_model, tp_plan
 from graphflow.launch import NVLS_ENV, launch
 from graphflow.plan import Channel, ChannelKind, WarmupPolicy
+from graphflow.session import Session
 from graphflow.trace import CallPath, Tracer, diff_traces, read_trace
 from graphflow.validate import validate
 
@@ -173,54 +174,48 @@ def _state(config: DSV4Config, batch: int, heads: int, device) -> dict[str, torc
 
 def scenario_capture(ctx, out, mode: str) -> dict:
     """The plan captured on every rank; one replayed step's logits for comparison across ranks."""
-    from graphflow.engine import RunOptions, run_pipeline
-    from graphflow.runtime import Runner
+    from graphflow.engine import RunOptions
 
     plan = ctx.place(plan_for(mode, ctx.world_size))
-    runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=Tracer(out / mode, ctx.rank),
-                             namespace=f"capture-{mode}")
-    backend = "cuda" if ctx.backend == "nccl" else "cpu"
+    options = RunOptions(backend="cuda" if ctx.backend == "nccl" else "cpu")
+    with Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, trace=str(out / mode),
+                 namespace=f"capture-{mode}") as session:
 
-    def run():
-        engine = run_pipeline(plan, RunOptions(backend=backend), rank=ctx.rank, world_size=ctx.world_size, channels=runtime)
-        generator = torch.Generator().manual_seed(3)
-        tokens = torch.randint(0, TINY["vocab_size"], (3,), generator=generator).to(ctx.device)
-        positions = torch.tensor([0, 5, 11])
-        inputs = {"tokens": tokens, "positions": positions.to(ctx.device), "positions_host": positions}
-        runner = Runner(engine)
-        logits = runner.run(*(inputs[name] for name in runner.inputs))[0]
-        result = {"graphs": engine.report.graphs, "captures_graphs": engine.report.captures_graphs,
-                  "verify": [[str(v.descriptor), v.bit_exact] for v in engine.report.verify],
-                  "logits": logits.cpu().tolist()}
-        engine.close()
-        return result
+        def run():
+            engine = session.capture()
+            generator = torch.Generator().manual_seed(3)
+            tokens = torch.randint(0, TINY["vocab_size"], (3,), generator=generator).to(ctx.device)
+            positions = torch.tensor([0, 5, 11])
+            inputs = {"tokens": tokens, "positions": positions.to(ctx.device), "positions_host": positions}
+            runner = session.runner
+            logits = runner.run(*(inputs[name] for name in runner.inputs))[0]
+            return {"graphs": engine.report.graphs, "captures_graphs": engine.report.captures_graphs,
+                    "verify": [[str(v.descriptor), v.bit_exact] for v in engine.report.verify],
+                    "logits": logits.cpu().tolist()}
 
-    result = _outcome(run)
-    runtime.close()
-    return result
+        return _outcome(run)
 
 
 def scenario_fault(ctx, out, mode: str) -> dict:
     """A fault in one rank's capture: every rank raises, rolls back and can communicate after."""
     import torch.distributed as dist
 
-    from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine import RunOptions
 
     plan = ctx.place(plan_for(mode, ctx.world_size))
-    runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=Tracer(out / f"fault-{mode}",
-                                                                                             ctx.rank),
-                             namespace=f"fault-{mode}")
+    # the fault hits the first capture
+    options = RunOptions(backend="cuda" if ctx.backend == "nccl" else "cpu", verify=False, sizes=(max(SIZES),))
+    session = Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, trace=str(out / f"fault-{mode}"),
+                      namespace=f"fault-{mode}")
+    runtime = session.channels
     FaultyLayer.runtime, FaultyLayer.seen = runtime, []
     baseline = torch.cuda.memory_allocated(ctx.device) if ctx.backend == "nccl" else 0
     held = [TPModel(DSV4Model(DSV4Config(**TINY), ctx.device), ctx.rank, ctx.world_size, runtime.handles["tp_ar"],
                     layer_type=FaultyLayer)]
     model_ref = weakref.ref(held[0])
-    backend = "cuda" if ctx.backend == "nccl" else "cpu"
 
     def run():  # the pipeline gets the only reference to the model
-        # the fault hits the first capture
-        run_pipeline(plan, RunOptions(backend=backend, verify=False, sizes=(max(SIZES),)), model=held.pop(),
-                     rank=ctx.rank, world_size=ctx.world_size, channels=runtime)
+        session.capture(held.pop())
 
     result = _outcome(run)
     FaultyLayer.runtime = None
@@ -234,13 +229,13 @@ def scenario_fault(ctx, out, mode: str) -> dict:
                   ids=runtime.registry.taken,
                   capturing=capturing, memory_delta=after - baseline, all_reduce_after=float(ones))
     FaultyLayer.seen = []
-    runtime.close()
+    session.close()
     return result
 
 
 def scenario_seed(ctx, out, policy: WarmupPolicy) -> dict:
     """The seed's legacy all-reduce and host-routed dispatch, with the given tp_ar warmup."""
-    from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine import RunOptions
 
     plan = plan_for("full", ctx.world_size, policy=policy)
     ep = Channel("ep_ar", ChannelKind.ALL_REDUCE, "ep", 2, "target")
@@ -249,23 +244,14 @@ def scenario_seed(ctx, out, policy: WarmupPolicy) -> dict:
     skip = {"GF503"} if policy is WarmupPolicy.PLACEHOLDER else set()
     report = validate(plan, disable=skip)
     assert report.ok, report.diagnostics
-    runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size,
-                             tracer=Tracer(out / f"seed-{policy.value}", ctx.rank), namespace=f"seed-{policy.value}")
-    LegacyDispatchLayer.ep = runtime.handles["ep_ar"]
-    model = TPModel(DSV4Model(DSV4Config(**TINY), ctx.device), ctx.rank, ctx.world_size,
-                    LegacyAllReduce(runtime.handles["tp_ar"], ctx.rank), layer_type=LegacyDispatchLayer)
-    backend = "cuda" if ctx.backend == "nccl" else "cpu"
-
-    def run():
-        engine = run_pipeline(plan, RunOptions(backend=backend, detectors=False, skip_rules=skip), model=model, rank=ctx.rank,
-                              world_size=ctx.world_size, channels=runtime)
-        graphs = engine.report.graphs
-        engine.close()
-        return {"graphs": graphs}
-
-    result = _outcome(run)
-    LegacyDispatchLayer.ep = None
-    runtime.close()
+    options = RunOptions(backend="cuda" if ctx.backend == "nccl" else "cpu", detectors=False, skip_rules=skip)
+    with Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, trace=str(out / f"seed-{policy.value}"),
+                 namespace=f"seed-{policy.value}") as session:
+        LegacyDispatchLayer.ep = session.handles["ep_ar"]
+        model = TPModel(DSV4Model(DSV4Config(**TINY), ctx.device), ctx.rank, ctx.world_size,
+                        LegacyAllReduce(session.handles["tp_ar"], ctx.rank), layer_type=LegacyDispatchLayer)
+        result = _outcome(lambda: {"graphs": session.capture(model).report.graphs})
+        LegacyDispatchLayer.ep = None
     return result
 
 

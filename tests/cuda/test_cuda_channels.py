@@ -107,10 +107,11 @@ class TestCapturedAllReduce:
 class TestEnginePipeline:
     @pytest.mark.parametrize("detectors", [False, True], ids=["detectors-off", "detectors-on"])
     def test_engine_captures_the_nccl_collective_and_verify_passes(self, nccl, tmp_path, detectors):
-        from graphflow.engine import RunOptions, run_pipeline
+        from graphflow.engine import RunOptions
+        from graphflow.session import Session
 
-        runtime = ChannelRuntime(_plan(), tracer=Tracer(tmp_path, 0))
-        engine = run_pipeline(runtime.plan, RunOptions(backend="cuda", detectors=detectors), model=Model(runtime.handles), channels=runtime)
+        session = Session(_plan(), RunOptions(backend="cuda", detectors=detectors), trace=str(tmp_path))
+        engine = session.capture(Model(session.handles))
         assert engine.report.graphs == 2
         assert all(v.bit_exact for v in engine.report.verify)
         views = engine.buffers.views(4)
@@ -119,8 +120,7 @@ class TestEnginePipeline:
             call()
         torch.cuda.synchronize()
         assert torch.equal(views["y"], views["x"] * 2.0 + 1.0)
-        engine.close()
-        runtime.close()
+        session.close()
         events = read_trace(tmp_path / "rank0.jsonl")
         paths = {(e["phase"], e["path"], e["capturing"]) for e in events if e["event"] == "collective"}
         assert paths == {("warmup", "eager_warmup", False), ("capture", "captured", True),
