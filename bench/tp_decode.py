@@ -5,7 +5,7 @@
 
 For each GPU count in 1, 2, 4, 8 up to the GPUs present (and dividing the model's heads
 and experts), one ``graphflow.launch`` of that many NCCL ranks captures both TP plans
-(``plans/dsv4_tp_piecewise.yaml``, ``plans/dsv4_tp_full.yaml``, resized with ``tp_plan``)
+(``plans/dsv4_tp_piecewise.yaml``, ``plans/dsv4_tp_full.yaml``, resized with ``plan_variant``)
 through ``run_pipeline`` with verify on, and times, per batch size:
 
 * eager: the PIECEWISE plan's step run eagerly (the committed channel's plain all-reduce);
@@ -55,7 +55,7 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
     import torch.distributed as dist
 
     from graphflow.engine import RunOptions
-    from graphflow.integrations.dsv4.tp import tp_plan
+    from graphflow.integrations.dsv4.plans import plan_variant
     from graphflow.session import Session
 
     backend = "cuda" if ctx.backend == "nccl" else "cpu"
@@ -67,7 +67,7 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
     engines, sessions = {}, {}
     try:
         for mode, path in PLANS.items():
-            plan = ctx.place(tp_plan(path, ctx.world_size, sizes=sizes, **model_args))
+            plan = ctx.place(plan_variant(path, world_size=ctx.world_size, sizes=sizes, **model_args))
             session = sessions[mode] = Session(plan, RunOptions(backend=backend, detectors=False), rank=ctx.rank,
                                                world_size=ctx.world_size, namespace=f"bench-{mode}")
             start = time.perf_counter()

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from graphflow.errors import DivergenceError
-from graphflow.trace import ScopeState, comparable, describe
+from graphflow.trace import UNKNOWN, ScopeState, describe, first_difference, majority
 
 __all__ = ["StoreBarrier", "DEFAULT_TIMEOUT_S"]
 
@@ -125,11 +125,11 @@ class StoreBarrier:
         groups: dict[tuple, list[int]] = {}
         for r, p in payloads.items():
             groups.setdefault((p["label"], p["count"], p["digest"]), []).append(r)
-        majority = max(groups.values(), key=lambda g: (len(g), -g[0]))
-        differing = tuple(r for r in self.members if r not in majority)
+        normal = majority(list(groups.values()))
+        differing = tuple(r for r in self.members if r not in normal)
         if abandoned:
             differing = tuple(sorted(abandoned))
-        index, events = _first_differing(windows, payloads)
+        index, events = _first_differing(windows)
         culprit = differing[0]
         event = events.get(culprit) or next((e for e in events.values() if e is not None), None)
         lines = [f"ranks diverged at barrier {label!r} (#{seq}): rank(s) {_ranks(differing)} differ from "
@@ -149,30 +149,25 @@ def _window(state: ScopeState) -> dict:
     return {"count": state.count, "events": [[i, e] for i, e in state.window]}
 
 
-def _first_differing(windows: dict[int, dict], payloads: dict[int, dict]) -> tuple[int | None, dict]:
+def _first_differing(windows: dict[int, dict]) -> tuple[int | None, dict]:
     """The first scope index where the published windows disagree, and each rank's event there.
 
-    A rank whose count is at or below the index has no event there (its trace is
+    A rank whose count is at or below an index has no event there (its trace is
     shorter); an index older than a rank's window is unknown for it and not compared.
     """
+    if not windows:
+        return None, {}
     known = {r: {i: e for i, e in w["events"]} for r, w in windows.items()}
-    counts = {r: w["count"] for r, w in windows.items()}
-    indices = sorted({i for events in known.values() for i in events})
-    for index in indices:
-        column: dict[int, dict | None] = {}
-        for r, events in known.items():
-            if index >= counts[r]:
-                column[r] = None
-            elif index in events:
-                column[r] = events[index]
-        values = {json.dumps(None if e is None else comparable(e), sort_keys=True, default=str)
-                  for e in column.values()}
-        if len(values) > 1:
-            return index, column
-    if windows and len({counts[r] for r in windows}) > 1:
-        index = min(counts.values())
-        return index, {r: known[r].get(index) for r in windows}
-    return None, {}
+    ranks = list(windows)
+    start = min((i for events in known.values() for i in events), default=min(w["count"] for w in windows.values()))
+    stop = max(w["count"] for w in windows.values()) + 1
+    sequences = [[known[r][i] if i in known[r] else None if i >= windows[r]["count"] else UNKNOWN
+                  for i in range(start, stop)] for r in ranks]
+    found = first_difference(sequences, offset=start)
+    if found is None:
+        return None, {}
+    return found.index, {r: e for r, e in zip(ranks, found.events)
+                         if sequences[ranks.index(r)][found.index - start] is not UNKNOWN}
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -41,10 +41,12 @@ __all__ = [
     "TraceLog",
     "TraceReadError",
     "Tracer",
+    "UNKNOWN",
     "comparable",
     "describe",
     "diff_traces",
     "first_difference",
+    "majority",
     "read_trace",
 ]
 
@@ -220,24 +222,39 @@ class TraceDiff:
     differing: tuple[int, ...]
 
 
-def first_difference(sequences: Sequence[Sequence[Mapping[str, Any] | None]]) -> TraceDiff | None:
+#: An event a rank no longer holds (older than its published window): never compared.
+UNKNOWN = object()
+
+
+def majority(groups: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The largest group of ranks (or traces) that agree; ties go to the lowest member.
+
+    Both ``trace diff`` and the phase barrier call the other groups the differing ones,
+    so they always blame the same ranks.
+    """
+    return tuple(max(groups, key=lambda g: (len(g), -g[0])))
+
+
+def first_difference(sequences: Sequence[Sequence[Mapping[str, Any] | None]], *, offset: int = 0) -> TraceDiff | None:
     """The first position where the sequences' comparable events differ, or None.
 
-    A sequence that ends early differs from one that goes on (its event is None).
+    A sequence that ends early differs from one that goes on (its event is None); an
+    ``UNKNOWN`` event is left out of the comparison. ``offset`` is the index of the
+    sequences' first position (a barrier compares windows, not whole traces).
     """
     length = max((len(s) for s in sequences), default=0)
     for index in range(length):
-        column = [dict(s[index]) if index < len(s) and s[index] is not None else None for s in sequences]
-        keys = [None if e is None else _canonical(e) for e in column]
-        if len(set(keys)) <= 1:
+        column = [s[index] if index < len(s) else None for s in sequences]
+        keys = {i: None if e is None else _canonical(e) for i, e in enumerate(column) if e is not UNKNOWN}
+        if len(set(keys.values())) <= 1:
             continue
         groups: dict[bytes | None, list[int]] = {}
-        for i, key in enumerate(keys):
+        for i, key in keys.items():
             groups.setdefault(key, []).append(i)
-        # The largest group of ranks that agree is "normal"; ties go to the lowest trace.
-        majority = max(groups.values(), key=lambda g: (len(g), -g[0]))
-        differing = tuple(i for i in range(len(sequences)) if i not in majority)
-        return TraceDiff(index, tuple(column), tuple(majority), differing)
+        normal = majority(list(groups.values()))
+        differing = tuple(i for i in keys if i not in normal)
+        return TraceDiff(offset + index, tuple(None if e is UNKNOWN else dict(e) if e is not None else None
+                                               for e in column), normal, differing)
     return None
 
 

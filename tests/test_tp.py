@@ -22,7 +22,8 @@ from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.model import DSV4Model, decode_step
-from graphflow.integrations.dsv4.tp import TPDecoderLayer, TPModel, build_tp_model, tp_plan
+from graphflow.integrations.dsv4.plans import plan_variant
+from graphflow.integrations.dsv4.tp import TPDecoderLayer, TPModel, build_tp_model
 from graphflow.launch import NVLS_ENV, launch
 from graphflow.plan import Channel, ChannelKind, WarmupPolicy
 from graphflow.session import Session
@@ -45,7 +46,7 @@ FAULTY_RANK = 1
 
 
 def plan_for(mode: str, world: int, *, policy: WarmupPolicy = WarmupPolicy.REAL):
-    plan = tp_plan(PLANS / f"dsv4_tp_{mode}.yaml", world, sizes=SIZES, **TINY)
+    plan = plan_variant(PLANS / f"dsv4_tp_{mode}.yaml", world_size=world, sizes=SIZES, **TINY)
     tp = attrs.evolve(plan.channel("tp_ar"), warmup=policy)
     return attrs.evolve(plan, channels=[tp], capture=attrs.evolve(plan.capture, barrier_timeout_s=BARRIER_TIMEOUT_S))
 

@@ -29,7 +29,7 @@ from torch import nn
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.weights import WeightSource
 
-__all__ = ["MoE", "Router", "SharedExpert", "count_experts", "swiglu", "uses_gather"]
+__all__ = ["MoE", "Router", "SharedExpert", "count_experts", "dense", "gathered", "swiglu", "uses_gather"]
 
 
 def count_experts(ids: torch.Tensor, counts: torch.Tensor) -> None:
@@ -91,22 +91,29 @@ class MoE(nn.Module):
         ids, weights = self.router(h)
         count_experts(ids, counts)
         if uses_gather(h.shape[0], ids.shape[1], self.n_experts):
-            return self.gathered(h, ids, weights)
-        return self.dense(h, ids, weights)
-
-    def gathered(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        batch, k = ids.shape
-        flat = ids.flatten()
-        x = h.unsqueeze(1).expand(batch, k, h.shape[1]).reshape(batch * k, 1, h.shape[1])  # [B*k, 1, d]
-        act = swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
-        out = torch.bmm(act, self.w2.index_select(0, flat)).view(batch, k, -1)  # [B, k, d]
-        return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
-
-    def dense(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        act = swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E, B, f]
-        out = torch.bmm(act, self.w2)  # [E, B, d]
+            return gathered(h, ids, weights, self.w13, self.w2)
         routing = torch.zeros(h.shape[0], self.n_experts, device=h.device, dtype=h.dtype).scatter_(1, ids, weights)
-        return torch.bmm(out.permute(1, 2, 0), routing.unsqueeze(-1)).squeeze(-1)  # [B, d]
+        return dense(h, routing, self.w13, self.w2)
+
+
+def gathered(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+             w2: torch.Tensor) -> torch.Tensor:
+    """The routed FFN by gathering each (token, expert) pair's weights: h [B, d], ids and
+    weights [B, k] (ids index w13 [E, d, 2f] and w2 [E, f, d]) → [B, d]."""
+    batch, k = ids.shape
+    flat = ids.flatten()
+    x = h.unsqueeze(1).expand(batch, k, h.shape[1]).reshape(batch * k, 1, h.shape[1])  # [B*k, 1, d]
+    act = swiglu(torch.bmm(x, w13.index_select(0, flat)))  # [B*k, 1, f]
+    out = torch.bmm(act, w2.index_select(0, flat)).view(batch, k, -1)  # [B, k, d]
+    return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
+
+
+def dense(h: torch.Tensor, routing: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The routed FFN with every expert on every token: h [B, d], routing [B, E] (each
+    token's weight per expert of w13 [E, d, 2f] and w2 [E, f, d]) → [B, d]."""
+    act = swiglu(torch.matmul(h.unsqueeze(0), w13))  # [E, B, f]
+    out = torch.bmm(act, w2)  # [E, B, d]
+    return torch.bmm(out.permute(1, 2, 0), routing.unsqueeze(-1)).squeeze(-1)  # [B, d]
 
 
 class SharedExpert(nn.Module):

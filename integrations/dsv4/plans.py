@@ -21,17 +21,26 @@ from graphflow.plan import Plan
 __all__ = ["plan_variant"]
 
 
-def plan_variant(path: str | pathlib.Path, *, sizes: tuple[int, ...] | None = None, **model_args) -> Plan:
-    """The plan at ``path`` with ``model_args`` overridden and, if given, descriptor ``sizes``."""
+def plan_variant(path: str | pathlib.Path, *, sizes: tuple[int, ...] | None = None, world_size: int | None = None,
+                 **model_args) -> Plan:
+    """The plan at ``path`` with ``model_args`` overridden and, if given, descriptor ``sizes``.
+
+    ``world_size`` makes it a tensor-parallel plan (``plans/dsv4_tp_*.yaml``) for that many
+    ranks: the heads of ``q`` and ``o`` are split among them (``tp.tp_shapes``).
+    """
+    from graphflow.integrations.dsv4.tp import tp_shapes
+
     path = pathlib.Path(path)
     doc = yaml.safe_load(path.read_text())
     args = {**doc.get("model_args", {}), **model_args}
     config = DSV4Config(**args)
     doc["model_args"] = args
     doc["for_each"] = {**doc.get("for_each", {}), "layer": f"range({config.n_layers})"}
+    if world_size is not None:
+        doc["world_size"] = world_size
     if sizes is not None:
         doc["symbols"] = {**doc.get("symbols", {}), "B": sorted(sizes)}
-    shapes = expected_shapes(config)
+    shapes = expected_shapes(config) if world_size is None else tp_shapes(config, world_size)
     for name, buffer in doc["buffers"].items():
         stem = name.replace("{layer}", "")
         if stem in shapes:
@@ -42,4 +51,5 @@ def plan_variant(path: str | pathlib.Path, *, sizes: tuple[int, ...] | None = No
             buffer["values"] = [0, config.max_len]
         if buffer.get("dtype") in ("float32", "bfloat16", "float16") and stem != "logits":
             buffer["dtype"] = config.dtype
-    return loads_plan(yaml.safe_dump(doc, sort_keys=False), file=f"{path} (variant)")
+    where = f"{path} (variant)" if world_size is None else f"{path} (world_size {world_size})"
+    return loads_plan(yaml.safe_dump(doc, sort_keys=False), file=where)

@@ -22,13 +22,11 @@ segments and their order are the dense model's (model.py), run by the same
 ``decode_step``.
 
 The plans ``plans/dsv4_tp_piecewise.yaml`` and ``plans/dsv4_tp_full.yaml`` are written
-for 2 ranks; ``tp_plan(path, world_size)`` gives the plan for another number of ranks
+for 2 ranks; ``plans.plan_variant(path, world_size=N)`` gives the plan for another number of ranks
 (the sharded buffers ``q`` and ``o`` hold ``n_heads / world_size`` heads). See docs/tp.md.
 """
 
 from __future__ import annotations
-
-import pathlib
 
 import torch
 from torch import nn
@@ -36,9 +34,9 @@ from torch import nn
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.mhc import HyperConnection
 from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, decode_step, expected_shapes
-from graphflow.integrations.dsv4.moe import count_experts, swiglu, uses_gather
+from graphflow.integrations.dsv4.moe import count_experts, dense, gathered, swiglu, uses_gather
 
-__all__ = ["TPDecoderLayer", "TPModel", "Shard", "build_tp_model", "tp_plan", "tp_shapes"]
+__all__ = ["TPDecoderLayer", "TPModel", "Shard", "build_tp_model", "tp_shapes"]
 
 #: The channel every all-reduce of the model goes through.
 TP_CHANNEL = "tp_ar"
@@ -140,18 +138,10 @@ class TPDecoderLayer(nn.Module):
         mine = (local >= 0) & (local < self.experts.size)
         weights = weights * mine.to(weights.dtype)
         if uses_gather(h.shape[0], ids.shape[1], self.config.n_experts):
-            batch, k = ids.shape
-            flat = local.clamp(0, self.experts.size - 1).flatten()
-            x = h.unsqueeze(1).expand(batch, k, h.shape[1]).reshape(batch * k, 1, h.shape[1])  # [B*k, 1, d]
-            act = swiglu(torch.bmm(x, self.w13.index_select(0, flat)))  # [B*k, 1, f]
-            out = torch.bmm(act, self.w2.index_select(0, flat)).view(batch, k, -1)  # [B, k, d]
-            return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
-        act = swiglu(torch.matmul(h.unsqueeze(0), self.w13))  # [E/W, B, f]
-        out = torch.bmm(act, self.w2)  # [E/W, B, d]
+            return gathered(h, local.clamp(0, self.experts.size - 1), weights, self.w13, self.w2)
         routing = torch.zeros(h.shape[0], self.config.n_experts, device=h.device, dtype=h.dtype)
         routing.scatter_(1, ids, weights)
-        routing = routing[:, self.experts.start:self.experts.stop]  # [B, E/W]
-        return torch.bmm(out.permute(1, 2, 0), routing.unsqueeze(-1)).squeeze(-1)
+        return dense(h, routing[:, self.experts.start:self.experts.stop], self.w13, self.w2)  # [B, E/W] of them
 
 
 class TPModel(nn.Module):
@@ -199,7 +189,7 @@ def _check_plan(config: DSV4Config, plan, world_size: int) -> None:
     check_shapes(plan, tp_shapes(config, world_size), lambda buffer, want: (
         f"buffer {buffer.name!r} has shape {list(buffer.shape)} but the tensor-parallel dsv4 model on "
         f"{world_size} rank(s) needs {list(want)} — fix the shape, or build the plan with "
-        f"tp_plan(path, world_size={world_size})"))
+        f"plan_variant(path, world_size={world_size})"))
 
 
 def build_tp_model(*, device: str | torch.device = "cpu", plan=None, rank: int = 0, world_size: int = 1,
@@ -217,7 +207,7 @@ def build_tp_model(*, device: str | torch.device = "cpu", plan=None, rank: int =
     if plan is not None:
         if plan.world_size != world_size:
             raise ValueError(f"plan {plan.name!r} is written for world_size {plan.world_size}, the run has "
-                             f"{world_size} — build it with tp_plan(path, world_size={world_size})")
+                             f"{world_size} — build it with plan_variant(path, world_size={world_size})")
         _check_plan(config, plan, world_size)
     if channels is not None and TP_CHANNEL in channels:
         tp = channels[TP_CHANNEL]
@@ -227,35 +217,3 @@ def build_tp_model(*, device: str | torch.device = "cpu", plan=None, rank: int =
         raise ValueError(f"the tensor-parallel dsv4 model on {world_size} ranks needs channel {TP_CHANNEL!r}: "
                          "declare it in the plan and pass the channel runtime's handles")
     return TPModel(DSV4Model(config, torch.device(device)), rank, world_size, tp)
-
-
-def tp_plan(path: str | pathlib.Path, world_size: int, *, sizes: tuple[int, ...] | None = None, **model_args):
-    """The TP plan at ``path`` for ``world_size`` ranks, with ``model_args`` overridden.
-
-    Like ``plans.plan_variant``, the YAML document is rewritten (world size, layer range,
-    descriptor sizes, every model buffer's shape) and loaded by the ordinary loader.
-    """
-    import yaml
-
-    from graphflow.loader import loads_plan
-
-    path = pathlib.Path(path)
-    doc = yaml.safe_load(path.read_text())
-    args = {**doc.get("model_args", {}), **model_args}
-    config = DSV4Config(**args)
-    shapes = tp_shapes(config, world_size)
-    doc["model_args"], doc["world_size"] = args, world_size
-    doc["for_each"] = {**doc.get("for_each", {}), "layer": f"range({config.n_layers})"}
-    if sizes is not None:
-        doc["symbols"] = {**doc.get("symbols", {}), "B": sorted(sizes)}
-    for name, buffer in doc["buffers"].items():
-        stem = name.replace("{layer}", "")
-        if stem in shapes:
-            buffer["shape"] = list(shapes[stem])
-        if stem == "tokens":
-            buffer["values"] = [0, config.vocab_size]
-        if stem in ("positions", "positions_host"):
-            buffer["values"] = [0, config.max_len]
-        if buffer.get("dtype") in ("float32", "bfloat16", "float16") and stem != "logits":
-            buffer["dtype"] = config.dtype
-    return loads_plan(yaml.safe_dump(doc, sort_keys=False), file=f"{path} (world_size {world_size})")
