@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
+import cutlass.memory
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.base_dsl import AddressSpace
@@ -134,7 +135,7 @@ class RMSNormHost:
         total = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         total = cute.arch.warp_reduction_sum(total)
         if cutlass.const_expr(c.warps > 1):
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             partial = smem.allocate_tensor(Float32, cute.make_layout((c.warps,)), byte_alignment=16)
             lane = cute.arch.lane_idx()
             warp = cute.arch.warp_idx()
