@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -435,7 +436,7 @@ class JitRegistry:
         return Specialization(kernel.name, kernel.specialize(*args), kernel.arch(kernel.device(*args)))
 
     def is_warm(self, spec: Specialization, device: torch.device | str) -> bool:
-        return (spec, torch.device(device)) in self._warm
+        return (spec, _indexed(device)) in self._warm
 
     def uses(self) -> dict[tuple[str, str], frozenset[tuple[Specialization, torch.device]]]:
         """(segment, kernel) → the (specialization, device) pairs the current pipeline launched."""
@@ -499,7 +500,7 @@ class JitRegistry:
     def _check_capturable(self, kernel: JitKernel, spec: Specialization, device: torch.device) -> None:
         problem = kernel._problem(spec)
         if problem is not None:
-            raise self.cold_error(f"JIT kernel {problem}; refused", kernel=kernel.name, spec=spec, hint=(
+            raise self.cold_error(f"JIT kernel {problem}; refused", kernel=kernel.name, hint=(
                 "pass the stream the host function receives to every .launch(), then rerun"))
         if (spec, device) in self._warm:
             return
@@ -508,22 +509,21 @@ class JitRegistry:
         if any(s == spec for s, _ in self._warm):
             on += " (it was prewarmed on other devices only)"
         raise self.cold_error(f"JIT kernel {kernel.name} specialization {spec} would be first {what}{on}",
-                              kernel=kernel.name, spec=spec, device=device)
+                              kernel=kernel.name, device=device)
 
-    def cold_error(self, message: str, *, kernel: str, spec: Specialization | str | None = None,
-                   device: torch.device | None = None, hint: str | None = None) -> CaptureError:
+    def cold_error(self, message: str, *, kernel: str, device: torch.device | None = None,
+                   hint: str | None = None) -> CaptureError:
         """The CaptureError for a cold compile, load or launch inside capture: ``message``
         says what happened; where (segment, descriptor) and the fix are added here."""
         site = self._site
         segment = site.segment
         if hint is None and kernel in self._kernels:
-            launch = f" launch {spec}" if spec is not None else ""
-            on = f" on {device}" if device is not None else ""
             who = segment or "(the one that launches it)"
-            hint = (f"declare prewarm for {kernel}: list it in the kernels of segment {who} and make warmup"
-                    f"{launch}{on}, or give {kernel} examples(); for a collective's "
-                    f"kernel, prepare it in the channel's prepare hook (JitRegistry.prepare_hook). The prewarm "
-                    f"phase then compiles it and launches it once on every device's capture stream")
+            on = f" on {device}" if device is not None else ""
+            hint = (f"declare prewarm for {kernel}: list it in the kernels of segment {who} and make warmup "
+                    f"launch it{on} (or give {kernel} examples()); for a collective's kernel, prepare it in the "
+                    f"channel's prepare hook (JitRegistry.prepare_hook). The prewarm phase then compiles it and "
+                    f"launches it once on each device's capture stream")
         elif hint is None:
             hint = (f"declare prewarm for {kernel}: register it with graphflow.jit (a CuteKernel or TritonKernel) "
                     f"so the prewarm phase compiles, loads and launches it on every capture stream, or run it "
@@ -584,7 +584,8 @@ class JitRegistry:
         for (segment, name), pairs in sorted(self._uses.items()):
             for spec, _ in sorted(pairs, key=lambda p: (p[0], str(p[1]))):
                 wanted.setdefault(spec, (self._kernels[name], None))
-        devices = [torch.device(d) for d in streams]
+        streams = {_indexed(d): stream for d, stream in streams.items()}
+        devices = list(streams)
         for name in dict.fromkeys(k for names in declared.values() for k in names):
             kernel = self._kernels.get(name)
             if kernel is None:
@@ -795,6 +796,14 @@ def _current_stream(device: torch.device) -> Any:
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """``cuda`` as ``cuda:N`` (the current device), as tensors name their device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -806,7 +815,11 @@ def _on_stream(stream: Any) -> contextlib.AbstractContextManager:
 def _arch(device: torch.device) -> str:
     """``CUTE_DSL_ARCH`` when set (compiling with no GPU), else the device's ``sm_XY``,
     with the ``a`` suffix CuTe DSL needs from Hopper on."""
-    forced = os.environ.get("CUTE_DSL_ARCH")
+    return _device_arch(device, os.environ.get("CUTE_DSL_ARCH"))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: torch.device, forced: str | None) -> str:
     if forced:
         return forced
     if device.type != "cuda":

@@ -19,7 +19,6 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cutlass = pytest.importorskip("cutlass")
 
-import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass.base_dsl.compiler import CompileCallable  # noqa: E402
 from cutlass.base_dsl.jit_executor import JitCompiledFunction  # noqa: E402
@@ -28,7 +27,8 @@ from cutlass.cutlass_dsl.cuda_jit_executor import CudaDialectJitCompiledFunction
 
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.integrations.dsv4.cute_rms import CuteRMSNorm, RMSNormConfig  # noqa: E402
-from graphflow.jit import CuteKernel, JitRegistry  # noqa: E402
+from graphflow.jit import JitRegistry  # noqa: E402
+from tests.cute_kernels import Bump, _bump_on_default_stream, _bump_on_stream  # noqa: E402
 
 ARCH = os.environ["CUTE_DSL_ARCH"]
 
@@ -119,39 +119,6 @@ class TestPersistence:
             path.unlink()
         again = JitRegistry(cache_dir=registry.cache_dir).register(CuteRMSNorm())
         assert again._ready(spec, args) == "compiled"
-
-
-@cute.kernel
-def _bump(a: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    a[tidx] = a[tidx] + 1.0
-
-
-@cute.jit
-def _bump_on_stream(a: cute.Tensor, stream: cuda.CUstream):
-    _bump(a).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
-
-
-@cute.jit
-def _bump_on_default_stream(a: cute.Tensor, stream: cuda.CUstream):
-    _bump(a).launch(grid=[1, 1, 1], block=[32, 1, 1])
-
-
-class Bump(CuteKernel):
-    """A 32-element increment, with or without ``stream=`` in its host function."""
-
-    def __init__(self, name, host):
-        super().__init__(name)
-        self._host = host
-
-    def specialize(self, x):
-        return {"dtype": "float32"}
-
-    def host(self, spec):
-        return self._host
-
-    def arguments(self, spec, x):
-        return (make_fake_compact_tensor(cutlass.Float32, (32,)),)
 
 
 class TestTripwires:
