@@ -243,6 +243,7 @@ class CuteKernel(JitKernel):
         super().__init__(name, communicates=communicates)
         self.options = options
         self._compiled: dict[Specialization, Any] = {}  # held for the process: JitModule.__del__ unloads
+        self._executors: dict[tuple[Specialization, torch.device], Any] = {}
         self._default_stream: dict[Specialization, tuple[str, ...]] = {}
         self._lock = threading.Lock()
 
@@ -268,6 +269,17 @@ class CuteKernel(JitKernel):
 
     def is_compiled(self, spec: Specialization) -> bool:
         return spec in self._compiled
+
+    def executor(self, spec: Specialization, device: torch.device) -> Any:
+        """``spec``'s executor on ``device``, its module loaded there by the first request
+        (``JitCompiledFunction.to``): launches go through it, so a specialization loaded
+        by a prepare hook launches later without loading again."""
+        key = (spec, device)
+        executor = self._executors.get(key)
+        if executor is None:
+            executor = self._executors[key] = self._compiled[spec].to(
+                device.index if device.type == "cuda" else None)
+        return executor
 
     def _ready(self, spec: Specialization, args: tuple) -> str:
         if spec in self._compiled:
@@ -331,10 +343,10 @@ class CuteKernel(JitKernel):
         import cuda.bindings.driver as cuda
 
         handle = 0 if stream is None else stream.cuda_stream
-        return self._compiled[spec](*self.arguments(spec, *args), cuda.CUstream(handle))
+        return self.executor(spec, self.device(*args))(*self.arguments(spec, *args), cuda.CUstream(handle))
 
     def _load(self, spec: Specialization, args: tuple) -> None:
-        self._compiled[spec].to(torch.cuda.current_device() if torch.cuda.is_available() else None)
+        self.executor(spec, self.device(*args))
 
     def _problem(self, spec: Specialization) -> str | None:
         kernels = self._default_stream.get(spec)
