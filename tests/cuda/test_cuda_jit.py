@@ -59,7 +59,7 @@ def reference64(x, weight, eps=1e-6):
 
 
 def ulps(got, want):
-    """|got - want| in units of the last place of ``got``'s dtype at ``want``."""
+    """max |got - want| / (eps * |want| / 2): at most 1 for a correctly rounded result."""
     spacing = torch.finfo(got.dtype).eps * want.abs().clamp_min(torch.finfo(got.dtype).tiny) / 2
     return ((got.double() - want).abs() / spacing.double()).max().item()
 
@@ -79,9 +79,9 @@ class TestCuteRMSNorm:
             got = rms(cute_rms, x, weight)
             assert not got.isnan().any(), "an element was not written"
             torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), weight, 1e-6))  # one rounding either way
-            # Against float64: the float32 sum and rsqrt.approx leave the result within a few
-            # units of the output dtype's last place (bf16: the rounding itself, <= 1 ulp).
-            assert ulps(got, reference64(x, weight)) <= (8 if dtype == torch.float32 else 1.01)
+            # Against float64: bf16 is the rounding itself (<= 1 ulp); in float32 the sum's
+            # rounding (chains of at most ~70 additions) and rsqrt.approx stay within 4e-6.
+            assert ulps(got, reference64(x, weight)) <= (64 if dtype == torch.float32 else 1.01)
 
     def test_misaligned_views_take_a_narrower_vector_and_stay_correct(self, registry, cute_rms):
         base = torch.randn(4 * 2048 + 3, device="cuda", dtype=torch.bfloat16)
@@ -179,7 +179,7 @@ class TestColdKernelsInCapture:
         x = torch.randn(1024, device="cuda")
         error = _cold_capture(registry, lambda: kernel(x, x))
         assert "JIT kernel test.triton_add specialization" in str(error)
-        assert "would be first launched on cuda:0 inside the capture" in str(error)
+        assert "would be first compiled on cuda:0 inside the capture" in str(error)  # Triton's cache: unknown
 
     def test_triton_compiles_outside_the_registry_are_caught_by_its_hooks(self, registry):
         add = _fresh_triton(registry, "test.triton_raw").launch
