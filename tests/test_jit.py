@@ -320,3 +320,43 @@ class TestInAPipeline:
             "capture", "double", Descriptor(Mode.PIECEWISE, 4), 0)
         assert "test.double[dtype=float64, n=8, arch=cpu] would be first compiled on cpu" in str(error)
         assert not registry.capturing()  # the rollback event reset where the registry thinks it is
+
+
+class TestDsv4Backends:
+    """The dsv4 model's RMSNorm backend, chosen per plan (``model_args.rms_kernel``)."""
+
+    def test_an_unknown_backend_is_refused_by_the_config_and_the_kernels(self):
+        from graphflow.integrations.dsv4 import DSV4Config
+        from graphflow.integrations.dsv4.kernels import jit_kernel
+
+        with pytest.raises(ValueError, match="rms_kernel"):
+            DSV4Config(rms_kernel="cutlass")
+        with pytest.raises(ValueError, match="choose one of cute, triton, torch"):
+            jit_kernel("cutlass")
+
+    @pytest.mark.parametrize("backend", ["cute", "triton", "torch"])
+    def test_off_cuda_every_backend_is_pytorchs(self, backend):
+        from graphflow.integrations.dsv4.kernels import rms_norm, uses_jit
+
+        x, weight = torch.randn(3, 64), torch.randn(64)
+        assert not uses_jit(x, weight, backend)
+        assert torch.equal(rms_norm(x, weight, 1e-6, backend), torch.nn.functional.rms_norm(x, (64,), weight, 1e-6))
+
+    def test_a_plan_on_the_cute_kernel_builds_and_runs_on_the_cpu(self):
+        import pathlib
+
+        from graphflow.integrations.dsv4.plans import plan_variant
+
+        plans = pathlib.Path(__file__).resolve().parents[1] / "plans"
+        plan = plan_variant(plans / "dsv4_mini_piecewise.yaml", sizes=(2,), rms_kernel="cute", n_layers=1)
+        assert plan.model_args["rms_kernel"] == "cute"
+        run_pipeline(plan, backend=CpuBackend()).close()
+
+    def test_a_cuda_model_on_the_cute_kernel_needs_the_package(self, monkeypatch):
+        from graphflow.integrations.dsv4 import DSV4Config, model
+
+        monkeypatch.setattr(model, "cute_available", lambda: False)  # as where nvidia-cutlass-dsl is absent
+        with pytest.raises(ValueError, match=r"rms_kernel: cute needs nvidia-cutlass-dsl \(pip install "
+                                             r"'graphflow\[cutedsl\]'\)"):
+            model.check_rms_kernel(DSV4Config(rms_kernel="cute"), torch.device("cuda", 0))
+        model.check_rms_kernel(DSV4Config(rms_kernel="cute"), CPU)  # the CPU model runs PyTorch's

@@ -40,7 +40,7 @@ import graphflow
 from graphflow.errors import PlanError
 from graphflow.integrations.dsv4.attention import Compressor, PagedLayout, eager_attention, static_attention
 from graphflow.integrations.dsv4.config import DSV4Config
-from graphflow.integrations.dsv4.kernels import cute_available, rms_norm
+from graphflow.integrations.dsv4.kernels import cute_available, jit_kernel, rms_norm
 from graphflow.integrations.dsv4.mhc import HyperConnection
 from graphflow.integrations.dsv4.moe import MoE, SharedExpert
 from graphflow.integrations.dsv4.rope import apply_rope, rope_table
@@ -347,7 +347,12 @@ def build_model(*, device: str | torch.device = "cpu", plan=None, rank: int = 0,
 
 
 def check_rms_kernel(config: DSV4Config, device: torch.device) -> None:
-    """Refuse a CUDA model whose plan asks for the CuTe DSL RMSNorm where it is not installed."""
-    if config.rms_kernel == "cute" and device.type == "cuda" and not cute_available():
+    """Refuse a CUDA model whose plan asks for the CuTe DSL RMSNorm where it is not installed;
+    else register the plan's JIT kernel now, so a pipeline sees it in graphflow.jit.registry
+    from its first event (kernels otherwise register at their first call)."""
+    if device.type != "cuda" or config.rms_kernel == "torch":
+        return
+    if config.rms_kernel == "cute" and not cute_available():
         raise ValueError("model_args rms_kernel: cute needs nvidia-cutlass-dsl (pip install 'graphflow[cutedsl]'); "
                          "install it, or set rms_kernel: triton or torch")
+    jit_kernel(config.rms_kernel)
