@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from graphflow.barrier import DEFAULT_TIMEOUT_S, StoreBarrier
 from graphflow.engine.binding import resolve
-from graphflow.engine.locus import Where
+from graphflow.locus import Where
 from graphflow.engine.rollback import UndoStack
 from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Phase

@@ -194,6 +194,7 @@ class SegmentDecl:
     device: str | None = None
     ranks: tuple[int, ...] | None = None
     after: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    kernels: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def decorator(self) -> str:
@@ -320,26 +321,27 @@ def _decorate(decl: _MethodDecl) -> Callable[[F], F]:
 def segment(name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
             stream: str | None = None, channels: Iterable[str] = (), family: str = "target",
             data_dependent: bool = False, device: str | None = None, ranks: Iterable[int] | None = None,
-            after: Iterable[str] = ()) -> Callable[[F], F]:
+            after: Iterable[str] = (), kernels: Iterable[str] = ()) -> Callable[[F], F]:
     """Declare the method a capturable graph segment.
 
     The engine calls it as ``fn(*reads, *writes_not_in_reads)`` with buffer views.
     ``name`` (default: the call path) and every buffer, stream, channel and segment
     name may use the module's positions, e.g. ``"L{layer}.pre"``, ``"x{layer+1}"``.
+    ``kernels`` names the JIT kernels the method launches (docs/jit.md).
     """
     _check_called("segment", name)
     return _decorate(SegmentDecl(SegmentKind.GRAPH, name, reads, writes, stream, channels, family,
-                                 data_dependent, device, None if ranks is None else tuple(ranks), after))
+                                 data_dependent, device, None if ranks is None else tuple(ranks), after, kernels))
 
 
 def eager_break(name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
                 stream: str | None = None, channels: Iterable[str] = (), family: str = "target",
                 data_dependent: bool = False, device: str | None = None, ranks: Iterable[int] | None = None,
-                after: Iterable[str] = ()) -> Callable[[F], F]:
+                after: Iterable[str] = (), kernels: Iterable[str] = ()) -> Callable[[F], F]:
     """Declare the method an eager break: it runs between graphs, never inside one."""
     _check_called("eager_break", name)
     return _decorate(SegmentDecl(SegmentKind.EAGER, name, reads, writes, stream, channels, family,
-                                 data_dependent, device, None if ranks is None else tuple(ranks), after))
+                                 data_dependent, device, None if ranks is None else tuple(ranks), after, kernels))
 
 
 def _check_called(decorator: str, name) -> None:
@@ -700,6 +702,7 @@ def _segment(call: _Call) -> Segment:
         device=None if decl.device is None else expand(decl.device),
         ranks=decl.ranks,
         after=[expand(n) for n in decl.after],
+        kernels=[expand(n) for n in decl.kernels],
     )
 
 

@@ -196,7 +196,7 @@ _STREAM_KEYS = ("device",)
 _CHANNEL_KEYS = ("kind", "group", "id", "family", "warmup", "prewarm", "jit")
 _PREWARM_KEYS = ("call", "per_size")
 _SEGMENT_KEYS = ("name", "kind", "call", "reads", "writes", "stream", "channels", "family", "data_dependent",
-                 "device", "ranks", "after")
+                 "device", "ranks", "after", "kernels")
 _CAPTURE_KEYS = ("modes", "sizes", "size_symbol", "warmup_iters", "verify", "barrier_timeout_s")
 _VERIFY_KEYS = ("atol", "rtol")
 
@@ -534,6 +534,8 @@ class _Reader:
                 kwargs[key] = self.names(value, at, "channel names")
             elif key == "after":
                 kwargs[key] = self.names(value, at, "segment names")
+            elif key == "kernels":
+                kwargs[key] = self.names(value, at, "JIT kernel names")
             elif key in ("stream", "device"):
                 kwargs[key] = self.opt_str(value, at)
             elif key == "data_dependent":

@@ -219,7 +219,9 @@ class Segment:
     ``call`` is an attribute path on the model (``layers.3.pre_attention``).
     ``data_dependent`` marks work whose tensor values decide its path (top-k routing,
     argmax). ``ranks`` limits the segment to some ranks (None: all of them).
-    ``after`` adds ordering edges that no buffer expresses.
+    ``after`` adds ordering edges that no buffer expresses. ``kernels`` names the JIT
+    kernels (``graphflow.jit`` registry names) the segment launches: the prewarm phase
+    warms them before capture, and a cold one inside capture names the segment.
     """
 
     name: str
@@ -236,6 +238,7 @@ class Segment:
         default=None, converter=lambda v: None if v is None else tuple(v)
     )
     after: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    kernels: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
 
     @property
     def is_graph(self) -> bool:

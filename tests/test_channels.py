@@ -18,8 +18,8 @@ from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
-from graphflow.engine.locus import Locus, Where
 from graphflow.trace import CallPath, Tracer, read_trace
+from locus_driver import LocusDriver
 
 P = Descriptor(Mode.PIECEWISE, 2)
 
@@ -70,25 +70,12 @@ class Driver:
     def __init__(self, listener):
         self.listener = listener
         self.undos: list[tuple[str, object]] = []
-        self.locus = Locus()
+        self.walk = LocusDriver()
 
     def emit(self, kind, **fields):
-        here = self.locus.here
-        if kind is EventKind.PHASE_BEGIN:
-            here = Where(fields["phase"])
-        elif kind is EventKind.DESCRIPTOR_BEGIN:
-            here = Where(here.phase, fields.get("descriptor"))
-        elif kind is EventKind.REGION_BEGIN:
-            here = attrs.evolve(here, region=fields.get("region"))
-        self.locus.here = here
-        self.listener.on_event(Event(kind, defer=lambda label, fn: self.undos.append((label, fn)), locus=self.locus,
-                                     **fields))
-        if kind is EventKind.REGION_END:
-            self.locus.here = attrs.evolve(here, region=None)
-        elif kind is EventKind.DESCRIPTOR_END:
-            self.locus.here = Where(here.phase)
-        elif kind is EventKind.PHASE_END:
-            self.locus.here = Where()
+        event = self.walk.event(kind, defer=lambda label, fn: self.undos.append((label, fn)), **fields)
+        self.listener.on_event(event)
+        self.walk.after(kind)
 
     def begin(self, phase):
         self.emit(EventKind.PHASE_BEGIN, phase=phase)

@@ -25,7 +25,7 @@ from graphflow.cli import main
 from graphflow.cli.source import add_plan_source_arguments, plan_source
 from graphflow.decorators import normalized, plan_from_module
 from graphflow.errors import PlanError
-from graphflow.loader import load_plan, loads_plan
+from graphflow.loader import dump_plan, load_plan, loads_plan
 from graphflow.plan import Buffer, BufferRole, Mode, SegmentKind
 from graphflow.validate import validate
 from tests.tiny_decorated import TINY_PLAN_YAML, DecoderLayer, TinyDecoder, build_model
@@ -183,6 +183,32 @@ class TestPlanFromModule:
         assert plan.channel("ar").id == 7 and plan.channel("ar").prewarm == "warm"
         assert plan.hook("warm").call == "warm_kernels"
         assert plan.name == "Reduce"
+
+    def test_kernels_expand_with_the_positions(self):
+        class Layer(torch.nn.Module):
+            layer = graphflow.position()
+
+            @graphflow.segment("L{layer}.norm", reads=["x"], writes=["x"], stream="s0",
+                               kernels=["rms_n{layer}", "shared.gemm"])
+            def norm(self, x):
+                pass
+
+        class Model(torch.nn.Module):
+            x = graphflow.buffer(shape=["B", 8], dtype="float32", device="cuda:0")
+            s0 = graphflow.stream(device="cuda:0")
+
+            def __init__(self):
+                super().__init__()
+                self.layers = torch.nn.ModuleList(Layer() for _ in range(2))
+
+            @graphflow.step(sizes=[1])
+            def step(self, bufs):
+                for layer in self.layers:
+                    layer.norm(bufs["x"])
+
+        plan = plan_from_module(Model())
+        assert [s.kernels for s in plan.segments] == [("rms_n0", "shared.gemm"), ("rms_n1", "shared.gemm")]
+        assert loads_plan(dump_plan(plan)) == plan
 
     def test_the_model_is_not_run_while_recording(self):
         model = build_model()

@@ -169,12 +169,14 @@ class TestFields:
                 device: cuda:1
                 ranks: [0, 2]
                 after: [a]
+                kernels: [dsv4.rms_norm, moe.grouped_gemm]
         """))
         assert plan.segments == (
             Segment("a", SegmentKind.GRAPH, "m.a"),
             Segment("b", SegmentKind.EAGER, "m.b", ("x",), ("y", "z"), "s1", ("c",), "draft", True, "cuda:1",
-                    (0, 2), ("a",)),
+                    (0, 2), ("a",), ("dsv4.rms_norm", "moe.grouped_gemm")),
         )
+        assert loads_plan(dump_plan(plan)) == plan
 
     def test_top_level_fields_and_every_capture_field(self):
         plan = loads_plan(plan_text("""
@@ -338,7 +340,7 @@ class TestErrors:
     @pytest.mark.parametrize("body, line, element, message", [
         ("segments:\n  - {name: a, kind: graph, call: a,\n     reeds: [x]}\n", 5, "segments[0] 'a'",
          "unknown key 'reeds' (did you mean 'reads'?); known keys: name, kind, call, reads, writes, stream, "
-         "channels, family, data_dependent, device, ranks, after"),
+         "channels, family, data_dependent, device, ranks, after, kernels"),
         ("segments:\n  - {name: a, kind: graph, call: a, writes: 5}\n", 4, "segments[0] 'a'.writes",
          "expected a list of buffer names, got int 5"),
         ("segments:\n  - {name: a, kind: graph, call: a, reads: [x, 3]}\n", 4, "segments[0] 'a'.reads",

@@ -22,6 +22,7 @@ from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, run_scheduled
 from graphflow.engine.warmup import DescriptorTime, check_findings, watched
 from graphflow.events import EventKind, Phase
+from graphflow.jit import registry as jit_registry
 from graphflow.plan import CaptureRegion, Descriptor, Segment
 
 __all__ = ["Captured", "capture"]
@@ -43,6 +44,11 @@ def capture(ctx: Context, alloc: Allocation) -> Captured:
     # scans only what capture creates, and stays short.
     gc.freeze()
     unfreeze = ctx.stack.push("unfreeze the garbage collector", gc.unfreeze)
+    # A JIT compile or module load while a stream captures becomes a named CaptureError
+    # (graphflow.jit); the tripwires cost one check outside a capture and go when it ends.
+    tripwires = jit_registry.tripwires()
+    tripwires.install()
+    untrip = ctx.stack.push("remove the JIT tripwires", tripwires.remove)
     programs: dict[Descriptor, tuple[Call, ...]] = {}
     graphs: list[Graph] = []
     times = []
@@ -66,6 +72,7 @@ def capture(ctx: Context, alloc: Allocation) -> Captured:
             if ctx.listeners:
                 pool_bytes = block.pool_bytes = alloc.pool_bytes(ctx)
         times.append(DescriptorTime(Phase.CAPTURE, descriptor, block.seconds, block.pool_bytes))
+    ctx.stack.run_now(untrip)
     ctx.stack.run_now(unfreeze)
     return Captured(programs, graphs, tuple(times), pool_bytes)
 

@@ -12,7 +12,7 @@ import time
 import attrs
 
 from graphflow.engine.backend import Backend
-from graphflow.engine.locus import Locus
+from graphflow.locus import Locus
 from graphflow.engine.options import RunOptions
 from graphflow.engine.rollback import UndoStack
 from graphflow.events import Event, EventKind, Listener

@@ -54,7 +54,8 @@ class PipelineReport:
     """What a committed pipeline did; ``graphflow run`` prints it.
 
     ``times`` holds each descriptor's seconds in warmup, capture and verify, with the
-    capture pool's size after it when it was measured.
+    capture pool's size after it when it was measured; ``prewarm`` lists the JIT
+    specializations compiled, loaded and launched before capture.
     """
 
     backend: str
@@ -68,6 +69,7 @@ class PipelineReport:
     buffer_bytes: int
     remapped: tuple[tuple[str, str], ...]
     times: tuple[DescriptorTime, ...] = ()
+    prewarm: object | None = None  # the JIT registry's PrewarmReport (graphflow.jit), when it prewarmed
 
     def phase(self, phase: Phase) -> PhaseResult:
         return next(r for r in self.phases if r.phase is phase)

@@ -31,7 +31,7 @@ rollback stack the moment it succeeds. The steps:
 
 Every phase runs under ``torch.no_grad()`` (capture is for inference; autograd would
 record every op and refuse ``out=`` writes into buffers computed from weights) and
-inside its locus block (``graphflow.engine.locus``), which every event and every error
+inside its locus block (``graphflow.locus``), which every event and every error
 reads its place from. Events: PIPELINE_BEGIN/END around everything, PHASE_BEGIN/END
 around each phase, DESCRIPTOR_BEGIN/END (1-based ``index`` of ``total``) and
 REGION_BEGIN/END inside, SEGMENT_BEGIN/END around every segment call of warmup, capture
@@ -49,6 +49,7 @@ KeyboardInterrupt is re-raised itself.
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -61,7 +62,7 @@ from graphflow.engine.backend import Backend, make_backend
 from graphflow.engine.capture import capture
 from graphflow.engine.context import Context
 from graphflow.engine.engine import Engine, Outcome, PhaseResult, commit
-from graphflow.engine.locus import Where
+from graphflow.locus import Where
 from graphflow.engine.options import RunOptions
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
@@ -69,6 +70,7 @@ from graphflow.engine.verify import verify
 from graphflow.engine.warmup import prewarm, warmup
 from graphflow.errors import CaptureError, InvalidPlanError
 from graphflow.events import Event, EventKind, Listener, Phase
+from graphflow.jit import registry as jit_registry
 from graphflow.plan import Descriptor, Plan
 from graphflow.validate import validate
 
@@ -122,11 +124,15 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
     every phase's result) is cleared with the rest of the traceback.
     """
     results: list[PhaseResult] = []
+    # The process's JIT registry follows this run's locus: it records which segment
+    # launched which kernel specialization, and names the segment of a cold one.
+    jit_registry.attach(ctx.locus)
+    ctx.stack.push("detach the JIT registry", functools.partial(jit_registry.detach, ctx.locus))
     ctx.emit(EventKind.PIPELINE_BEGIN, total=len(ctx.descriptors))
     with torch.no_grad():
         alloc = _phase(ctx, results, Phase.ALLOCATE, lambda: allocate(ctx, model, channels))
         warm_times = _phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc))
-        _phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
+        prewarmed = _phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
         captured = _phase(ctx, results, Phase.CAPTURE, lambda: capture(ctx, alloc), pool=lambda c: c.pool_bytes)
         pool = lambda _: captured.pool_bytes  # noqa: E731 - the later phases' end events carry the pool
         checked = _phase(ctx, results, Phase.VERIFY,
@@ -135,7 +141,9 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
         times = (*warm_times, *captured.times, *verify_times)
         engine = _phase(ctx, results, Phase.COMMIT, lambda: commit(ctx, alloc, captured, verified, times),
                         pool=pool)
-    engine.report = attrs.evolve(engine.report, phases=tuple(results))
+    engine.report = attrs.evolve(engine.report, phases=tuple(results),
+                                 prewarm=prewarmed if prewarmed is not False else None)
+    jit_registry.detach(ctx.locus)
     ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=captured.pool_bytes)
     return engine
 

@@ -81,19 +81,37 @@ def warmup(ctx: Context, alloc: Allocation) -> tuple[DescriptorTime, ...]:
     return tuple(times)
 
 
-def prewarm(ctx: Context, alloc: Allocation) -> bool:
-    """Each prewarm hook once per descriptor size (largest first) when ``per_size``,
-    else once; False (the phase is skipped) when the plan declares none."""
-    if not ctx.plan.prewarm:
-        return False
+def prewarm(ctx: Context, alloc: Allocation):
+    """The JIT registry's specializations and the plan's prewarm hooks, on every device's
+    capture stream; the registry's ``PrewarmReport``, or False (skipped) when there was
+    nothing to prewarm.
+
+    JIT kernels (``graphflow.jit``): every specialization warmup launched, and those the
+    segments' declared ``kernels`` give for the descriptor sizes, compiled and launched
+    once per device. Hooks: once per descriptor size (largest first) when ``per_size``,
+    else once, on each device in turn (a module loads per device).
+    """
+    from graphflow.jit import registry
+
+    streams = capture_streams(ctx, alloc)
     sizes = sorted({d.size for d in ctx.descriptors}, reverse=True)
-    stream = next(iter(alloc.streams.values()), None)
+    with ctx.locus.segment("prewarm JIT kernels"):
+        report = registry.prewarm(streams, sizes=sizes, declared={s.name: s.kernels for s in ctx.segments})
     for hook in ctx.plan.prewarm:
         fn = alloc.hooks[hook.name]
         with ctx.locus.segment(f"prewarm {hook.name}"):
-            with ctx.backend.on_stream(stream) if stream is not None else contextlib.nullcontext():
-                for size in sizes if hook.per_size else (None,):
-                    fn(size) if size is not None else fn()
+            for stream in streams.values() or (None,):
+                with ctx.backend.on_stream(stream) if stream is not None else contextlib.nullcontext():
+                    for size in sizes if hook.per_size else (None,):
+                        fn(size) if size is not None else fn()
     alloc.synchronize(ctx)
-    return True
+    return report if report.entries or ctx.plan.prewarm else False
 
+
+def capture_streams(ctx: Context, alloc: Allocation) -> dict:
+    """Each device's capture stream: the stream of its first graph segment."""
+    streams: dict = {}
+    for segment in ctx.segments:
+        if segment.is_graph:
+            streams.setdefault(alloc.device_of(ctx, segment), alloc.streams[segment.name])
+    return streams

@@ -11,6 +11,7 @@ import attrs
 __all__ = ["DSV4Config"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_RMS_KERNELS = ("cute", "triton", "torch")  # kernels.BACKENDS (config imports no torch)
 
 
 def _positive(instance, attribute, value) -> None:
@@ -46,6 +47,8 @@ class DSV4Config:
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
     dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(_DTYPES))
+    # The RMSNorm kernel on CUDA (kernels.py): CuTe DSL, Triton or PyTorch's.
+    rms_kernel: str = attrs.field(default="triton", validator=attrs.validators.in_(_RMS_KERNELS))
     seed: int = 0
 
     def __attrs_post_init__(self) -> None:

@@ -40,8 +40,10 @@ class HyperConnection(nn.Module):
     """The mixing around one block: gates and residual-mix logits, the Sinkhorn-normalized
     residual mix, pre-mix (streams → block input), post-mix."""
 
-    def __init__(self, hidden: int, streams: int, sinkhorn_iters: int, eps: float, source: WeightSource):
+    def __init__(self, hidden: int, streams: int, sinkhorn_iters: int, eps: float, source: WeightSource,
+                 rms_kernel: str = "triton"):
         super().__init__()
+        self.rms_kernel = rms_kernel
         self.streams = streams
         self.sinkhorn_iters = sinkhorn_iters
         self.eps = eps
@@ -62,7 +64,7 @@ class HyperConnection(nn.Module):
         chain goes on with the block (docs/dsv4.md).
         """
         n = self.streams
-        flat = rms_norm(x.flatten(1), self.norm, self.eps)
+        flat = rms_norm(x.flatten(1), self.norm, self.eps, self.rms_kernel)
         logits = torch.addmm(self.bias, flat, self.proj)  # [B, 2n + n*n]
         gates = torch.sigmoid(logits[:, : 2 * n])
         return gates[:, :n], 2.0 * gates[:, n:], logits[:, 2 * n:].reshape(-1, n, n)

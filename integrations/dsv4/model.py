@@ -40,13 +40,13 @@ import graphflow
 from graphflow.errors import PlanError
 from graphflow.integrations.dsv4.attention import Compressor, PagedLayout, eager_attention, static_attention
 from graphflow.integrations.dsv4.config import DSV4Config
-from graphflow.integrations.dsv4.kernels import rms_norm
+from graphflow.integrations.dsv4.kernels import cute_available, jit_kernel, rms_norm
 from graphflow.integrations.dsv4.mhc import HyperConnection
 from graphflow.integrations.dsv4.moe import MoE, SharedExpert
 from graphflow.integrations.dsv4.rope import apply_rope, rope_table
 from graphflow.integrations.dsv4.weights import WeightSource
 
-__all__ = ["DSV4Model", "DecoderLayer", "build_model", "check_plan", "check_shapes", "expected_shapes"]
+__all__ = ["DSV4Model", "DecoderLayer", "build_model", "check_plan", "check_rms_kernel", "check_shapes", "expected_shapes"]
 
 #: The device the plans name; the engine places the buffers there.
 _DEVICE = "cuda:0"
@@ -85,13 +85,15 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.config = config
         self.layout = layout
-        self.attn_mix = HyperConnection(d, config.hc_streams, config.sinkhorn_iters, config.norm_eps, source)
+        self.attn_mix = HyperConnection(d, config.hc_streams, config.sinkhorn_iters, config.norm_eps, source,
+                                        config.rms_kernel)
         self.attn_norm = source.ones(d)
         # q for every head and the new token's latent in one projection: [d, (H + 1) * kv_dim].
         self.qkv = source.normal(d, (config.n_heads + 1) * config.kv_dim)
         self.compressor = Compressor(config, source)
         self.out = source.normal(config.n_heads * config.kv_dim, d)
-        self.ffn_mix = HyperConnection(d, config.hc_streams, config.sinkhorn_iters, config.norm_eps, source)
+        self.ffn_mix = HyperConnection(d, config.hc_streams, config.sinkhorn_iters, config.norm_eps, source,
+                                       config.rms_kernel)
         self.ffn_norm = source.ones(d)
         self.moe = MoE(config, source)
         self.shared = SharedExpert(config, source)
@@ -107,7 +109,7 @@ class DecoderLayer(nn.Module):
         c = self.config
         heads = q.shape[1]
         h_pre, h_post, logits = self.attn_mix.gates(x)
-        h = rms_norm(HyperConnection.pre(x, h_pre), self.attn_norm, c.norm_eps)
+        h = rms_norm(HyperConnection.pre(x, h_pre), self.attn_norm, c.norm_eps, c.rms_kernel)
         qkv = torch.matmul(h, self.qkv).view(-1, heads + 1, c.kv_dim)
         qkv[..., : c.rope_dim] = apply_rope(qkv[..., : c.rope_dim], rope)
         q.copy_(qkv[:, :heads])
@@ -149,7 +151,7 @@ class DecoderLayer(nn.Module):
         """The attention output attn [B, d] mixed into x; then the FFN's gates, pre-mix and norm."""
         x.copy_(HyperConnection.post(x, attn, post_mix, res_mix))
         h_pre, h_post, logits = self.ffn_mix.gates(x)
-        h.copy_(rms_norm(HyperConnection.pre(x, h_pre), self.ffn_norm, self.config.norm_eps))
+        h.copy_(rms_norm(HyperConnection.pre(x, h_pre), self.ffn_norm, self.config.norm_eps, self.config.rms_kernel))
         ffn_post.copy_(h_post)
         ffn_logits.copy_(logits)
 
@@ -240,7 +242,7 @@ class DSV4Model(nn.Module):
         """x [B, n, d] → logits [B, vocab] (float32)."""
         c = self.config
         h = torch.matmul(self.head_mix, x)  # [B, d]
-        logits.copy_(torch.matmul(rms_norm(h, self.final_norm, c.norm_eps), self.lm_head))
+        logits.copy_(torch.matmul(rms_norm(h, self.final_norm, c.norm_eps, c.rms_kernel), self.lm_head))
 
 
 def decode_step(model, bufs, *, static: bool) -> None:
@@ -340,4 +342,17 @@ def build_model(*, device: str | torch.device = "cpu", plan=None, rank: int = 0,
     config = DSV4Config(**model_args)
     if plan is not None:
         check_plan(config, plan)
+    check_rms_kernel(config, torch.device(device))
     return DSV4Model(config, torch.device(device))
+
+
+def check_rms_kernel(config: DSV4Config, device: torch.device) -> None:
+    """Refuse a CUDA model whose plan asks for the CuTe DSL RMSNorm where it is not installed;
+    else register the plan's JIT kernel now, so a pipeline sees it in graphflow.jit.registry
+    from its first event (kernels otherwise register at their first call)."""
+    if device.type != "cuda" or config.rms_kernel == "torch":
+        return
+    if config.rms_kernel == "cute" and not cute_available():
+        raise ValueError("model_args rms_kernel: cute needs nvidia-cutlass-dsl (pip install 'graphflow[cutedsl]'); "
+                         "install it, or set rms_kernel: triton or torch")
+    jit_kernel(config.rms_kernel)

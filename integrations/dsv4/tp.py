@@ -33,7 +33,8 @@ from torch import nn
 
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.mhc import HyperConnection
-from graphflow.integrations.dsv4.model import DecoderLayer, DSV4Model, check_shapes, decode_step, expected_shapes
+from graphflow.integrations.dsv4.model import (DecoderLayer, DSV4Model, check_rms_kernel, check_shapes, decode_step,
+                                              expected_shapes)
 from graphflow.integrations.dsv4.moe import count_experts, dense, gathered, swiglu, uses_gather
 
 __all__ = ["TPDecoderLayer", "TPModel", "Shard", "build_tp_model", "tp_shapes"]
@@ -216,4 +217,5 @@ def build_tp_model(*, device: str | torch.device = "cpu", plan=None, rank: int =
     else:
         raise ValueError(f"the tensor-parallel dsv4 model on {world_size} ranks needs channel {TP_CHANNEL!r}: "
                          "declare it in the plan and pass the channel runtime's handles")
+    check_rms_kernel(config, torch.device(device))
     return TPModel(DSV4Model(config, torch.device(device)), rank, world_size, tp)

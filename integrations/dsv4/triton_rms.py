@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm"]
+__all__ = ["launch", "specialize"]
 
 
 @triton.jit
@@ -20,12 +20,23 @@ def _rms_norm_rows(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * n + offsets, (x * scale * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., n] (contiguous, on CUDA) → a new tensor of x's shape and dtype."""
-    n = x.shape[-1]
-    y = torch.empty_like(x)
+def _config(n: int) -> tuple[int, int]:
     block = triton.next_power_of_2(n)
     # Enough warps that each thread holds at most 16 of the row's elements.
-    warps = min(16, max(4, block // (32 * 16)))
-    _rms_norm_rows[(x.numel() // n,)](x, weight, y, n, eps, BLOCK=block, num_warps=warps)
-    return y
+    return block, min(16, max(4, block // (32 * 16)))
+
+
+def specialize(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> dict:
+    """What Triton compiles this launch for: dtypes, the block and warps, 16-byte
+    alignment of the pointers and divisibility of ``n`` by 16 (Triton's own keys)."""
+    block, warps = _config(x.shape[-1])
+    return {"dtype": str(x.dtype).removeprefix("torch."), "block": block, "warps": warps,
+            "aligned16": all(t.data_ptr() % 16 == 0 for t in (x, weight, out)),
+            "n16": x.shape[-1] % 16 == 0, "n1": x.shape[-1] == 1}
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """x [..., n] (contiguous, on CUDA) normalized into ``out`` of x's shape and dtype."""
+    n = x.shape[-1]
+    block, warps = _config(n)
+    _rms_norm_rows[(x.numel() // n,)](x, weight, out, n, eps, BLOCK=block, num_warps=warps)

@@ -1,4 +1,5 @@
-"""The dsv4 model's Triton RMSNorm against PyTorch's, eagerly and inside a CUDA graph."""
+"""The dsv4 model's Triton RMSNorm against PyTorch's, eagerly and inside a CUDA graph (and
+the CuTe DSL one captured the same way; tests/cuda/test_cuda_jit.py checks its values)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphflow.integrations.dsv4.kernels import MAX_ROW, rms_norm, uses_triton
+from graphflow.integrations.dsv4.kernels import MAX_ROW, cute_available, rms_norm, uses_triton
 
 pytestmark = pytest.mark.cuda
 pytest.importorskip("triton")
@@ -35,19 +36,22 @@ def test_rows_past_the_register_limit_and_strided_inputs_use_pytorch():
                        F.rms_norm(strided, (8,), torch.ones(8, device="cuda"), 1e-6))
 
 
-def test_a_captured_rms_norm_replays_what_it_computes_eagerly():
+@pytest.mark.parametrize("backend", ["triton", "cute"])
+def test_a_captured_rms_norm_replays_what_it_computes_eagerly(backend):
+    if backend == "cute" and not cute_available():
+        pytest.skip("nvidia-cutlass-dsl is not installed")
     x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(x)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        out.copy_(rms_norm(x, weight, 1e-6))  # compiles here, outside the capture
+        out.copy_(rms_norm(x, weight, 1e-6, backend))  # compiles here, outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     eager = out.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        out.copy_(rms_norm(x, weight, 1e-6))
+        out.copy_(rms_norm(x, weight, 1e-6, backend))
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -56,4 +60,4 @@ def test_a_captured_rms_norm_replays_what_it_computes_eagerly():
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.equal(out, eager)
-    assert torch.equal(out, rms_norm(x, weight, 1e-6))
+    assert torch.equal(out, rms_norm(x, weight, 1e-6, backend))
