@@ -184,8 +184,8 @@ class TestShowText:
         assert "  target#1: L0.post, L1.pre\n" in out
         assert "  tp_ar: all_reduce group=tp id=1 warmup=real, used by 4 segments" in out
         # per batch row: x 2048 + 4 x (q 2048 + kv 4096 + o 2048) + logits 128000 = 162816 bytes
-        assert "total static memory at B=32: 5.0 MiB (5,210,112 bytes)" in out
-        assert "total static memory at B=1: 159.0 KiB (162,816 bytes)" in out
+        assert "static memory, allocated once at B=32 (capacities included): 5.0 MiB (5,210,112 bytes)" in out
+        assert re.search(r"^logits +1 +\[B, 32000\] .* 125\.0 KiB +3\.9 MiB$", out, re.M)  # B=1, allocated
 
     def test_buffer_rows(self, plans, capsys):
         main(["show", "clean.yaml"])
@@ -212,7 +212,7 @@ class TestShowText:
     def test_text_to_a_file(self, plans, capsys):
         assert main(["show", "clean.yaml", "-o", "summary.txt"]) == 0
         assert capsys.readouterr().out == ""
-        assert "total static memory at B=32" in (plans / "summary.txt").read_text()
+        assert "static memory, allocated once at B=32" in (plans / "summary.txt").read_text()
 
     def test_unreadable_plan_exits_2(self, plans, capsys):
         assert main(["show", "unreadable.yaml"]) == 2

@@ -182,8 +182,10 @@ class TestReport:
             "segments:\n  - {name: a, kind: graph, call: a, reads: [x], writes: [y]}\n"
             "capture:\n  modes: [PIECEWISE]\n  sizes: B\n"
         )
-        [d] = validate(loads_plan(text, file="tiny.yaml")).diagnostics
-        assert str(d) == "tiny.yaml:10: GF401 error segment a: graph segment a has no stream — add `stream: s0`"
+        unused, missing = validate(loads_plan(text, file="tiny.yaml")).diagnostics  # sorted by line
+        assert str(unused) == "tiny.yaml:5: GF404 warning stream s0: stream s0 is used by no segment — name it in a " \
+                              "segment's stream, or remove it"
+        assert str(missing) == "tiny.yaml:10: GF401 error segment a: graph segment a has no stream — add `stream: s0`"
 
 
 # -- structure ---------------------------------------------------------------------------------
@@ -254,18 +256,11 @@ class TestCycle:
 
 
 class TestBadShape:
-    @pytest.mark.parametrize(
-        ("shape", "fragment"),
-        [
-            (("B", "H"), "dimension 1 ('H') uses unknown symbol H"),
-            (("B", 0), "dimension 1 is 0"),
-            (("B", "2+B"), "dimension 1 ('2+B') is not an int, a symbol or a product"),
-            (("B", 1.5), "dimension 1 (1.5) is not an int or a symbol"),
-        ],
-    )
-    def test_flags_a_bad_dimension(self, shape, fragment):
-        d = only(replace_buffer(base(), "q0", shape=shape), "GF106")
-        assert d.element == "buffer q0" and fragment in d.message
+    def test_flags_an_unknown_symbol(self):
+        d = only(replace_buffer(base(), "q0", shape=("B", "2*H")), "GF106")
+        assert d.element == "buffer q0"
+        assert d.message == "buffer 'q0' shape ['B', '2*H']: dimension 1 ('2*H') uses unknown symbol H"
+        assert d.fix == "declare it under symbols, or use a declared symbol (B)"
 
     def test_declared_symbols_and_products_pass(self):
         plan = attrs.evolve(replace_buffer(base(), "q0", shape=("2*B", "H")), symbols={"H": 8})
@@ -323,25 +318,13 @@ class TestAfterOrder:
         assert validate(plan).diagnostics == ()
 
 
-class TestUnknownDtype:
-    def test_flags_an_unknown_dtype(self):
-        d = only(replace_buffer(base(), "q0", dtype="bf16"), "GF111")
-        assert d.element == "buffer q0" and d.message == "buffer 'q0' has unknown dtype 'bf16'"
-
-    def test_known_dtype_passes(self):
-        assert found(replace_buffer(base(), "q0", dtype="float8_e4m3fn"), "GF111") == []
-
-
-class TestBadDevice:
-    def test_flags_a_bare_cuda_device(self):
-        d = only(replace_segment(base(), "head", device="cuda"), "GF112")
-        assert d.element == "segment head" and "has device 'cuda'" in d.message
-
+class TestStreamOnTheCpu:
     def test_flags_a_stream_on_the_cpu(self):
         plan = attrs.evolve(base(), streams=[Stream("s0", "cpu")])
-        assert only(plan, "GF112").element == "stream s0"
+        d = only(plan, "GF112")
+        assert (d.element, d.message) == ("stream s0", "stream s0 has device 'cpu'")
 
-    def test_indexed_device_passes(self):
+    def test_a_stream_on_a_gpu_passes(self):
         assert validate(replace_segment(base(), "head", device="cuda:0")).diagnostics == ()
 
 
@@ -352,9 +335,6 @@ class TestBadRanks:
 
     def test_flags_an_empty_rank_list(self):
         assert "runs on no rank" in only(replace_segment(base(), "head", ranks=[]), "GF113").message
-
-    def test_flags_a_world_size_below_one(self):
-        assert only(base(world_size=0), "GF113").element == "plan"
 
     def test_ranks_inside_the_world_pass(self):
         assert found(replace_segment(base(), "head", ranks=[0, 1]), "GF113") == []
@@ -461,11 +441,6 @@ class TestBadAlias:
 
 
 class TestUncoveredShapes:
-    def test_flags_a_dimension_that_evaluates_to_zero(self):
-        plan = attrs.evolve(replace_buffer(base(), "q0", shape=("B", "H")), symbols={"H": 0})
-        d = only(plan, "GF301")
-        assert d.element == "buffer q0" and d.message == "buffer 'q0' at B=1: dimension 1 ('H') = 0"
-
     def test_flags_a_capacity_on_a_symbol_the_shape_does_not_use(self):
         plan = replace_buffer(base(), "q0", shape=(4, 64), capacity={"B": 8})
         assert "caps 'B' but its shape [4, 64] does not use it" in only(plan, "GF301").message
@@ -546,7 +521,8 @@ class TestRegionDevices:
         plan = two_gpu_plan(copy=True)
         plan = replace_segment(plan, "L0.out", device=None, stream="s0", writes=["h0"])
         plan = replace_segment(plan, "copy", reads=["h0"])
-        plan = attrs.evolve(plan, buffers=[*plan.buffers, buf("h0")])
+        # h0 replaces h1 as the copy's source, and this step has no head writing logits
+        plan = attrs.evolve(plan, buffers=[*(b for b in plan.buffers if b.name not in ("h1", "logits")), buf("h0")])
         assert [d.code for d in validate(plan).diagnostics] == []
 
 
@@ -749,21 +725,7 @@ class TestMissingDescriptors:
     def test_flags_empty_sizes(self):
         assert only(replace_capture(base(), sizes=[]), "GF605").message == "capture.sizes is empty"
 
-    def test_flags_a_non_positive_size(self):
-        d = only(replace_capture(base(), sizes=[0, 1]), "GF605")
-        assert d.message == "capture.sizes has 0, not positive integers"
-
     def test_positive_sizes_pass(self):
         assert found(base(), "GF605") == []
 
 
-class TestBadCaptureSettings:
-    def test_flags_zero_warmup(self):
-        d = only(replace_capture(base(), warmup_iters=0), "GF606")
-        assert (d.element, d.message) == ("capture", "capture.warmup_iters is 0")
-
-    def test_flags_a_negative_tolerance(self):
-        assert only(replace_capture(base(), atol=-1e-3), "GF606").message == "capture.verify atol is -0.001"
-
-    def test_defaults_pass(self):
-        assert found(base(), "GF606") == []
