@@ -53,7 +53,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from graphflow.engine import run_pipeline  # noqa: E402
+from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
 from graphflow.integrations.dsv4 import build_model  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
@@ -292,7 +292,7 @@ def _variant(path: pathlib.Path, args, sizes, layers: int):
 def _compile_child(args) -> int:
     """The torch.compile rows, in their own process (see the module docstring); writes args.compile_child."""
     sizes = tuple(int(s) for s in args.compile_sizes.split(","))
-    engine = run_pipeline(_variant(FULL_PLAN, args, sizes, args.compile_layers), backend=args.backend, verify=False)
+    engine = run_pipeline(_variant(FULL_PLAN, args, sizes, args.compile_layers), RunOptions(backend=args.backend, verify=False))
     device = engine.buffers.views(sizes[0])["tokens"].device
     config = engine.model.config
     rows = {}
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     for mode, plan in (("PIECEWISE", piecewise_plan), ("FULL", full_plan)):
         start = time.perf_counter()
-        _guard(engines, mode, lambda: run_pipeline(plan, backend=args.backend, model=model))
+        _guard(engines, mode, lambda: run_pipeline(plan, RunOptions(backend=args.backend), model=model))
         if mode in engines:
             result["modes"][mode] = {**_mode_summary(engines[mode]), "pipeline_s": time.perf_counter() - start}
         else:

@@ -39,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from graphflow.engine import run_pipeline  # noqa: E402
+from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.plan import (  # noqa: E402
     Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream,
@@ -257,11 +257,11 @@ def main() -> int:
         plan = make_plan(**shape, mode=mode, warmup_iters=args.warmup_iters)
         # Untimed first: cuBLAS and attention kernels, the detectors' imports, and verify's proof.
         try:
-            with run_pipeline(plan, backend="cuda", model=model) as engine:
+            with run_pipeline(plan, RunOptions(backend="cuda"), model=model) as engine:
                 results["verify"][mode.value] = all(r.bit_exact for r in engine.report.verify)
         except CaptureError as err:  # report what the detectors (or verify) said, then measure without them
             results.setdefault("errors", {})[mode.value] = str(err)
-            with run_pipeline(plan, backend="cuda", model=model, detectors=False) as engine:
+            with run_pipeline(plan, RunOptions(backend="cuda", detectors=False), model=model) as engine:
                 results["verify"][mode.value] = all(r.bit_exact for r in engine.report.verify)
         HandWritten(model, sizes, mode, args.heads, args.cache_len, args.warmup_iters).close()
 
@@ -275,7 +275,7 @@ def main() -> int:
             for key, options in (("graphflow", dict(verify=False, detectors=False)),
                                  ("graphflow_detectors", dict(verify=False, detectors="errors" not in results)),
                                  ("graphflow_verify", dict(verify=True, detectors=False))):
-                seconds, engine = timed(lambda: run_pipeline(plan, backend="cuda", model=model, **options))
+                seconds, engine = timed(lambda: run_pipeline(plan, RunOptions(backend="cuda", **options), model=model))
                 runs[key].append(seconds)
                 engine.close()
                 del engine
@@ -287,7 +287,7 @@ def main() -> int:
             "target": TARGETS["capture"], "graphflow_detectors_s": capture["graphflow_detectors"],
             "graphflow_verify_s": capture["graphflow_verify"]})
 
-        engine = run_pipeline(plan, backend="cuda", model=model, verify=False, detectors=False)
+        engine = run_pipeline(plan, RunOptions(backend="cuda", verify=False, detectors=False), model=model)
         hand = HandWritten(model, sizes, mode, args.heads, args.cache_len, args.warmup_iters)
         runner = Runner(engine)
         for size in sizes:

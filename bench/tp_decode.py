@@ -55,7 +55,7 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
     import torch.distributed as dist
 
     from graphflow.channels import ChannelRuntime
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
     from graphflow.integrations.dsv4.tp import tp_plan
     from graphflow.runtime import Runner
 
@@ -72,8 +72,7 @@ def rank_bench(ctx, model_args: dict, sizes: tuple[int, ...], steps: int, rounds
             runtimes.append(ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=False,
                                            namespace=f"bench-{mode}"))
             start = time.perf_counter()
-            engines[mode] = run_pipeline(plan, backend=backend, rank=ctx.rank, world_size=ctx.world_size,
-                                         channels=runtimes[-1], detectors=False)
+            engines[mode] = run_pipeline(plan, RunOptions(backend=backend, detectors=False), rank=ctx.rank, world_size=ctx.world_size, channels=runtimes[-1])
             row["capture_s"][mode] = time.perf_counter() - start
             row["verify_bit_exact"][mode] = all(v.bit_exact for v in engines[mode].report.verify)
         for size in sizes:

@@ -56,6 +56,9 @@ import torch
 import torch.distributed as dist
 
 from graphflow.barrier import DEFAULT_TIMEOUT_S, StoreBarrier
+from graphflow.engine.binding import resolve
+from graphflow.engine.locus import Where
+from graphflow.engine.rollback import UndoStack
 from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import Channel, ChannelKind, Mode, Plan, WarmupPolicy
@@ -66,7 +69,7 @@ __all__ = [
     "ChannelRegistry",
     "ChannelRuntime",
     "GroupBinding",
-    "Site",
+    "Scope",
     "new_group_factory",
     "world_group_factory",
 ]
@@ -195,25 +198,25 @@ class ChannelRegistry:
 
 
 @attrs.frozen
-class Site:
-    """Where the pipeline is: phase, descriptor and capture region (None outside one)."""
+class Scope:
+    """The ranks that must agree on a channel's calls: a group's members.
 
-    phase: Phase | None = None
-    descriptor: Any = None
-    region: str | None = None
+    Groups with the same members share one scope (and one barrier sequence), so a rank
+    calling a collective on one while another rank calls on the other, or reaches a
+    phase boundary, is a disagreement at once, not a timeout. ``key`` names it in the
+    trace log and the barrier namespace.
+    """
+
+    members: tuple[int, ...] = attrs.field(converter=lambda m: tuple(sorted(m)))
+    world: bool = False
+
+    @property
+    def key(self) -> str:
+        return _WORLD if self.world else "ranks:" + "-".join(map(str, self.members))
 
 
-@attrs.define
-class _Site:
-    """Where the pipeline is, as the runtime learned it from events (never from globals)."""
-
-    active: bool = False
-    phase: Phase | None = None
-    descriptor: Any = None
-    region: str | None = None
-    region_segments: tuple[str, ...] = ()
-    segment: str | None = None  # named by the engine's SEGMENT_BEGIN, until its SEGMENT_END
-    failed: bool = False
+#: Where a runtime is when no pipeline runs.
+_NOWHERE = Where()
 
 
 class ChannelHandle:
@@ -402,7 +405,8 @@ class ChannelRuntime:
         self.tracer: Tracer | None = tracer or None
         self.log = TraceLog(rank, self.tracer)
         self._store = store
-        self._site = _Site()
+        self._locus = None  # the running pipeline's (``Event.locus``); None between pipelines
+        self._failed = False
         self._pipelines = 0
         self._barriers: dict[str, StoreBarrier] = {}
         self._release_ids: Callable[[], None] | None = None
@@ -414,6 +418,7 @@ class ChannelRuntime:
         self.handles: dict[str, ChannelHandle] = {}
         self._users = {c.name: tuple(s.name for s in plan.segments if c.name in s.channels) for c in plan.channels}
         self._regions = {(m, r.name): r.segments for m in plan.capture.modes for r in plan.regions(m)}
+        self._world = Scope(range(world_size), world=True)
         for channel in plan.channels:
             if channel.family not in self.families:
                 continue
@@ -428,33 +433,32 @@ class ChannelRuntime:
 
     # -- what handles ask -------------------------------------------------------------
     @property
+    def active(self) -> bool:
+        """Whether a pipeline is running (between its PIPELINE_BEGIN and END or ROLLBACK)."""
+        return self._locus is not None
+
+    @property
     def recording(self) -> bool:
-        return self._site.active or self.tracer is not None
+        return self.active or self.tracer is not None
 
     @property
     def agreeing(self) -> bool:
-        return self._site.active and self._site.phase in self.agree_phases
+        return self.active and self._locus.here.phase in self.agree_phases
 
-    def scope_for(self, binding: GroupBinding) -> str:
-        """The agreement scope of a group: ranks agree within the set of ranks that communicate.
-
-        Groups with the same members share one scope (and one barrier sequence), so a
-        rank calling a collective on one while another rank calls on the other, or
-        reaches a phase boundary, is a disagreement at once, not a timeout.
-        """
+    def scope_for(self, binding: GroupBinding) -> Scope:
+        """The agreement scope of a group: ranks agree within the set of ranks that communicate."""
         if set(binding.members) == set(range(self.world_size)):
-            return _WORLD
-        return "ranks:" + "-".join(str(r) for r in sorted(binding.members))
+            return Scope(binding.members, world=True)
+        return Scope(binding.members)
 
     @property
-    def site(self) -> Site:
-        """Where the pipeline is now, as this runtime learned it from events."""
-        s = self._site
-        return Site(s.phase, s.descriptor, s.region)
+    def site(self) -> Where:
+        """Where the running pipeline is (the engine's own locus); nowhere between pipelines."""
+        return self._locus.here if self._locus is not None else _NOWHERE
 
     def path_for(self, channel: Channel) -> CallPath:
-        site = self._site
-        if not site.active or site.phase in (None, Phase.ALLOCATE, Phase.VERIFY, Phase.COMMIT, Phase.ROLLBACK):
+        site = self.site
+        if not self.active or site.phase in (None, Phase.ALLOCATE, Phase.VERIFY, Phase.COMMIT, Phase.ROLLBACK):
             return CallPath.OUTSIDE_CAPTURE
         if site.phase is Phase.PREWARM:
             raise CaptureError(
@@ -486,27 +490,29 @@ class ChannelRuntime:
             )
         hook = self.plan.hook(channel.prewarm)
         if hook is None:  # the name is itself a call path on the model, given the input
-            return _attribute_path(self._model, channel.prewarm)
-        fn = _attribute_path(self._model, hook.call)
+            return resolve(self._model, channel.prewarm, kind="channel", name=channel.name, plan=self.plan)
+        fn = resolve(self._model, hook.call, kind="prewarm", name=hook.name, plan=self.plan)
         if not hook.per_size:
             return lambda tensor: fn()
         # A plan hook keeps its declared convention: called with the descriptor's batch size.
-        return lambda tensor: fn(getattr(self._site.descriptor, "size", tensor.shape[0]))
+        return lambda tensor: fn(getattr(self.site.descriptor, "size", tensor.shape[0]))
 
     def segment_for(self, channel: Channel) -> str | None:
-        """The running segment: the one the engine's ``SEGMENT_BEGIN`` named. Without
-        segment events (a driver of its own), the plan's answer: the only segment (in the
-        current region, if any) that uses this channel; None when several could be calling."""
-        if self._site.segment is not None:
-            return self._site.segment
+        """The running segment, as the engine's locus names it. Where the engine runs no
+        segment block (a region replayed as one call), the plan's answer: the only segment
+        (of the current region, if any) that uses this channel; None when several could."""
+        site = self.site
+        if site.segment is not None:
+            return site.segment
         users = self._users.get(channel.name, ())
-        if self._site.region_segments:
-            users = tuple(s for s in users if s in self._site.region_segments)
+        region = self._region_segments(site)
+        if region:
+            users = tuple(s for s in users if s in region)
         return users[0] if len(users) == 1 else None
 
     def record_call(self, handle: ChannelHandle, kind: ChannelKind, tensor: torch.Tensor, path: CallPath,
                     capturing: bool, p2p) -> dict:
-        site, channel = self._site, handle.channel
+        site, channel = self.site, handle.channel
         fields = {
             "event": "collective", "op": kind.value if p2p is None else p2p[0],
             "phase": site.phase.value if site.phase else None, "descriptor": _text(site.descriptor),
@@ -517,62 +523,47 @@ class ChannelRuntime:
         }
         if p2p is not None:
             fields["peer"] = p2p[1]
-        return self.log.record(fields, (handle.scope,) if site.active else ())  # hashes matter only in a pipeline
+        # Hashes matter only in a pipeline.
+        return self.log.record(fields, (handle.scope.key,) if self.active else ())
 
-    def agree(self, scope: str, label: str, event: dict) -> None:
-        site = self._site
-        self._barrier(scope).arrive(label, self.log.state(scope), phase=_value(site.phase),
+    def agree(self, scope: Scope, label: str, event: dict) -> None:
+        site = self.site
+        self._barrier(scope).arrive(label, self.log.state(scope.key), phase=_value(site.phase),
                                     descriptor=site.descriptor, segment=event.get("segment"))
 
     # -- the listener ------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
-        site = self._site
         kind = event.kind
         if kind is EventKind.SEGMENT_BEGIN or kind is EventKind.SEGMENT_END:
-            # Only where the pipeline is: no trace event and no barrier per segment call.
-            site.segment = event.segment if kind is EventKind.SEGMENT_BEGIN else None
-            return
+            return  # the locus names the running segment: no trace event, no barrier per call
         if kind is EventKind.PIPELINE_BEGIN:
-            site = self._begin(event)
-        elif kind is EventKind.PHASE_BEGIN:
-            site.phase, site.descriptor, site.region = event.phase, None, None
-        elif kind is EventKind.DESCRIPTOR_BEGIN:
-            site.descriptor, site.region = event.descriptor, None
-        elif kind is EventKind.REGION_BEGIN:
-            site.region = event.region
-            site.region_segments = self._region_segments(event)
-        if not site.active:
+            self._begin(event)
+        if not self.active:
             return
-        record = self.log.record({"event": kind.value, "phase": _value(event.phase or site.phase),
-                                  "descriptor": _text(event.descriptor or site.descriptor), "region": event.region})
+        record = self.log.record({"event": kind.value, "phase": _value(event.phase),
+                                  "descriptor": _text(event.descriptor), "region": event.region})
         if kind is EventKind.PHASE_END and event.phase in (Phase.WARMUP, Phase.CAPTURE):
             self.registry.check_isolation()
-        if kind is EventKind.REGION_END:
-            site.region, site.region_segments = None, ()
-        elif kind is EventKind.DESCRIPTOR_END:
-            site.descriptor = None
         if event.error is not None or kind is EventKind.ROLLBACK:
             self._abandon(event.error or "rolled back")
         elif kind not in (EventKind.REGION_BEGIN, EventKind.REGION_END):
             if self.tracer is not None:  # on disk before waiting: a rank killed in a hang leaves its trace
                 self.tracer.flush()
-            self._barrier(_WORLD).arrive(f"{kind.value} {record['phase']} {record['descriptor']}",
-                                         self.log.state(_WORLD), phase=record["phase"], descriptor=event.descriptor)
+            self._barrier(self._world).arrive(f"{kind.value} {record['phase']} {record['descriptor']}",
+                                              self.log.state(_WORLD), phase=record["phase"],
+                                              descriptor=event.descriptor)
         if kind in (EventKind.PIPELINE_END, EventKind.ROLLBACK):
             self._end()
-        elif kind is EventKind.PHASE_END:
-            site.phase = None
 
-    def _begin(self, event: Event) -> _Site:
+    def _begin(self, event: Event) -> None:
         self._pipelines += 1
-        self._site = _Site(active=True)
+        self._locus = event.locus
+        self._failed = False
         self._barriers = {}
         self.fast = False
-        release = self.registry.take(self.handles.values())
-        self._release_ids = release
+        self._release_ids = self.registry.take(self.handles.values())
         if event.defer is not None:
             event.defer("release channel ids", self._rollback_ids)
-        return self._site
 
     def _rollback_ids(self) -> None:
         if self._release_ids is not None:
@@ -580,31 +571,27 @@ class ChannelRuntime:
             self._release_ids = None
 
     def _end(self) -> None:
-        self._site = _Site()
+        self._locus = None
         self.fast = self.tracer is None
         if self.tracer is not None:
             self.tracer.flush()
 
     def _abandon(self, reason: str) -> None:
         """Tell every scope this rank agrees in, used yet or not, that it will not arrive again."""
-        if self._site.failed:
+        if self._failed:
             return
-        self._site.failed = True
-        for scope in dict.fromkeys((_WORLD, *(h.scope for h in self.handles.values()))):
-            self._barrier(scope).abandon(reason, self.log.state(scope))
+        self._failed = True
+        for scope in dict.fromkeys((self._world, *(h.scope for h in self.handles.values()))):
+            self._barrier(scope).abandon(reason, self.log.state(scope.key))
         if self.tracer is not None:
             self.tracer.flush()
 
-    def _barrier(self, scope: str) -> StoreBarrier:
+    def _barrier(self, scope: Scope) -> StoreBarrier:
         barrier = self._barriers.get(scope)
         if barrier is None:
-            if scope == _WORLD:
-                members = tuple(range(self.world_size))
-            else:
-                members = tuple(int(r) for r in scope.removeprefix("ranks:").split("-"))
             barrier = self._barriers[scope] = StoreBarrier(
-                self._resolve_store(len(members)), self.rank, members, timeout_s=self.timeout_s,
-                namespace=f"{self.namespace}/{self._pipelines}/{scope}")
+                self._resolve_store(len(scope.members)), self.rank, scope.members, timeout_s=self.timeout_s,
+                namespace=f"{self.namespace}/{self._pipelines}/{scope.key}")
         return barrier
 
     def _resolve_store(self, members: int):
@@ -615,36 +602,38 @@ class ChannelRuntime:
             self._store = dist.distributed_c10d._get_default_store()
         return self._store
 
-    def _region_segments(self, event: Event) -> tuple[str, ...]:
-        mode = getattr(event.descriptor, "mode", None)
+    def _region_segments(self, site: Where) -> tuple[str, ...]:
+        if site.region is None:
+            return ()
+        mode = getattr(site.descriptor, "mode", None)
         for m in (mode,) if isinstance(mode, Mode) else tuple(Mode):
-            found = self._regions.get((m, event.region))
+            found = self._regions.get((m, site.region))
             if found is not None:
                 return found
-        return (event.region,) if self.plan.segment(event.region or "") is not None else ()
+        return ()
 
     # -- teardown ----------------------------------------------------------------------
     def close(self) -> None:
         """Close handles, then release ids, then destroy owned groups, then the trace.
 
-        Every step runs; the failures are raised together as one ExceptionGroup.
+        Every step runs; the failures are raised together (``UndoError``, each noted
+        with the step that raised it).
         """
-        steps: list[tuple[str, Callable[[], None]]] = [
-            (f"close channel {name}", handle.close) for name, handle in self.handles.items()]
-        steps.append(("release channel ids", self._rollback_ids))
-        steps.extend((f"destroy group {b.name}", b.destroy) for b in self._bindings.values() if b.destroy)
+        steps = UndoStack()  # last in, first out: pushed in the reverse of the order they run
         if self.tracer is not None:
-            steps.append(("close trace", self.tracer.close))
-        errors = []
-        for label, step in steps:
-            try:
-                step()
-            except Exception as e:  # every step runs; all failures are reported together
-                e.add_note(f"graphflow: during channel teardown step {label!r}")
-                errors.append(e)
+            steps.push("close trace", self.tracer.close)
+        for binding in reversed(self._bindings.values()):
+            if binding.destroy:
+                steps.push(f"destroy group {binding.name}", binding.destroy)
+        steps.push("release channel ids", self._rollback_ids)
+        for name, handle in reversed(self.handles.items()):
+            steps.push(f"close channel {name}", handle.close)
+        count = len(steps)
+        failures = steps.unwind()
         self.fast = False  # closed handles take the slow path, which refuses the call
-        if errors:
-            raise ExceptionGroup(f"channel teardown: {len(errors)} of {len(steps)} steps failed", errors)
+        if failures is not None:
+            raise type(failures)(f"channel teardown: {len(failures.exceptions)} of {count} steps failed",
+                                 failures.exceptions)
 
 
 _METHODS = {
@@ -659,13 +648,6 @@ _WARMUP_PATH = {
     WarmupPolicy.PREPARE: CallPath.PREPARE,
     WarmupPolicy.PLACEHOLDER: CallPath.PLACEHOLDER,
 }
-
-
-def _attribute_path(root, path: str):
-    obj = root
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
 
 
 def _value(phase: Phase | None) -> str | None:

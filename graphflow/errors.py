@@ -6,8 +6,8 @@ element, phase or rank instead of parsing text.
 
 from __future__ import annotations
 
-__all__ = ["GraphflowError", "PlanError", "FieldError", "FieldTypeError", "FieldValueError", "CaptureError",
-           "DivergenceError"]
+__all__ = ["GraphflowError", "PlanError", "FieldError", "FieldTypeError", "FieldValueError", "InvalidPlanError",
+           "CaptureError", "DivergenceError"]
 
 
 class GraphflowError(Exception):
@@ -59,6 +59,20 @@ class FieldTypeError(FieldError, TypeError):
 
 class FieldValueError(FieldError, ValueError):
     """A field holds a value of the right type outside its range or choices."""
+
+
+class InvalidPlanError(GraphflowError, ValueError):
+    """A plan the validator rejects: refused before any model is built or GPU touched.
+
+    ``report`` is the ``graphflow.validate.Report`` with every diagnostic.
+    """
+
+    def __init__(self, report):
+        self.report = report
+        errors = report.errors
+        shown = "; ".join(str(d) for d in errors[:3]) + (f"; and {len(errors) - 3} more" if len(errors) > 3 else "")
+        super().__init__(f"plan {report.plan_name!r} has {len(errors)} validation error(s): {shown} — "
+                         "fix them before capture (graphflow validate lists them all)")
 
 
 class CaptureError(GraphflowError, RuntimeError):

@@ -54,7 +54,10 @@ class Event:
     ``index``/``total`` count descriptors within a phase (for progress);
     ``elapsed_s`` is seconds since the phase began; ``pool_bytes`` is the capture pool's
     size when known. ``defer`` registers an undo on the pipeline's rollback stack: a
-    listener that takes a resource at an event gives it back through it.
+    listener that takes a resource at an event gives it back through it. ``locus`` is
+    the pipeline's place (``graphflow.engine.locus.Locus``): a listener that needs to
+    know where the pipeline is between events (the channel runtime, inside a segment)
+    reads ``locus.here`` instead of keeping a copy.
     """
 
     kind: EventKind
@@ -69,6 +72,7 @@ class Event:
     pool_bytes: int | None = None
     error: str | None = None
     defer: Callable[[str, Callable[[], None]], None] | None = attrs.field(default=None, eq=False, repr=False)
+    locus: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 class Listener(Protocol):

@@ -138,19 +138,20 @@ def _outcome(fn) -> dict:
 
 
 def scenario_seed(rank: int, world: int, out: Path, policy: WarmupPolicy) -> dict:
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
 
     plan = family_plan(step_plan(policy, world_size=world), "target")
     # The legacy placeholder is what GF503 forbids: the reproduction turns that rule off.
-    report = validate(plan, disable={"GF503"} if policy is WarmupPolicy.PLACEHOLDER else ())
+    skip = {"GF503"} if policy is WarmupPolicy.PLACEHOLDER else set()
+    report = validate(plan, disable=skip)
     assert report.ok, report.diagnostics
     runtime = ChannelRuntime(plan, rank=rank, world_size=world, tracer=Tracer(out / f"seed-{policy.value}", rank),
                              namespace=f"seed-{policy.value}")
     model = Step(runtime.handles, rank, tp=LegacyAllReduce(runtime.handles["tp_ar"], runtime, rank))
 
     def run():
-        engine = run_pipeline(plan, backend="cpu", model=model, rank=rank, world_size=world, channels=runtime,
-                              detectors=False, verify=False)
+        engine = run_pipeline(plan, RunOptions(backend="cpu", detectors=False, verify=False, skip_rules=skip), model=model,
+                              rank=rank, world_size=world, channels=runtime)
         engine.close()
         return {"graphs": engine.report.graphs}
 
@@ -160,7 +161,7 @@ def scenario_seed(rank: int, world: int, out: Path, policy: WarmupPolicy) -> dic
 
 
 def scenario_families(rank: int, world: int, out: Path) -> dict:
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
 
     full = step_plan(WarmupPolicy.REAL, sizes=(1, 2), modes=(Mode.PIECEWISE,), world_size=world)
     registry = ChannelRegistry()
@@ -173,8 +174,7 @@ def scenario_families(rank: int, world: int, out: Path) -> dict:
         model = Step(runtime.handles, rank, fail_draft_capture_on=1)
 
         def run(plan=plan, model=model, runtime=runtime, family=family):
-            engines[family] = run_pipeline(plan, backend="cpu", model=model, rank=rank, world_size=world,
-                                           channels=runtime, detectors=False)
+            engines[family] = run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, rank=rank, world_size=world, channels=runtime)
 
         result = _outcome(run)
         if family == "draft":
@@ -214,7 +214,7 @@ class Layered(torch.nn.Module):
 def scenario_subgroups(rank: int, world: int, out: Path) -> dict:
     """``tp`` partitions ranks into [0, 1] and [2]: each partition sums its partials, then the world sums."""
     from graphflow.channels import new_group_factory
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
 
     plan = Plan(
         name="subgroups",
@@ -233,8 +233,7 @@ def scenario_subgroups(rank: int, world: int, out: Path) -> dict:
     runtime = ChannelRuntime(plan, rank=rank, world_size=world, tracer=Tracer(out / "subgroups", rank),
                              group_factory=new_group_factory(rank, layout, timeout_s=GROUP_TIMEOUT_S),
                              namespace="subgroups")
-    engine = run_pipeline(plan, backend="cpu", model=Layered(runtime.handles, rank), rank=rank, world_size=world,
-                          channels=runtime)
+    engine = run_pipeline(plan, RunOptions(backend="cpu"), model=Layered(runtime.handles, rank), rank=rank, world_size=world, channels=runtime)
     views = engine.buffers.views(2)
     views["x"].fill_(1.0)
     for call in engine.programs[Descriptor(Mode.PIECEWISE, 2)]:

@@ -8,6 +8,7 @@ policies are about.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -16,7 +17,8 @@ from graphflow.channels import ChannelRegistry, ChannelRuntime, GroupBinding
 from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
-                            Prewarm, Segment, SegmentKind, WarmupPolicy)
+                            Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
+from graphflow.engine.locus import Locus, Where
 from graphflow.trace import CallPath, Tracer, read_trace
 
 P = Descriptor(Mode.PIECEWISE, 2)
@@ -25,14 +27,16 @@ P = Descriptor(Mode.PIECEWISE, 2)
 def _plan(warmup=WarmupPolicy.REAL, kind=ChannelKind.ALL_REDUCE, prewarm=None, hooks=()):
     return Plan(
         name="ch",
-        buffers=[Buffer("x", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
-                 Buffer("y", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT),
-                 Buffer("dx", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
-                 Buffer("dy", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT)],
+        buffers=[Buffer("x", ("B", 4), "float32", "cuda:0", role=BufferRole.INPUT),
+                 Buffer("y", ("B", 4), "float32", "cuda:0", role=BufferRole.OUTPUT),
+                 Buffer("dx", ("B", 4), "float32", "cuda:0", role=BufferRole.INPUT),
+                 Buffer("dy", ("B", 4), "float32", "cuda:0", role=BufferRole.OUTPUT)],
+        streams=[Stream("s0", "cuda:0")],
         channels=[Channel("tp", kind, "tp", 1, "target", warmup, prewarm=prewarm),
                   Channel("dr", ChannelKind.ALL_REDUCE, "tp", 2, "draft")],
-        segments=[Segment("s", SegmentKind.GRAPH, "s", reads=["x"], writes=["y"], channels=["tp"]),
-                  Segment("d", SegmentKind.GRAPH, "d", reads=["dx"], writes=["dy"], channels=["dr"], family="draft")],
+        segments=[Segment("s", SegmentKind.GRAPH, "s", reads=["x"], writes=["y"], channels=["tp"], stream="s0"),
+                  Segment("d", SegmentKind.GRAPH, "d", reads=["dx"], writes=["dy"], channels=["dr"], family="draft",
+                          stream="s0")],
         families=[Family("target"), Family("draft")],
         prewarm=hooks,
         capture=CaptureSettings(modes=[Mode.PIECEWISE], sizes=[1, 2]),
@@ -60,14 +64,31 @@ class Wire:
 
 
 class Driver:
-    """Emits the engine's events to a listener and keeps its rollback stack."""
+    """Emits the engine's events to a listener, and keeps its rollback stack and its locus
+    (where the pipeline is, which the runtime reads between events) as the engine does."""
 
     def __init__(self, listener):
         self.listener = listener
         self.undos: list[tuple[str, object]] = []
+        self.locus = Locus()
 
     def emit(self, kind, **fields):
-        self.listener.on_event(Event(kind, defer=lambda label, fn: self.undos.append((label, fn)), **fields))
+        here = self.locus.here
+        if kind is EventKind.PHASE_BEGIN:
+            here = Where(fields["phase"])
+        elif kind is EventKind.DESCRIPTOR_BEGIN:
+            here = Where(here.phase, fields.get("descriptor"))
+        elif kind is EventKind.REGION_BEGIN:
+            here = attrs.evolve(here, region=fields.get("region"))
+        self.locus.here = here
+        self.listener.on_event(Event(kind, defer=lambda label, fn: self.undos.append((label, fn)), locus=self.locus,
+                                     **fields))
+        if kind is EventKind.REGION_END:
+            self.locus.here = attrs.evolve(here, region=None)
+        elif kind is EventKind.DESCRIPTOR_END:
+            self.locus.here = Where(here.phase)
+        elif kind is EventKind.PHASE_END:
+            self.locus.here = Where()
 
     def begin(self, phase):
         self.emit(EventKind.PHASE_BEGIN, phase=phase)
@@ -344,7 +365,7 @@ class TestTeardown:
         assert tuple(log) == self.STEPS
         assert info.value.message == "channel teardown: 1 of 5 steps failed"
         (error,) = info.value.exceptions
-        assert error.__notes__ == [f"graphflow: during channel teardown step {failing!r}"]
+        assert error.__notes__ == [f"while undoing: {failing}"]
         assert runtime.registry.taken == {}
 
 
@@ -364,11 +385,11 @@ class TestWithTheEngine:
             self.channels["dr"].all_reduce(dy)
 
     def test_pipeline_commits_with_one_trace_event_per_boundary_and_call(self, tmp_path):
-        from graphflow.engine import run_pipeline
+        from graphflow.engine import RunOptions, run_pipeline
 
         registry = ChannelRegistry()
         runtime = ChannelRuntime(_plan(), registry=registry, tracer=Tracer(tmp_path, 0))
-        engine = run_pipeline(runtime.plan, backend="cpu", model=self.Model(runtime.handles), channels=runtime)
+        engine = run_pipeline(runtime.plan, RunOptions(backend="cpu"), model=self.Model(runtime.handles), channels=runtime)
         events = read_trace(tmp_path / "rank0.jsonl")
         paths = {(e["phase"], e["path"]) for e in events if e["event"] == "collective"}
         assert paths == {("warmup", "eager_warmup"), ("capture", "captured"), ("verify", "outside_capture")}
@@ -383,7 +404,7 @@ class TestWithTheEngine:
         assert registry.taken == {}
 
     def test_a_failed_capture_rolls_back_the_channel_ids(self):
-        from graphflow.engine import run_pipeline
+        from graphflow.engine import RunOptions, run_pipeline
 
         registry = ChannelRegistry()
         runtime = ChannelRuntime(_plan(), registry=registry)
@@ -395,7 +416,7 @@ class TestWithTheEngine:
 
         model.d = broken
         with pytest.raises(CaptureError, match="capture failed"):
-            run_pipeline(runtime.plan, backend="cpu", model=model, channels=runtime)
+            run_pipeline(runtime.plan, RunOptions(backend="cpu"), model=model, channels=runtime)
         assert registry.taken == {}
 
 

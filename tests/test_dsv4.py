@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphflow.engine import run_pipeline
+from graphflow.engine import RunOptions, run_pipeline
 from graphflow.errors import PlanError
 from graphflow.integrations.dsv4 import DSV4Config, build_model
 from graphflow.integrations.dsv4.attention import PagedLayout, eager_attention, static_attention
@@ -338,7 +338,7 @@ class TestSideStreams:
 
 @pytest.fixture(scope="module", params=["dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml"])
 def engine(request):
-    engine = run_pipeline(load_plan(PLANS / request.param), backend="cpu", sizes=(1, 8))
+    engine = run_pipeline(load_plan(PLANS / request.param), RunOptions(backend="cpu", sizes=(1, 8)))
     yield engine
     engine.close()
 
@@ -374,7 +374,7 @@ class TestDecodeReplay:
     def test_both_plans_decode_the_same_tokens(self):
         traces = []
         for name in ("dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml"):
-            with run_pipeline(load_plan(PLANS / name), backend="cpu", sizes=(4,), verify=False) as engine:
+            with run_pipeline(load_plan(PLANS / name), RunOptions(backend="cpu", sizes=(4,), verify=False)) as engine:
                 traces.append(decode_both(engine, 4, 24)[0])
         assert torch.equal(traces[0].tokens, traces[1].tokens)
         assert torch.allclose(traces[0].logits, traces[1].logits, atol=1e-4)

@@ -14,12 +14,12 @@ import attrs
 import pytest
 import torch
 
-from graphflow.engine import CpuBackend, Outcome, run_pipeline
+from graphflow.engine import CpuBackend, Outcome, RunOptions, run_pipeline
 from graphflow.engine.backend import Graph
-from graphflow.errors import CaptureError, PlanError
+from graphflow.errors import CaptureError, InvalidPlanError, PlanError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,
-                            Prewarm, Segment, SegmentKind, WarmupPolicy)
+                            Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.toy import build_toy, toy_plan
 
 P, F = Mode.PIECEWISE, Mode.FULL
@@ -97,7 +97,7 @@ class Rig:
 def rigged(layers=3, rig=None, **plan_args):
     """The toy plan and model, with every segment wrapped by the rig."""
     rig = rig or Rig()
-    plan = toy_plan(layers, device="cpu", **plan_args)
+    plan = toy_plan(layers, device="cuda:0", **plan_args)
     model = build_toy(layers)
     for segment in plan.segments:
         *path, attr = segment.call.split(".")
@@ -108,9 +108,10 @@ def rigged(layers=3, rig=None, **plan_args):
     return plan, model, rig
 
 
-def run(plan, model, rig, backend=None, **kwargs):
-    kwargs.setdefault("detectors", False)
-    return run_pipeline(plan, backend=backend or RecordingBackend(), model=model, listeners=[rig], **kwargs)
+def run(plan, model, rig, backend=None, **options):
+    options.setdefault("detectors", False)
+    return run_pipeline(plan, RunOptions(**options), backend=backend or RecordingBackend(), model=model,
+                        listeners=[rig])
 
 
 def assert_rolled_back(backend: RecordingBackend, rig: Rig):
@@ -138,10 +139,11 @@ class TestAllocate:
         with run(plan, model, rig) as engine:
             assert engine.buffers.tensors["cache"].shape == (16, 4)
         small = Buffer("cache", ("B", 4), "float32", "cpu", role=BufferRole.STATE, capacity={"B": 1})
-        with pytest.raises(CaptureError) as info:
+        events = len(rig.events)
+        with pytest.raises(InvalidPlanError) as info:
             run(attrs.evolve(plan, buffers=(*plan.buffers[:-1], small)), model, rig)
-        assert info.value.phase == "allocate"
-        assert info.value.message == "PIECEWISE(B=2) exceeds buffer 'cache''s capacity 1"
+        assert info.value.report.codes() == ("GF604",)
+        assert len(rig.events) == events, "refused before anything ran"
 
     def test_missing_call_path_names_the_segment_and_path(self):
         plan, model, rig = rigged()
@@ -165,7 +167,7 @@ class TestAllocate:
 
     def test_factory_gets_model_args_and_only_the_keywords_it_accepts(self):
         plan = toy_plan(2, device="cuda:0")
-        with run_pipeline(plan, backend="cpu", detectors=False) as engine:
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False)) as engine:
             assert len(engine.model.layers) == 2
             assert engine.report.remapped == (("cuda:0", "cpu"),)
             assert not engine.report.captures_graphs
@@ -180,8 +182,8 @@ class TestAllocate:
         import graphflow.toy
 
         monkeypatch.setattr(graphflow.toy, "factory_for_test", factory, raising=False)
-        plan = attrs.evolve(toy_plan(2, device="cpu"), model="graphflow.toy:factory_for_test", model_args={"layers": 2})
-        with run_pipeline(plan, backend="cpu", detectors=False, rank=0, world_size=1):
+        plan = attrs.evolve(toy_plan(2, device="cuda:0"), model="graphflow.toy:factory_for_test", model_args={"layers": 2})
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), rank=0, world_size=1):
             pass
         assert seen["device"] == torch.device("cpu") and seen["rank"] == 0 and seen["plan"] is plan
         assert seen["rest"] == {"world_size": 1}
@@ -203,19 +205,19 @@ class TestAllocate:
         import graphflow.toy
 
         monkeypatch.setattr(graphflow.toy, "factory_for_test", factory, raising=False)
-        plan = attrs.evolve(toy_plan(2, device="cpu"), model="graphflow.toy:factory_for_test", model_args={})
+        plan = attrs.evolve(toy_plan(2, device="cuda:0"), model="graphflow.toy:factory_for_test", model_args={})
         channels = Channels()
-        with run_pipeline(plan, backend="cpu", detectors=False, channels=channels):
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), channels=channels):
             pass
         assert got["channels"] == {"tp": "handle"}
         assert channels.kinds[0] is EventKind.PIPELINE_BEGIN and channels.kinds[-1] is EventKind.PIPELINE_END
 
     def test_full_mode_with_an_eager_segment_is_refused(self):
         plan, model, rig = rigged(modes=(P, F))
-        with pytest.raises(CaptureError) as info:
+        with pytest.raises(InvalidPlanError) as info:
             run(plan, model, rig)
-        assert (info.value.phase, info.value.segment) == ("allocate", "L0.mix")
-        assert "FULL capture of family 'target' would contain eager segment 'L0.mix'" in str(info.value)
+        assert info.value.report.codes() == ("GF601",)
+        assert "GF601 error segment L0.mix: FULL region of family target contains eager segment(s)" in str(info.value)
 
     def test_int_input_needs_values_for_verify(self):
         plan, model, rig = rigged()
@@ -322,8 +324,8 @@ class TestVerify:
 
     def test_int_inputs_are_drawn_from_values(self):
         plan, model, rig = rigged(layers=1, sizes=(8,))
-        tokens = Buffer("tokens", ("B", 64), "int64", "cpu", role=BufferRole.INPUT, values=(3, 7))
-        ids = Buffer("ids", ("B", 64), "int64", "cpu")
+        tokens = Buffer("tokens", ("B", 64), "int64", "cuda:0", role=BufferRole.INPUT, values=(3, 7))
+        ids = Buffer("ids", ("B", 64), "int64", "cuda:0")
         seen = []
         model.lookup = lambda t, i: (seen.append(t.clone()), i.copy_(t))
         plan = attrs.evolve(plan, buffers=(*plan.buffers, tokens, ids), segments=(
@@ -336,7 +338,7 @@ class TestVerify:
 
     def test_state_buffers_are_restored_after_verify(self):
         plan, model, rig = rigged(layers=1, sizes=(2,))
-        cache = Buffer("cache", ("B", 32), "float32", "cpu", role=BufferRole.STATE)
+        cache = Buffer("cache", ("B", 32), "float32", "cuda:0", role=BufferRole.STATE)
         seen = {}
 
         def append(x, c):
@@ -354,7 +356,7 @@ class TestVerify:
                 if event.phase is Phase.VERIFY and event.kind in (EventKind.PHASE_BEGIN, EventKind.PHASE_END):
                     seen[event.kind] = seen["cache"].clone()
 
-        with run_pipeline(plan, backend="cpu", model=model, listeners=[rig, Snapshot()], detectors=False):
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[rig, Snapshot()]):
             pass
         assert torch.equal(seen[EventKind.PHASE_BEGIN], seen[EventKind.PHASE_END])
         eager, replay = seen[Phase.VERIFY]
@@ -411,7 +413,7 @@ class TestEvents:
 
     def test_events_carry_rank_index_total_and_elapsed(self):
         plan, model, rig = rigged(layers=1, sizes=(1, 2))
-        with run_pipeline(plan, backend="cpu", model=model, listeners=[rig], detectors=False, rank=3, world_size=4):
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[rig], rank=3, world_size=4):
             pass
         assert {e.rank for e in rig.events} == {3}
         ends = [e for e in rig.events if e.kind is EventKind.DESCRIPTOR_END and e.phase is Phase.CAPTURE]
@@ -422,8 +424,11 @@ class TestEvents:
         plan, model, rig = rigged(layers=1, sizes=(1,))
         segments = list(plan.segments)
         segments[1] = attrs.evolve(segments[1], ranks=(1,))
-        with run_pipeline(attrs.evolve(plan, segments=segments), backend="cpu", model=model, listeners=[rig],
-                          detectors=False, rank=0, world_size=2):
+        # Rank 1's mix is all that writes m0, so the plan's dataflow is broken on rank 0:
+        # GF201 is skipped to see the engine leave the segment out.
+        plan = attrs.evolve(plan, segments=segments, world_size=2)
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False, skip_rules={"GF201"}), model=model,
+                          listeners=[rig], rank=0, world_size=2):
             pass
         assert "L0.mix" not in {name for _, name, _ in rig.calls}
 
@@ -436,7 +441,7 @@ class TestEvents:
                 if event.kind is EventKind.PIPELINE_BEGIN:
                     event.defer("give back the channel", lambda: released.append("channel"))
 
-        engine = run_pipeline(plan, backend="cpu", model=model, listeners=[Taker()], detectors=False)
+        engine = run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[Taker()])
         assert released == []
         engine.close()
         assert released == ["channel"]
@@ -451,7 +456,7 @@ class TestSegmentEvents:
                 if event.kind in SEGMENT_EVENTS:
                     rig.calls.append((event.phase, event.kind, event.segment))
 
-        with run_pipeline(plan, backend="cpu", model=model, listeners=[rig, Interleave()], detectors=False):
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[rig, Interleave()]):
             pass
         B, E = EventKind.SEGMENT_BEGIN, EventKind.SEGMENT_END
 
@@ -481,21 +486,21 @@ class TestSegmentEvents:
         assert {e.region for e in begins if e.phase is not Phase.CAPTURE} == {None}
 
     def test_without_listeners_no_event_is_built(self, monkeypatch):
-        import graphflow.engine.pipeline as pipeline
+        import graphflow.engine.context as context
 
         built = []
-        real = pipeline.Event
+        real = context.Event
 
         def counting(kind, **fields):
             built.append(kind)
             return real(kind, **fields)
 
-        monkeypatch.setattr(pipeline, "Event", counting)
+        monkeypatch.setattr(context, "Event", counting)
         plan, model, _ = rigged(layers=1, sizes=(2,), warmup_iters=1)
-        with run_pipeline(plan, backend="cpu", model=model, detectors=False):
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model):
             pass
         assert built == []
-        with run_pipeline(plan, backend="cpu", model=model, detectors=False, listeners=[Rig()]):
+        with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[Rig()]):
             pass
         assert built.count(EventKind.SEGMENT_BEGIN) == built.count(EventKind.SEGMENT_END) == 4 + 3 + 4 + 1
 
@@ -516,12 +521,13 @@ class TestChannels:
         g = SegmentKind.GRAPH
         return Plan(
             name="shared-channel",
-            buffers=[Buffer("x", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
-                     Buffer("h", ("B", 4), "float32", "cpu"),
-                     Buffer("y", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT)],
+            buffers=[Buffer("x", ("B", 4), "float32", "cuda:0", role=BufferRole.INPUT),
+                     Buffer("h", ("B", 4), "float32", "cuda:0"),
+                     Buffer("y", ("B", 4), "float32", "cuda:0", role=BufferRole.OUTPUT)],
+            streams=[Stream("s0", "cuda:0")],
             channels=[Channel("tp", ChannelKind.ALL_REDUCE, "tp", 1, "target", warmup, prewarm=prewarm)],
-            segments=[Segment("a", g, "a", reads=["x"], writes=["h"], channels=["tp"]),
-                      Segment("b", g, "b", reads=["h"], writes=["y"], channels=["tp"])],
+            segments=[Segment("a", g, "a", reads=["x"], writes=["h"], channels=["tp"], stream="s0"),
+                      Segment("b", g, "b", reads=["h"], writes=["y"], channels=["tp"], stream="s0")],
             prewarm=hooks, model=model,
             capture=CaptureSettings(modes=[P], sizes=[1, 2], warmup_iters=1),
         )
@@ -547,7 +553,7 @@ class TestChannels:
         plan = self._plan()
         assert len(plan.regions(P)) == 1  # a and b share one region and one channel
         runtime = ChannelRuntime(plan, tracer=Tracer(tmp_path, 0))
-        with run_pipeline(plan, backend="cpu", model=self.Model(runtime.handles), channels=runtime):
+        with run_pipeline(plan, RunOptions(backend="cpu"), model=self.Model(runtime.handles), channels=runtime):
             pass
         runtime.close()
         calls = [(e["phase"], e["descriptor"], e["segment"]) for e in read_trace(tmp_path / "rank0.jsonl")
@@ -585,7 +591,7 @@ class TestChannels:
         plan = self._plan(WarmupPolicy.PREPARE, prewarm="warm_tp", hooks=[Prewarm("warm_tp", "comm.prepare")],
                           model="graphflow.toy:channel_factory_for_test")
         runtime = ChannelRuntime(plan, group_factory=lambda name: GroupBinding(name, wire, (0,)))
-        engine = run_pipeline(plan, backend="cpu", channels=runtime, detectors=False)
+        engine = run_pipeline(plan, RunOptions(backend="cpu", detectors=False), channels=runtime)
         warmup = [entry for entry in log if entry[-1] is Phase.WARMUP]
         # once per specialization: both segments all-reduce [B, 4] float32, so once per size
         assert warmup == [("prepare", 2, Phase.WARMUP), ("prepare", 1, Phase.WARMUP)]
@@ -671,7 +677,7 @@ class TestRollback:
 
         backend = RecordingBackend()
         with pytest.raises(CaptureError) as info:
-            run_pipeline(plan, backend=backend, model=model, listeners=[rig, Broken()], detectors=False)
+            run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=model, listeners=[rig, Broken()])
         error = info.value
         assert error.phase == phase.value
         assert error.message == "listener Broken raised TimeoutError: barrier timed out after 60 s"
@@ -691,7 +697,7 @@ class TestRollback:
 
         backend = RecordingBackend()
         with pytest.raises(CaptureError) as info:
-            run_pipeline(plan, backend=backend, model=model, listeners=[rig, Broken()], detectors=False)
+            run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=model, listeners=[rig, Broken()])
         assert info.value.phase is None
         assert_rolled_back(backend, rig)
 
@@ -717,7 +723,7 @@ class TestRollback:
                     event.defer("reset the capture flag", lambda: (_ for _ in ()).throw(ValueError("flag stuck")))
 
         with pytest.raises(CaptureError) as info:
-            run_pipeline(plan, backend=backend, model=model, listeners=[rig, Taker()], detectors=False)
+            run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=model, listeners=[rig, Taker()])
         error = info.value
         assert (error.phase, error.segment) == ("verify", "L2.mix")
         assert released == ["channel"]
@@ -738,7 +744,7 @@ class TestRollback:
                     raise RuntimeError("cannot write trace")
 
         with pytest.raises(CaptureError) as info:
-            run_pipeline(plan, backend="cpu", model=model, listeners=[rig, BrokenOnRollback()], detectors=False)
+            run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[rig, BrokenOnRollback()])
         assert info.value.segment == "L0.pre"
         assert [type(e) for e in info.value.undo_error.exceptions] == [RuntimeError]
 
@@ -781,23 +787,20 @@ class TestDetectors:
         with run(plan, model, rig, detectors=True, disabled_checks=["host_sync"]):
             pass
 
-    def test_unknown_check_name(self):
-        plan, model, rig = self._syncing_plan()
-        with pytest.raises(CaptureError) as info:
-            run(plan, model, rig, detectors=True, disabled_checks=["hostsync"])
-        assert info.value.phase == "allocate"
-        assert str(info.value.__cause__).startswith("unknown check 'hostsync': the checks are host_sync, ")
+    def test_unknown_check_name_fails_where_the_options_are_made(self):
+        with pytest.raises(ValueError, match="^unknown check 'hostsync': the checks are host_sync, "):
+            RunOptions(disabled_checks=["hostsync"])
 
 
 def test_plan_without_model_factory_or_model():
-    plan = attrs.evolve(toy_plan(1, device="cpu"), model=None)
+    plan = attrs.evolve(toy_plan(1, device="cuda:0"), model=None)
     with pytest.raises(CaptureError) as info:
-        run_pipeline(plan, backend="cpu", detectors=False)
+        run_pipeline(plan, RunOptions(backend="cpu", detectors=False))
     assert isinstance(info.value.__cause__, PlanError)
     assert "the plan names no model factory" in str(info.value)
 
 
 def test_plan_with_no_graph_segments_is_fine():
     plan = Plan(name="empty", capture=toy_plan(1).capture)
-    with run_pipeline(plan, backend="cpu", model=object(), detectors=False) as engine:
+    with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=object()) as engine:
         assert engine.report.graphs == 0

@@ -24,7 +24,7 @@ def test_the_yaml_example_loads_and_validates_clean():
 
 def test_the_decorator_example_builds_a_clean_plan_that_captures_on_the_cpu_backend():
     pytest.importorskip("torch")
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
 
     (code,) = _blocks("python")
     namespace: dict = {}
@@ -32,7 +32,7 @@ def test_the_decorator_example_builds_a_clean_plan_that_captures_on_the_cpu_back
     plan = namespace["plan"]
     assert isinstance(plan, Plan)
     assert validate(plan).diagnostics == ()
-    engine = run_pipeline(plan, backend="cpu", model=namespace["Model"]().requires_grad_(False))
+    engine = run_pipeline(plan, RunOptions(backend="cpu"), model=namespace["Model"]().requires_grad_(False))
     with engine:
         assert [r.bit_exact for r in engine.report.verify] == [True, True, True]
 

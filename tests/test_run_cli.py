@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -33,15 +34,20 @@ class TestSuccess:
         assert lines[1] == ("  no CUDA graph was captured: the CPU backend runs every phase and replays each "
                             "region eagerly")
         assert lines[2] == "  device cuda:0 mapped to cpu"
-        assert [line.split()[:2] for line in lines[5:11]] == [
+        assert lines[4].split() == ["phase", "outcome", "seconds"]
+        assert [line.split()[:2] for line in lines[6:12]] == [
             ["allocate", "passed"], ["warmup", "passed"], ["prewarm", "skipped"], ["capture", "passed"],
             ["verify", "passed"], ["commit", "passed"]]
-        assert lines[12] == "graphs 16, pool n/a, static buffers 9.0 KiB"
-        rows = [line.split()[:2] for line in lines[15:19]]
-        assert rows == [["PIECEWISE(B=8)", "bit-exact"], ["PIECEWISE(B=4)", "bit-exact"],
-                        ["PIECEWISE(B=2)", "bit-exact"], ["PIECEWISE(B=1)", "bit-exact"]]
-        assert lines[-1].startswith("ok: toy-piecewise: 4 descriptors, 16 regions (no graph captured: CPU backend "
-                                    "replays eagerly), in ")
+        # No graph exists on the CPU backend: no graph count, no pool, no speed-up column.
+        assert lines[13] == "static buffers 9.0 KiB"
+        assert lines[15].split() == ["descriptor", "verify", "eager", "ms", "replay", "ms"]
+        rows = [line.split() for line in lines[17:21]]
+        assert [row[:2] for row in rows] == [["PIECEWISE(B=8)", "bit-exact"], ["PIECEWISE(B=4)", "bit-exact"],
+                                             ["PIECEWISE(B=2)", "bit-exact"], ["PIECEWISE(B=1)", "bit-exact"]]
+        assert all(len(row) == 4 for row in rows)
+        assert re.fullmatch(r"capture \d+\.\d\d s; total \d+\.\d\d s, reading the plan and timing included", lines[-2])
+        assert lines[-1].startswith("ok: toy-piecewise: 4 descriptors, no graph captured (CPU backend: regions "
+                                    "replayed eagerly), in ")
         assert lines[-1].endswith(" s on cpu; verify 4/4 bit-exact")
         assert "Traceback" not in err
 
@@ -115,7 +121,7 @@ class TestFailure:
     @pytest.mark.parametrize("argv,message", [
         (["--sizes", "1,x"], "graphflow: --sizes: expected comma-separated integers (got '1,x')"),
         (["--sizes", "3"], "graphflow: sizes [3] are not among the plan's sizes [1, 2, 4, 8]"),
-        (["--disable-check", "hostsync"], "graphflow: --disable-check: unknown check hostsync (the checks are "),
+        (["--disable-check", "hostsync"], "graphflow: --disable-check: unknown check 'hostsync': the checks are "),
     ])
     def test_bad_arguments_exit_2(self, capsys, argv, message):
         status, _, err = run(capsys, TOY, *argv)

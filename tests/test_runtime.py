@@ -6,7 +6,7 @@ import attrs
 import pytest
 import torch
 
-from graphflow.engine import CudaBackend, run_pipeline
+from graphflow.engine import CudaBackend, RunOptions, run_pipeline
 from graphflow.plan import Buffer, BufferRole, Descriptor, Mode
 from graphflow.runtime import FallbackReason, Runner
 from graphflow.toy import build_toy, toy_plan
@@ -16,15 +16,14 @@ P, F = Mode.PIECEWISE, Mode.FULL
 
 @pytest.fixture(scope="module")
 def piecewise():
-    engine = run_pipeline(toy_plan(3, device="cpu"), backend="cpu", detectors=False)
+    engine = run_pipeline(toy_plan(3, device="cuda:0"), RunOptions(backend="cpu", detectors=False))
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def mixed():
-    engine = run_pipeline(toy_plan(2, device="cpu", full=True, modes=(P, F), sizes=(2, 4)), backend="cpu",
-                          detectors=False, sizes=(2, 4))
+    engine = run_pipeline(toy_plan(2, device="cuda:0", full=True, modes=(P, F), sizes=(2, 4)), RunOptions(backend="cpu", detectors=False, sizes=(2, 4)))
     yield engine
     engine.close()
 
@@ -96,25 +95,23 @@ class TestFallback:
         assert runner.fallbacks == {FallbackReason.BATCH_TOO_LARGE: 2}
 
     def test_state_buffer_too_small_refuses_the_fallback(self):
-        plan = toy_plan(1, device="cpu", sizes=(1, 2))
+        plan = toy_plan(1, device="cuda:0", sizes=(1, 2))
         cache = Buffer("cache", ("B", 32), "float32", "cpu", role=BufferRole.STATE)
-        with run_pipeline(attrs.evolve(plan, buffers=(*plan.buffers, cache)), backend="cpu",
-                          detectors=False) as engine:
+        with run_pipeline(attrs.evolve(plan, buffers=(*plan.buffers, cache)), RunOptions(backend="cpu", detectors=False)) as engine:
             with pytest.raises(ValueError, match="batch of 3 exceeds state buffer 'cache', allocated for 2"):
                 Runner(engine).run(torch.randn(3, 32))
 
     def test_nothing_captured(self):
-        with run_pipeline(toy_plan(1, device="cpu", sizes=(1,)), backend="cpu", detectors=False, sizes=()) as engine:
+        with run_pipeline(toy_plan(1, device="cuda:0", sizes=(1,)), RunOptions(backend="cpu", detectors=False, sizes=())) as engine:
             runner = Runner(engine)
             runner.run(torch.randn(1, 32))
             assert runner.fallbacks == {FallbackReason.NOTHING_CAPTURED: 1}
 
 
 def test_runner_needs_an_input_with_a_plain_batch_dimension():
-    plan = toy_plan(1, device="cpu", sizes=(1,))
+    plan = toy_plan(1, device="cuda:0", sizes=(1,))
     buffers = [attrs.evolve(b, shape=("2*B", 16)) if b.name == "x" else b for b in plan.buffers]
-    with run_pipeline(attrs.evolve(plan, buffers=buffers), backend="cpu", detectors=False, model=build_toy(1),
-                      verify=False, sizes=()) as engine:
+    with run_pipeline(attrs.evolve(plan, buffers=buffers), RunOptions(backend="cpu", detectors=False, verify=False, sizes=()), model=build_toy(1)) as engine:
         with pytest.raises(ValueError, match="buffer 'x' has shape \\['2\\*B', 16\\]: the runner pads inputs"):
             Runner(engine)
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphflow.engine import CpuBackend, run_pipeline
+from graphflow.engine import CpuBackend, RunOptions, run_pipeline
 from graphflow.engine.schedule import Dependency, Hazard, Schedule, Step, build_schedule, dependencies
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 from strategies import valid_plans
@@ -245,10 +245,10 @@ class Branches(torch.nn.Module):
 
 def branches_plan(modes=(Mode.PIECEWISE,)):
     return Plan(
-        "branches", streams=[Stream("s0", "cpu"), Stream("s1", "cpu")],
-        buffers=[Buffer("x", ("B", 4), "float32", "cpu", role=BufferRole.INPUT),
-                 Buffer("a", ("B", 4), "float32", "cpu"), Buffer("b", ("B", 4), "float32", "cpu"),
-                 Buffer("y", ("B", 4), "float32", "cpu", role=BufferRole.OUTPUT)],
+        "branches", streams=[Stream("s0", "cuda:0"), Stream("s1", "cuda:0")],
+        buffers=[Buffer("x", ("B", 4), "float32", "cuda:0", role=BufferRole.INPUT),
+                 Buffer("a", ("B", 4), "float32", "cuda:0"), Buffer("b", ("B", 4), "float32", "cuda:0"),
+                 Buffer("y", ("B", 4), "float32", "cuda:0", role=BufferRole.OUTPUT)],
         segments=[graph("left", ["x"], ["a"], call="left"), graph("right", ["x"], ["b"], stream="s1", call="right"),
                   graph("merge", ["a", "b"], ["y"], call="merge")],
         capture=CaptureSettings(modes=modes, sizes=(2,), warmup_iters=1))
@@ -257,7 +257,7 @@ def branches_plan(modes=(Mode.PIECEWISE,)):
 class TestPipelineRunsTheSchedule:
     def test_two_streams_fork_wait_record_and_capture_with_the_side_stream(self):
         backend, calls = LoggingBackend(), []
-        with run_pipeline(branches_plan(), backend=backend, model=Branches(calls), detectors=False) as engine:
+        with run_pipeline(branches_plan(), RunOptions(detectors=False), backend=backend, model=Branches(calls)) as engine:
             assert all(r.bit_exact for r in engine.report.verify)
         eager = [("fork", "stream0", ("stream1",)), ("record", "e0", "stream0"), ("wait", "stream1", "e0"),
                  ("record", "e1", "stream1"), ("wait", "stream0", "e1")]
@@ -267,8 +267,7 @@ class TestPipelineRunsTheSchedule:
 
     def test_events_are_made_once_in_allocate(self):
         backend = LoggingBackend()
-        with run_pipeline(branches_plan((Mode.PIECEWISE, Mode.FULL)), backend=backend, model=Branches([]),
-                          detectors=False):
+        with run_pipeline(branches_plan((Mode.PIECEWISE, Mode.FULL)), RunOptions(detectors=False), backend=backend, model=Branches([])):
             pass
         assert sorted(backend.labels.values()) == ["e0", "e1"]  # fork + one record, shared by every run
 
@@ -276,7 +275,7 @@ class TestPipelineRunsTheSchedule:
         backend = LoggingBackend()
         plan = branches_plan()
         plan = attrs.evolve(plan, segments=[attrs.evolve(s, stream="s0") for s in plan.segments])
-        with run_pipeline(plan, backend=backend, model=Branches([]), detectors=False):
+        with run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=Branches([])):
             pass
         assert backend.log == [("capture", "stream0", ())]
         assert backend.labels == {}

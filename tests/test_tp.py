@@ -173,7 +173,7 @@ def _state(config: DSV4Config, batch: int, heads: int, device) -> dict[str, torc
 
 def scenario_capture(ctx, out, mode: str) -> dict:
     """The plan captured on every rank; one replayed step's logits for comparison across ranks."""
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
     from graphflow.runtime import Runner
 
     plan = ctx.place(plan_for(mode, ctx.world_size))
@@ -182,7 +182,7 @@ def scenario_capture(ctx, out, mode: str) -> dict:
     backend = "cuda" if ctx.backend == "nccl" else "cpu"
 
     def run():
-        engine = run_pipeline(plan, backend=backend, rank=ctx.rank, world_size=ctx.world_size, channels=runtime)
+        engine = run_pipeline(plan, RunOptions(backend=backend), rank=ctx.rank, world_size=ctx.world_size, channels=runtime)
         generator = torch.Generator().manual_seed(3)
         tokens = torch.randint(0, TINY["vocab_size"], (3,), generator=generator).to(ctx.device)
         positions = torch.tensor([0, 5, 11])
@@ -204,7 +204,7 @@ def scenario_fault(ctx, out, mode: str) -> dict:
     """A fault in one rank's capture: every rank raises, rolls back and can communicate after."""
     import torch.distributed as dist
 
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
 
     plan = ctx.place(plan_for(mode, ctx.world_size))
     runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size, tracer=Tracer(out / f"fault-{mode}",
@@ -218,8 +218,9 @@ def scenario_fault(ctx, out, mode: str) -> dict:
     backend = "cuda" if ctx.backend == "nccl" else "cpu"
 
     def run():  # the pipeline gets the only reference to the model
-        run_pipeline(plan, backend=backend, model=held.pop(), rank=ctx.rank, world_size=ctx.world_size,
-                     channels=runtime, verify=False, sizes=(max(SIZES),))  # the fault hits the first capture
+        # the fault hits the first capture
+        run_pipeline(plan, RunOptions(backend=backend, verify=False, sizes=(max(SIZES),)), model=held.pop(),
+                     rank=ctx.rank, world_size=ctx.world_size, channels=runtime)
 
     result = _outcome(run)
     FaultyLayer.runtime = None
@@ -239,13 +240,14 @@ def scenario_fault(ctx, out, mode: str) -> dict:
 
 def scenario_seed(ctx, out, policy: WarmupPolicy) -> dict:
     """The seed's legacy all-reduce and host-routed dispatch, with the given tp_ar warmup."""
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
 
     plan = plan_for("full", ctx.world_size, policy=policy)
     ep = Channel("ep_ar", ChannelKind.ALL_REDUCE, "ep", 2, "target")
     plan = ctx.place(attrs.evolve(plan, channels=[*plan.channels, ep], segments=[
         attrs.evolve(s, channels=[*s.channels, "ep_ar"]) if s.name.endswith(".moe") else s for s in plan.segments]))
-    report = validate(plan, disable={"GF503"} if policy is WarmupPolicy.PLACEHOLDER else ())
+    skip = {"GF503"} if policy is WarmupPolicy.PLACEHOLDER else set()
+    report = validate(plan, disable=skip)
     assert report.ok, report.diagnostics
     runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size,
                              tracer=Tracer(out / f"seed-{policy.value}", ctx.rank), namespace=f"seed-{policy.value}")
@@ -255,8 +257,8 @@ def scenario_seed(ctx, out, policy: WarmupPolicy) -> dict:
     backend = "cuda" if ctx.backend == "nccl" else "cpu"
 
     def run():
-        engine = run_pipeline(plan, backend=backend, model=model, rank=ctx.rank, world_size=ctx.world_size,
-                              channels=runtime, detectors=False)
+        engine = run_pipeline(plan, RunOptions(backend=backend, detectors=False, skip_rules=skip), model=model, rank=ctx.rank,
+                              world_size=ctx.world_size, channels=runtime)
         graphs = engine.report.graphs
         engine.close()
         return {"graphs": graphs}

@@ -1,9 +1,9 @@
 """``graphflow launch --nproc N PLAN``: capture a multi-rank plan, one process per rank.
 
 Each rank (``graphflow.launch``: NVLink multicast off, ``cuda:{rank}`` and its own
-stream on NCCL) loads the plan, places it on its device, and runs the whole pipeline
-with a channel runtime over the world group; the factory the plan names gets the
-rank, the world size and the channel handles. One line per rank, then the result.
+stream on NCCL) loads the plan, places it on its device, and captures it in a
+``graphflow.session.Session`` over the world group; the factory the plan names gets
+the rank, the world size and the channel handles. One line per rank, then the result.
 Exit 0 when every rank committed, 1 when the plan has errors or any rank failed
 (every rank rolled back), 2 when the plan cannot be read or the arguments are bad.
 """
@@ -11,10 +11,9 @@ Exit 0 when every rank committed, 1 when the plan has errors or any rank failed
 from __future__ import annotations
 
 import argparse
-import sys
 
-from graphflow.cli import parse_sizes
-from graphflow.errors import PlanError
+from graphflow.cli import CommandError, parse_sizes
+from graphflow.errors import InvalidPlanError
 from graphflow.loader import load_plan
 from graphflow.validate import validate
 
@@ -41,34 +40,21 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        plan = load_plan(args.plan)
-    except PlanError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2
+    plan = load_plan(args.plan)
     if plan.world_size != args.nproc:
-        print(f"graphflow: {args.plan}: the plan is written for world_size {plan.world_size}, --nproc is "
-              f"{args.nproc} — set world_size in the plan or launch {plan.world_size} processes", file=sys.stderr)
-        return 2
-    try:
-        sizes = parse_sizes(args.sizes)
-    except ValueError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{args.plan}: the plan is written for world_size {plan.world_size}, --nproc is "
+                           f"{args.nproc} — set world_size in the plan or launch {plan.world_size} processes")
+    sizes = parse_sizes(args.sizes)
     report = validate(plan)
     if not report.ok:
-        for diagnostic in report.diagnostics:
-            print(diagnostic, file=sys.stderr)
-        print(f"graphflow: {args.plan}: {len(report.errors)} error(s): fix them before capture", file=sys.stderr)
-        return 1
+        raise InvalidPlanError(report)
     from graphflow.launch import launch
 
     try:
         ranks = launch(capture_rank, args.nproc, args.backend, args=(args.plan, sizes, not args.no_verify, args.trace),
                        timeout_s=args.timeout_s)
     except ValueError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2
+        raise CommandError(str(err)) from err
     for result in ranks:
         value = result.value or {}
         if result.ok and value.get("ok"):
@@ -83,24 +69,18 @@ def run(args: argparse.Namespace) -> int:
 
 def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None) -> dict:
     """One rank of ``graphflow launch``: load, place, capture, report, release."""
-    from graphflow.channels import ChannelRuntime
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions
     from graphflow.errors import CaptureError
-    from graphflow.trace import Tracer
+    from graphflow.session import Session
 
     plan = ctx.place(load_plan(path))
-    runtime = ChannelRuntime(plan, rank=ctx.rank, world_size=ctx.world_size,
-                             tracer=Tracer(trace, ctx.rank) if trace else None)
-    try:
+    options = RunOptions(backend="cuda" if ctx.backend == "nccl" else "cpu", verify=verify, sizes=sizes)
+    with Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, trace=trace) as session:
         try:
-            engine = run_pipeline(plan, backend="cuda" if ctx.backend == "nccl" else "cpu", rank=ctx.rank,
-                                  world_size=ctx.world_size, channels=runtime, verify=verify, sizes=sizes)
+            engine = session.capture()
         except (CaptureError, ValueError) as err:
             return {"ok": False, "error": str(err)}
-        with engine:
-            checked = engine.report.verify
-            return {"ok": True, "graphs": engine.report.graphs, "descriptors": len(engine.report.descriptors),
-                    "verify": ("bit-exact" if all(v.bit_exact for v in checked) else "within tolerance")
-                    if checked else "skipped"}
-    finally:
-        runtime.close()  # after the engine: communicators before their process groups
+        checked = engine.report.verify
+        return {"ok": True, "graphs": engine.report.graphs, "descriptors": len(engine.report.descriptors),
+                "verify": ("bit-exact" if all(v.bit_exact for v in checked) else "within tolerance")
+                if checked else "skipped"}

@@ -1,37 +1,35 @@
 """``graphflow run PLAN``: the whole capture pipeline, a phase-by-phase report, and timings.
 
 The plan is a YAML file or, with ``--module pkg.mod:factory [--step METHOD]``, the plan
-a decorated model declares (``graphflow.decorators.plan_source``). Load, validate (stop
-on errors), run allocate → warmup → prewarm → capture → verify → commit with a progress
-display on stderr, then report: descriptors captured, time per phase, pool bytes,
-verify results, and eager versus graph step time per descriptor (the median of a few
-steps of each: the runner's step program against the eager step).
-Exit 0 on success, 1 when the plan has errors or capture failed (rolled back; the
-error names phase, descriptor, segment and what to do, with no traceback), 2 when the
-plan cannot be read or the arguments are bad.
+a decorated model declares (``graphflow.cli.source``). The plan is validated (errors
+stop it before any capture), captured in a ``graphflow.session.Session`` with a
+progress display on stderr, then reported: descriptors captured, time per phase, pool
+bytes, verify results and, on a GPU, eager versus graph step time per descriptor (the
+median of a few steps of each). On the CPU backend no graph exists, regions are
+replayed eagerly and a speed-up would be noise, so none is shown. Exit 0 on success,
+1 when the plan has errors or capture failed (rolled back; the error names phase,
+descriptor, segment and what to do, with no traceback), 2 when the plan cannot be
+read or the arguments are bad.
 
 Channels: when the plan declares any, or ``--trace DIR`` or ``GRAPHFLOW_TRACE`` asks
-for a trace, a ``ChannelRuntime`` (rank 0 of world size 1: each collective is the
-identity) listens to the pipeline and gives the model its handles. ``--trace DIR``
+for a trace, the session's channel runtime (rank 0 of world size 1: each collective is
+the identity) listens to the pipeline and gives the model its handles. ``--trace DIR``
 writes ``DIR/rank0.jsonl``, which ``graphflow trace diff`` reads.
 
 The module-level imports are cheap on purpose: every ``graphflow`` command builds this
-parser, so torch, rich, the engine, the channels and ``graphflow.render`` load only
-when ``run`` runs.
+parser, so torch, rich, the engine and the channels load only when ``run`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-from graphflow.cli import parse_sizes
+from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.source import add_plan_source_arguments, plan_source
-from graphflow.errors import CaptureError, PlanError
-from graphflow.validate import validate
+from graphflow.errors import CaptureError, InvalidPlanError
 
 __all__ = ["register"]
 
@@ -62,131 +60,93 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        plan = plan_source(args)
-    except PlanError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2
+    began = time.perf_counter()
+    plan = plan_source(args)
     source = args.plan or args.module
-    try:
-        sizes = parse_sizes(args.sizes)
-    except ValueError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2
-    report = validate(plan)
-    if not report.ok:
-        for diagnostic in report.diagnostics:
-            print(diagnostic, file=sys.stderr)
-        print(f"graphflow: {source}: {len(report.errors)} error(s): fix them before capture"
-              + (f" (graphflow validate {args.plan})" if args.plan else ""), file=sys.stderr)
-        return 1
-
+    options = _options(args)
     # torch loads only now: reading and validating a plan stays fast.
-    from graphflow.engine import make_backend
     from graphflow.progress import ProgressDisplay
+    from graphflow.session import Session
 
-    try:
-        backend = make_backend(args.backend)
-    except ValueError as err:
-        print(f"graphflow: --backend {args.backend}: {err}", file=sys.stderr)
-        return 2
-    if args.disable_check:
-        from graphflow.detectors import Check
-
-        known = {c.value for c in Check}
-        unknown = [name for name in args.disable_check if name.lower() not in known]
-        if unknown:
-            print(f"graphflow: --disable-check: unknown check {', '.join(unknown)} "
-                  f"(the checks are {', '.join(sorted(known))})", file=sys.stderr)
-            return 2
-    try:
-        channels = _channels(plan, args.trace)
-    except OSError as err:
-        print(f"graphflow: --trace {args.trace}: cannot write there: {err.strerror or err}", file=sys.stderr)
-        return 2
+    _check_backend(options)
+    if args.trace is not None:
+        _trace_dir(args.trace)
     listeners = [] if args.quiet or args.json else [ProgressDisplay()]
+    session = Session(plan, options, listeners=listeners, trace=args.trace)
     try:
-        status, document = _capture(args, plan, source, backend, listeners, channels, sizes)
+        started = time.perf_counter()
+        try:
+            engine = session.capture()
+        except CaptureError as err:
+            if args.json:
+                _dump({"plan": plan.name, "file": source, "ok": False, "error": {
+                    "message": err.message, "phase": err.phase, "descriptor": _str(err.descriptor),
+                    "segment": err.segment, "rank": err.rank, "hint": err.hint}})
+            raise
+        except InvalidPlanError:
+            raise
+        except ValueError as err:  # sizes the plan does not have
+            raise CommandError(str(err)) from err
+        captured_s = time.perf_counter() - started
+        timings = _time_steps(engine, args.steps)
+        document = _document(source, engine, timings, captured_s, time.perf_counter() - began)
     finally:
-        closed = _close(channels)
-    if document is None or not closed:
-        return status or 1
-    if channels is not None and channels.tracer is not None:
-        document["trace"] = str(channels.tracer.path)
+        _close(session)
+    if session.tracer is not None:
+        document["trace"] = str(session.tracer.path)
     if args.json:
         _dump(document)
     elif args.quiet:
         print(document["result"])
     else:
-        print(_text(document))
+        _print_report(document)
     return 0
 
 
-def _channels(plan, trace: str | None):
-    """The channel runtime for a single-rank run, or None when nothing needs one.
+def _options(args: argparse.Namespace):
+    from graphflow.engine import RunOptions
+    from graphflow.engine.options import check_named
 
-    The trace directory is made here, so a path that cannot hold it is a bad argument
-    (exit 2), not a listener failing in the middle of the pipeline.
-    """
-    from graphflow.trace import TRACE_ENV, Tracer
-
-    if trace is None and not plan.channels and not os.environ.get(TRACE_ENV):
-        return None
-    from graphflow.channels import ChannelRuntime
-
-    tracer = None if trace is None else Tracer(trace, 0)
-    if tracer is not None:
-        tracer.path.parent.mkdir(parents=True, exist_ok=True)
-    return ChannelRuntime(plan, tracer=tracer)
-
-
-def _close(channels) -> bool:
-    """Close the channel runtime (its trace file last); False, having said why, if that failed."""
-    if channels is None:
-        return True
     try:
-        channels.close()
-    except Exception as err:  # noqa: BLE001 - an ExceptionGroup of every teardown step that failed
-        print(f"graphflow: channel teardown failed: {err}", file=sys.stderr)
-        for failure in getattr(err, "exceptions", ()):
-            print(f"graphflow:   {type(failure).__name__}: {failure}", file=sys.stderr)
-        return False
-    return True
-
-
-def _capture(args, plan, source: str, backend, listeners, channels, sizes) -> tuple[int, dict | None]:
-    """Run the pipeline and time it: ``(status, report document or None)``."""
-    from graphflow.engine import run_pipeline
-    from graphflow.runtime import Runner
-
-    start = time.perf_counter()
-    try:
-        engine = run_pipeline(plan, backend=backend, listeners=listeners, channels=channels,
-                              verify=not args.no_verify, detectors=not args.no_detectors,
-                              disabled_checks=args.disable_check, sizes=sizes)
-    except CaptureError as err:
-        print(f"graphflow: capture failed, rolled back: {err}", file=sys.stderr)
-        for note in getattr(err, "__notes__", ()):
-            print(f"graphflow: {note}", file=sys.stderr)
-        if args.json:
-            _dump({"plan": plan.name, "file": source, "ok": False, "error": {
-                "message": err.message, "phase": err.phase, "descriptor": _str(err.descriptor),
-                "segment": err.segment, "rank": err.rank, "hint": err.hint}})
-        return 1, None
+        checks = [check_named(name) for name in args.disable_check]
     except ValueError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2, None
-    total_s = time.perf_counter() - start
-    with engine:
-        try:
-            timings = _time_steps(engine, Runner(engine), args.steps)
-        except Exception as err:  # noqa: BLE001 - a model error while timing is reported, not a traceback
-            print(f"graphflow: timing the captured steps failed: {type(err).__name__}: {err}", file=sys.stderr)
-            return 1, None
-        return 0, _document(source, engine, timings, total_s)
+        raise CommandError(f"--disable-check: {err}") from err
+    return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=not args.no_detectors,
+                      disabled_checks=checks, sizes=parse_sizes(args.sizes))
 
 
-def _time_steps(engine, runner, steps: int) -> dict:
+def _check_backend(options) -> None:
+    from graphflow.engine import make_backend
+
+    try:
+        make_backend(options.backend)
+    except ValueError as err:
+        raise CommandError(f"--backend {options.backend.value}: {err}") from err
+
+
+def _trace_dir(path: str) -> None:
+    """Made here, so a path that cannot hold the trace is a bad argument (exit 2), not a
+    listener failing in the middle of the pipeline."""
+    from pathlib import Path
+
+    target = Path(path)
+    try:
+        (target.parent if target.suffix == ".jsonl" else target).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CommandError(f"--trace {path}: cannot write there: {err.strerror or err}") from err
+
+
+def _close(session) -> None:
+    """Close the session; a teardown that failed is the job failing (exit 1)."""
+    try:
+        session.close()
+    except Exception as err:  # noqa: BLE001 - an ExceptionGroup of every teardown step that failed
+        lines = [f"teardown failed: {err}"]
+        lines += [f"  {type(f).__name__}: {f}" for f in getattr(err, "exceptions", ())]
+        raise CommandError("\n".join(lines), status=1) from err
+
+
+def _time_steps(engine, steps: int) -> dict:
     """Median seconds per step, eager and graph, for each captured descriptor."""
     import statistics
 
@@ -197,13 +157,17 @@ def _time_steps(engine, runner, steps: int) -> dict:
     first = next(iter(engine.buffers.tensors.values()), None)
     timer = engine.backend.timer(first.device if first is not None else None)
     timings = {}
-    for descriptor, program in engine.programs.items():
-        eager = _loop(engine.eager_calls(descriptor.size))
-        graph = _loop(program)
-        with torch.no_grad():
-            for call in (eager, graph):  # one untimed run each: caches, lazy modules
-                call()
-            timings[descriptor] = (statistics.median(timer(eager, steps)), statistics.median(timer(graph, steps)))
+    try:
+        for descriptor, program in engine.programs.items():
+            eager = _loop(engine.eager_calls(descriptor.size))
+            graph = _loop(program)
+            with torch.no_grad():
+                for call in (eager, graph):  # one untimed run each: caches, lazy modules
+                    call()
+                timings[descriptor] = (statistics.median(timer(eager, steps)),
+                                       statistics.median(timer(graph, steps)))
+    except Exception as err:  # noqa: BLE001 - a model error while timing is reported, not a traceback
+        raise CommandError(f"timing the captured steps failed: {type(err).__name__}: {err}", status=1) from err
     return timings
 
 
@@ -215,65 +179,91 @@ def _loop(calls):
     return step
 
 
-def _document(path: str, engine, timings: dict, total_s: float) -> dict:
+def _document(path: str, engine, timings: dict, captured_s: float, total_s: float) -> dict:
+    """The report as plain data: what ``--json`` prints and the text report draws."""
     report = engine.report
     verify = {r.descriptor: r for r in report.verify}
+    real = report.captures_graphs
     descriptors = []
     for descriptor in report.descriptors:
         row = {"mode": descriptor.mode.value, "size": descriptor.size, "verify": None,
                "eager_ms": None, "graph_ms": None, "speedup": None}
+        row.update({f"{t.phase.value}_s": t.seconds for t in report.times if t.descriptor == descriptor})
         if descriptor in verify:
             row["verify"] = {"bit_exact": verify[descriptor].bit_exact, "max_abs_diff": verify[descriptor].max_abs_diff}
         if descriptor in timings:
             eager_s, graph_s = timings[descriptor]
-            row.update(eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3, speedup=eager_s / graph_s if graph_s else None)
+            row.update(eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3)
+            if real and graph_s:
+                row["speedup"] = eager_s / graph_s
         descriptors.append(row)
-    verified = [r for r in report.verify]
+    verified = report.verify
     exact = sum(r.bit_exact for r in verified)
-    what = "graphs" if report.captures_graphs else "regions (no graph captured: CPU backend replays eagerly)"
-    result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {report.graphs} {what}, "
+    what = f"{report.graphs} graphs" if real else "no graph captured (CPU backend: regions replayed eagerly)"
+    result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {what}, "
               f"in {total_s:.2f} s on {report.backend}"
               + (f"; verify {exact}/{len(verified)} bit-exact" if verified else "; not verified"))
     return {
         "plan": engine.plan.name, "file": path, "ok": True, "backend": report.backend,
-        "graphs_captured": report.captures_graphs, "remapped": dict(report.remapped), "rank": report.rank,
+        "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,
         "graphs": report.graphs, "pool_bytes": report.pool_bytes, "buffer_bytes": report.buffer_bytes,
-        "total_s": total_s,
+        "capture_s": captured_s, "total_s": total_s,
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.duration} for r in report.phases],
         "descriptors": descriptors, "result": result,
     }
 
 
-def _text(document: dict) -> str:
+def _print_report(document: dict) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
     from graphflow.render import format_bytes
 
-    lines = [f"plan {document['plan']} ({document['file']}), backend {document['backend']}"]
-    if not document["graphs_captured"]:
-        lines.append("  no CUDA graph was captured: the CPU backend runs every phase and replays each region eagerly")
+    console = Console(highlight=False, soft_wrap=True)
+
+    def line(text: str = "") -> None:
+        console.print(text, markup=False)
+
+    def table(*columns: str) -> Table:
+        drawn = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for name in columns:
+            drawn.add_column(name, justify="left" if name in ("phase", "outcome", "descriptor", "verify") else "right")
+        return drawn
+
+    real = document["graphs_captured"]
+    line(f"plan {document['plan']} ({document['file']}), backend {document['backend']}")
+    if not real:
+        line("  no CUDA graph was captured: the CPU backend runs every phase and replays each region eagerly")
     for device, mapped in document["remapped"].items():
-        lines.append(f"  device {device} mapped to {mapped}")
-    lines.append("")
-    lines.append(f"{'phase':<10}{'outcome':<10}{'seconds':>10}")
+        line(f"  device {device} mapped to {mapped}")
+    line()
+    phases = table("phase", "outcome", "seconds")
     for phase in document["phases"]:
-        lines.append(f"{phase['phase']:<10}{phase['outcome']:<10}{phase['seconds']:>10.3f}")
-    lines.append("")
-    lines.append(f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}, "
-                 f"static buffers {format_bytes(document['buffer_bytes'])}")
+        phases.add_row(phase["phase"], phase["outcome"], f"{phase['seconds']:.3f}")
+    console.print(phases)
+    line()
+    line((f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}, " if real else "")
+         + f"static buffers {format_bytes(document['buffer_bytes'])}")
     if document.get("trace"):
-        lines.append(f"trace {document['trace']}")
-    lines.append("")
-    lines.append(f"{'descriptor':<18}{'verify':<22}{'eager ms':>10}{'graph ms':>10}{'speed-up':>10}")
+        line(f"trace {document['trace']}")
+    line()
+    rows = table("descriptor", "verify", "eager ms", *(("graph ms", "speed-up") if real else ("replay ms",)))
     for row in document["descriptors"]:
-        name = f"{row['mode']}(B={row['size']})"
         verify = row["verify"]
         check = ("not verified" if verify is None else "bit-exact" if verify["bit_exact"]
                  else f"max|diff| {verify['max_abs_diff']:.2g}")
-        timing = (f"{row['eager_ms']:>10.3f}{row['graph_ms']:>10.3f}{row['speedup']:>9.2f}x"
-                  if row["eager_ms"] is not None else f"{'-':>10}{'-':>10}{'-':>10}")
-        lines.append(f"{name:<18}{check:<22}{timing}")
-    lines.append("")
-    lines.append(document["result"])
-    return "\n".join(lines)
+        timed = row["eager_ms"] is not None
+        cells = [f"{row['mode']}(B={row['size']})", check, f"{row['eager_ms']:.3f}" if timed else "-",
+                 f"{row['graph_ms']:.3f}" if timed else "-"]
+        if real:
+            cells.append(f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-")
+        rows.add_row(*cells)
+    console.print(rows)
+    line()
+    line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
+         "included")
+    line(document["result"])
 
 
 def _dump(document: dict) -> None:

@@ -107,11 +107,10 @@ class TestCapturedAllReduce:
 class TestEnginePipeline:
     @pytest.mark.parametrize("detectors", [False, True], ids=["detectors-off", "detectors-on"])
     def test_engine_captures_the_nccl_collective_and_verify_passes(self, nccl, tmp_path, detectors):
-        from graphflow.engine import run_pipeline
+        from graphflow.engine import RunOptions, run_pipeline
 
         runtime = ChannelRuntime(_plan(), tracer=Tracer(tmp_path, 0))
-        engine = run_pipeline(runtime.plan, backend="cuda", model=Model(runtime.handles), channels=runtime,
-                              detectors=detectors)
+        engine = run_pipeline(runtime.plan, RunOptions(backend="cuda", detectors=detectors), model=Model(runtime.handles), channels=runtime)
         assert engine.report.graphs == 2
         assert all(v.bit_exact for v in engine.report.verify)
         views = engine.buffers.views(4)

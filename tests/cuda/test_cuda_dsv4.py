@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import torch
 
-from graphflow.engine import run_pipeline
+from graphflow.engine import RunOptions, run_pipeline
 from graphflow.integrations.dsv4.decode import decode_both
 from graphflow.loader import load_plan
 from graphflow.runtime import Runner
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module", params=["dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml"])
 def engine(request):
-    engine = run_pipeline(load_plan(PLANS / request.param), backend="cuda")
+    engine = run_pipeline(load_plan(PLANS / request.param), RunOptions(backend="cuda"))
     yield engine
     engine.close()
 
@@ -46,7 +46,7 @@ class TestCudaDecodeReplay:
 
 @pytest.fixture(scope="module")
 def piecewise():
-    engine = run_pipeline(load_plan(PLANS / "dsv4_mini_piecewise.yaml"), backend="cuda")
+    engine = run_pipeline(load_plan(PLANS / "dsv4_mini_piecewise.yaml"), RunOptions(backend="cuda"))
     yield engine
     engine.close()
 

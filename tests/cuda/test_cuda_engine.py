@@ -11,7 +11,7 @@ import attrs
 import pytest
 import torch
 
-from graphflow.engine import CudaBackend, run_pipeline
+from graphflow.engine import CudaBackend, RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import Descriptor, Mode
@@ -85,7 +85,7 @@ class TestReplayEqualsEager:
     @pytest.mark.parametrize("full", [False, True])
     def test_bit_exact(self, full):
         plan = toy_plan(3, full=full, modes=(P, F) if full else (P,))
-        with run_pipeline(plan, backend="cuda") as engine:
+        with run_pipeline(plan, RunOptions(backend="cuda")) as engine:
             report = engine.report
             assert report.captures_graphs and report.backend == "cuda"
             assert all(r.bit_exact for r in report.verify) and len(report.verify) == len(report.descriptors)
@@ -109,7 +109,7 @@ class TestReplayEqualsEager:
         calls = []
         pre = model.layers[0].pre
         model.layers[0].pre = lambda x, h: (calls.append(1), pre(x, h))
-        with run_pipeline(plan, backend="cuda", model=model) as engine:
+        with run_pipeline(plan, RunOptions(backend="cuda"), model=model) as engine:
             before = len(calls)
             Runner(engine).run(torch.randn(2, 32, device="cuda"))
             assert len(calls) == before
@@ -166,7 +166,7 @@ class TestRollback:
         before = baseline()
         backend = TrackingBackend()
         with pytest.raises(CaptureError) as info:
-            run_pipeline(plan, backend=backend, model=model, listeners=[fault], detectors=False)
+            run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=model, listeners=[fault])
         error = info.value
         assert (error.phase, error.descriptor) == (expect, Descriptor(P, 8))
         if action != "drift":

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graphflow.detectors import Check, Detectors
-from graphflow.engine import run_pipeline
+from graphflow.engine import RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
@@ -93,7 +93,7 @@ class TestReplay:
     @pytest.mark.parametrize("modes", [(P,), (F,)], ids=["piecewise", "full"])
     def test_bit_exact_and_equal_to_the_serial_math(self, modes):
         model = Branches()
-        with run_pipeline(branches_plan(modes), backend="cuda", model=model, listeners=[model]) as engine:
+        with run_pipeline(branches_plan(modes), RunOptions(backend="cuda"), model=model, listeners=[model]) as engine:
             assert all(r.bit_exact for r in engine.report.verify)
             runner = Runner(engine)
             for batch in (3, 16):
@@ -104,8 +104,7 @@ class TestReplay:
 
     def test_an_eager_break_on_the_side_stream_between_regions(self):
         model = Branches()
-        with run_pipeline(branches_plan((P,), piecewise_break=True), backend="cuda", model=model,
-                          listeners=[model]) as engine:
+        with run_pipeline(branches_plan((P,), piecewise_break=True), RunOptions(backend="cuda"), model=model, listeners=[model]) as engine:
             assert all(r.bit_exact for r in engine.report.verify)
             x = torch.randn(8, 64, device="cuda")
             y, out = (t.clone() for t in Runner(engine).run(x))
@@ -132,8 +131,7 @@ class TestConcurrentInTheGraph:
         (the control) they form a chain, so this check can fail."""
         model = Branches()
         backend = TrackingBackend(debug_graphs=True)
-        with run_pipeline(branches_plan((F,), side=side), backend=backend, model=model, listeners=[model],
-                          sizes=[8]):
+        with run_pipeline(branches_plan((F,), side=side), RunOptions(sizes=[8]), backend=backend, model=model, listeners=[model]):
             (graph,) = backend.graphs
             path = tmp_path / "graph.dot"
             graph.graph.debug_dump(str(path))
@@ -169,20 +167,19 @@ class TestRollback:
         before = baseline()
         backend = TrackingBackend()
         with pytest.raises(CaptureError) as info:
-            run_pipeline(branches_plan(modes), backend=backend, model=model, listeners=[model], detectors=False)
+            run_pipeline(branches_plan(modes), RunOptions(detectors=False), backend=backend, model=model, listeners=[model])
         assert (info.value.phase, info.value.segment) == ("capture", "right")
         assert len(backend.streams) == 2
         assert_clean(backend, before)
         # and the device still captures afterwards
-        with run_pipeline(branches_plan(modes), backend="cuda", model=Branches(), listeners=[Branches()]) as engine:
+        with run_pipeline(branches_plan(modes), RunOptions(backend="cuda"), model=Branches(), listeners=[Branches()]) as engine:
             assert all(r.bit_exact for r in engine.report.verify)
 
 
 class TestDetectors:
     def test_the_joined_side_stream_is_not_flagged(self):
         model = Branches()
-        with run_pipeline(branches_plan((P, F)), backend="cuda", model=model, listeners=[model],
-                          detectors=True) as engine:
+        with run_pipeline(branches_plan((P, F)), RunOptions(backend="cuda", detectors=True), model=model, listeners=[model]) as engine:
             assert len(engine.report.verify) == 4
 
     def test_a_stream_outside_the_capture_is_still_flagged(self):

@@ -1,0 +1,231 @@
+"""The allocate phase: everything the later phases use, made once, before any warmup.
+
+``allocate`` builds the model (unless given one), resolves every ``call`` path, creates
+streams, pools, the stream schedules with their events, the static buffers and the
+detectors, and registers the undo of each on the run's rollback stack the moment it
+exists. What it made comes back as one read-only ``Allocation``: the later phases take
+it as an argument and never add to it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+import attrs
+import torch
+
+from graphflow.engine.binding import build_model, resolve
+from graphflow.engine.buffers import StaticBuffers
+from graphflow.engine.context import Context
+from graphflow.engine.execute import BoundSchedule
+from graphflow.engine.schedule import Schedule, build_schedule, dependencies
+from graphflow.errors import CaptureError
+from graphflow.events import Phase
+from graphflow.plan import BufferRole, CaptureRegion, Mode, Segment
+
+__all__ = ["Allocation", "allocate", "step_items"]
+
+
+@attrs.frozen(eq=False)
+class Allocation:
+    """What allocate made (see the module docstring).
+
+    ``streams`` maps each segment to the stream it runs on; ``schedules`` maps a
+    sequence of segment names (the eager step, each region) to its bound schedule.
+    The model and what is bound to it (``fns``: each segment's resolved callable,
+    ``hooks``: each prewarm hook, ``detectors``) live in ``owned``, which rollback
+    empties: the record may outlive the run in a traceback, the model must not.
+    """
+
+    devices: Mapping[str, torch.device]
+    baseline: Mapping[torch.device, int]
+    streams: Mapping[str, object]
+    pools: Mapping[torch.device, object]
+    schedules: Mapping[tuple[str, ...], BoundSchedule]
+    buffers: StaticBuffers
+    owned: _Owned
+
+    @property
+    def model(self) -> object:
+        return self.owned.model
+
+    @property
+    def fns(self) -> Mapping[str, Callable[..., object]]:
+        return self.owned.fns
+
+    @property
+    def hooks(self) -> Mapping[str, Callable[..., object]]:
+        return self.owned.hooks
+
+    @property
+    def detectors(self):
+        return self.owned.detectors
+
+    def device_of(self, ctx: Context, segment: Segment) -> torch.device:
+        """A segment's device: the plan's answer, else the first device the plan names."""
+        name = ctx.plan.segment_device(segment)
+        if name is not None:
+            return self.devices[name]
+        return next(iter(self.devices.values()), torch.device("cpu"))
+
+    def pool_bytes(self, ctx: Context) -> int | None:
+        """Bytes the capture pools hold, when the backend can tell (an allocator snapshot)."""
+        sizes = [ctx.backend.pool_bytes(p) for p in self.pools.values()]
+        return None if any(s is None for s in sizes) else sum(sizes)
+
+    def synchronize(self, ctx: Context) -> None:
+        for device in dict.fromkeys(self.devices.values()):
+            ctx.backend.synchronize(device)
+
+
+def step_items(ctx: Context, mode: Mode):
+    """A mode's step for this rank: regions (with this rank's segments) and eager
+    breaks, family after family."""
+    plan = ctx.plan
+    for family in plan.families:
+        for item in plan.step(family.name, mode):
+            if isinstance(item, CaptureRegion):
+                segments = tuple(s for s in (plan.segment(n) for n in item.segments) if s.runs_on(ctx.rank))
+                if segments:
+                    yield item, segments
+            elif item.runs_on(ctx.rank):
+                yield item
+
+
+def allocate(ctx: Context, model: object | None, channels: object | None) -> Allocation:
+    plan, backend, stack = ctx.plan, ctx.backend, ctx.stack
+    devices: dict[str, torch.device] = {}
+    baseline: dict[torch.device, int] = {}
+    for name in _device_names(ctx):
+        device = backend.device(name)
+        devices[name] = device
+        baseline.setdefault(device, backend.memory_allocated(device))
+    first = next(iter(devices.values()), torch.device("cpu"))
+    if ctx.options.verify:
+        _check_verifiable(ctx)
+    owned = _Owned()
+    if model is None:
+        offered = {"device": first, "rank": ctx.rank, "world_size": ctx.world_size, "plan": plan}
+        if channels is not None:
+            offered["channels"] = channels.handles
+        model = build_model(plan, offered)
+    owned.model = model
+    stack.push("drop the model", owned.drop)
+    bind = getattr(channels, "bind", None)
+    if bind is not None:  # so a channel's prewarm hook resolves on this model
+        bind(model)
+        stack.push("unbind the model from the channels", functools.partial(bind, None))
+    for segment in ctx.segments:
+        with ctx.locus.segment(segment.name):
+            owned.fns[segment.name] = resolve(model, segment.call, kind="segment", name=segment.name, plan=plan)
+    for hook in plan.prewarm:
+        owned.hooks[hook.name] = resolve(model, hook.call, kind="prewarm", name=hook.name, plan=plan)
+    streams = _streams(ctx, devices, first)
+    schedules = _schedules(ctx, streams)
+    stack.push("drop the schedules and their events", schedules.clear)
+    pools: dict[torch.device, object] = {}
+    for segment in ctx.segments:
+        name = plan.segment_device(segment)
+        device = devices[name] if name is not None else first
+        if segment.is_graph and device not in pools:
+            pools[device] = backend.new_pool(device)
+            stack.push(f"release the pool on {device}", functools.partial(_release_pool, backend, pools, device))
+    largest = max((d.size for d in ctx.descriptors), default=max(plan.max_size, 1))
+    buffers = StaticBuffers(plan, largest, lambda n: devices[n])
+    stack.push("free the static buffers", buffers.clear)
+    if ctx.options.detectors:
+        owned.detectors = _detectors(ctx, buffers, model)
+    return Allocation(devices, baseline, streams, pools, schedules, buffers, owned)
+
+@attrs.define(eq=False)
+class _Owned:
+    """The model and everything bound to it; ``drop`` (an undo) lets all of it go."""
+
+    model: object = None
+    fns: dict = attrs.field(factory=dict)
+    hooks: dict = attrs.field(factory=dict)
+    detectors: object = None
+
+    def drop(self) -> None:
+        self.model = None
+        self.fns.clear()
+        self.hooks.clear()
+        self.detectors = None
+
+
+def _check_verifiable(ctx: Context) -> None:
+    """Verify draws random inputs: an integer input needs its range."""
+    for buffer in ctx.plan.buffers:
+        if buffer.role is BufferRole.INPUT and buffer.values is None and not buffer.dtype.startswith(("float", "bfloat")):
+            raise CaptureError(f"input buffer {buffer.name!r} is {buffer.dtype} and declares no values",
+                               phase=Phase.ALLOCATE.value,
+                               hint="declare 'values: [low, high)' so verify can draw random inputs, "
+                                    "or run with --no-verify")
+
+
+def _device_names(ctx: Context) -> tuple[str, ...]:
+    plan = ctx.plan
+    names = [b.device for b in plan.buffers] + [s.device for s in plan.streams]
+    names += [d for s in ctx.segments if (d := plan.segment_device(s)) is not None]
+    return tuple(dict.fromkeys(names))
+
+
+def _streams(ctx: Context, devices: Mapping[str, torch.device], first: torch.device) -> dict[str, object]:
+    """Each segment's stream: the plan's, or one per device for segments naming none."""
+    plan, backend = ctx.plan, ctx.backend
+    named = {s.name: backend.new_stream(devices[s.device]) for s in plan.streams}
+    defaults: dict[torch.device, object] = {}
+    streams: dict[str, object] = {}
+    for segment in ctx.segments:
+        if segment.stream is not None:
+            streams[segment.name] = named[segment.stream]
+            continue
+        name = plan.segment_device(segment)
+        device = devices[name] if name is not None else first
+        if device not in defaults:
+            defaults[device] = backend.new_stream(device)
+        streams[segment.name] = defaults[device]
+    ctx.stack.push("drop the streams", streams.clear)
+    return streams
+
+
+def _schedules(ctx: Context, streams: Mapping[str, object]) -> dict[tuple[str, ...], BoundSchedule]:
+    """Schedule the eager step and every region to capture over their streams, and
+    preallocate the events the largest of them needs on each device."""
+    sequences = [ctx.segments]
+    for mode in dict.fromkeys(d.mode for d in ctx.descriptors):
+        sequences += [item[1] for item in step_items(ctx, mode) if not isinstance(item, Segment)]
+    placed: dict[tuple[str, ...], tuple[Schedule, list[tuple[torch.device, int]]]] = {}
+    needed: dict[torch.device, int] = {}
+    for segments in sequences:
+        names = tuple(s.name for s in segments)
+        if names in placed:
+            continue
+        schedule = build_schedule(names, [streams[n] for n in names], dependencies(ctx.plan, segments))
+        # Each event slot is the k-th event of its stream's device; schedules never run
+        # at the same time, so they share each device's events.
+        taken: dict[torch.device, int] = {}
+        slots = []
+        for stream in schedule.events:
+            device = stream.device
+            slots.append((device, taken.get(device, 0)))
+            taken[device] = taken.get(device, 0) + 1
+            needed[device] = max(needed.get(device, 0), taken[device])
+        placed[names] = (schedule, slots)
+    events = {device: [ctx.backend.new_event(device) for _ in range(count)] for device, count in needed.items()}
+    return {names: BoundSchedule.of(schedule, [events[device][k] for device, k in slots])
+            for names, (schedule, slots) in placed.items()}
+
+
+def _release_pool(backend, pools: dict, device: torch.device) -> None:
+    backend.release_pool(pools.pop(device))
+
+
+def _detectors(ctx: Context, buffers: StaticBuffers, model: object):
+    from graphflow.detectors import Check, Detectors
+
+    known = list(buffers.tensors.values())
+    if isinstance(model, torch.nn.Module):
+        known += [*model.parameters(), *model.buffers()]
+    return Detectors(checks=[c for c in Check.default() if c not in ctx.options.disabled_checks], known=known)

@@ -1,0 +1,137 @@
+"""The committed result: the ``Engine`` the runtime replays, and its report.
+
+``commit`` is the last phase: it hands the step programs, the static buffers and the
+model to an ``Engine``, together with the run's rollback stack, so that closing the
+engine releases exactly what rollback would have.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from graphflow.engine.allocate import Allocation
+from graphflow.engine.backend import Backend, Call
+from graphflow.engine.buffers import StaticBuffers
+from graphflow.engine.capture import Captured
+from graphflow.engine.context import Context
+from graphflow.engine.execute import bind
+from graphflow.engine.rollback import UndoStack
+from graphflow.engine.verify import VerifyResult
+from graphflow.engine.warmup import DescriptorTime
+from graphflow.events import Phase
+from graphflow.plan import Descriptor, Plan, Segment
+
+__all__ = ["Engine", "Outcome", "PhaseResult", "PipelineReport", "commit"]
+
+
+class Outcome(enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+@attrs.frozen
+class PhaseResult:
+    """One phase's outcome and timing (pytest's ``CallInfo``)."""
+
+    phase: Phase
+    outcome: Outcome
+    start: float
+    stop: float
+    error: BaseException | None = attrs.field(default=None, eq=False)
+
+    @property
+    def duration(self) -> float:
+        return self.stop - self.start
+
+
+@attrs.frozen
+class PipelineReport:
+    """What a committed pipeline did; ``graphflow run`` prints it.
+
+    ``times`` holds each descriptor's seconds in warmup, capture and verify, with the
+    capture pool's size after it when it was measured.
+    """
+
+    backend: str
+    captures_graphs: bool
+    rank: int
+    descriptors: tuple[Descriptor, ...]
+    graphs: int
+    phases: tuple[PhaseResult, ...]
+    verify: tuple[VerifyResult, ...]
+    pool_bytes: int | None
+    buffer_bytes: int
+    remapped: tuple[tuple[str, str], ...]
+    times: tuple[DescriptorTime, ...] = ()
+
+    def phase(self, phase: Phase) -> PhaseResult:
+        return next(r for r in self.phases if r.phase is phase)
+
+
+@attrs.define(eq=False)
+class Engine:
+    """A committed pipeline: captured graphs, static buffers, the model, and their undos.
+
+    ``programs`` maps each captured descriptor to its step: a tuple of bare callables
+    (graph replays and bound eager breaks, in order) that ``graphflow.runtime.Runner``
+    runs. ``close()`` releases everything, as rollback would.
+    """
+
+    plan: Plan
+    backend: Backend
+    model: object
+    buffers: StaticBuffers
+    programs: dict[Descriptor, tuple[Call, ...]]
+    segments: tuple[tuple[Segment, Callable[..., object]], ...]
+    report: PipelineReport
+    rank: int
+    _stack: UndoStack
+
+    @property
+    def descriptors(self) -> tuple[Descriptor, ...]:
+        return tuple(self.programs)
+
+    def eager_calls(self, size: int, views: dict[str, torch.Tensor] | None = None) -> tuple[Call, ...]:
+        """The whole step at ``size`` as bound eager calls (on the static views by default)."""
+        views = self.buffers.views(size) if views is None else views
+        return tuple(bind(segment, fn, views) for segment, fn in self.segments)
+
+    def close(self) -> None:
+        """Destroy graphs, release pools and buffers, drop the model; raise if an undo failed."""
+        self.programs = {}
+        self.model = None
+        self.segments = ()
+        failures = self._stack.unwind()
+        if failures is not None:
+            raise failures
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def commit(ctx: Context, alloc: Allocation, captured: Captured, verified: tuple[VerifyResult, ...],
+           times: tuple[DescriptorTime, ...]) -> Engine:
+    """Publish the step programs in an ``Engine``; its report's phases are added last."""
+    report = PipelineReport(
+        backend=ctx.backend.name, captures_graphs=ctx.backend.captures_graphs, rank=ctx.rank,
+        descriptors=ctx.descriptors, graphs=len(captured.graphs), phases=(), verify=verified,
+        pool_bytes=alloc.pool_bytes(ctx), buffer_bytes=alloc.buffers.nbytes(),
+        remapped=tuple(sorted(ctx.backend.remapped.items())), times=times)
+    engine = Engine(ctx.plan, ctx.backend, alloc.model, alloc.buffers, dict(captured.programs),
+                    tuple((s, alloc.fns[s.name]) for s in ctx.segments), report, ctx.rank, ctx.stack)
+
+    def unpublish() -> None:
+        engine.programs = {}
+        engine.model = None
+        engine.segments = ()
+
+    ctx.stack.push("unpublish the engine", unpublish)
+    return engine

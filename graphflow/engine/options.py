@@ -1,0 +1,66 @@
+"""How to run a pipeline: one frozen object, parsed once where the user speaks.
+
+The CLI, a benchmark or a test builds ``RunOptions`` from its own arguments; the
+pipeline only reads it. Names a user types (a backend, a check) become enums here, so a
+typo fails before any model is built and nothing downstream compares strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+from graphflow.detectors import Check
+from graphflow.engine.backend import BackendKind
+
+__all__ = ["RunOptions", "check_named"]
+
+
+def check_named(name: str | Check) -> Check:
+    """A detector check by its value (``host_sync``) or member name (``HOST_SYNC``)."""
+    if isinstance(name, Check):
+        return name
+    for check in Check:
+        if str(name).lower() in (check.value, check.name.lower()):
+            return check
+    raise ValueError(f"unknown check {name!r}: the checks are {', '.join(c.value for c in Check)}")
+
+
+def _checks(names: Iterable[str | Check]) -> frozenset[Check]:
+    return frozenset(check_named(n) for n in names)
+
+
+def _sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if sizes is None else tuple(sizes)
+
+
+def _rule_codes(codes: Iterable[str]) -> frozenset[str]:
+    from graphflow.validate import RULES
+
+    codes = frozenset(codes)
+    unknown = codes - {rule.code for rule in RULES}
+    if unknown:
+        raise ValueError(f"unknown rule code(s) {', '.join(sorted(unknown))}: `graphflow rules` lists them")
+    return codes
+
+
+@attrs.frozen
+class RunOptions:
+    """What ``run_pipeline`` does, apart from the plan and the model.
+
+    ``backend``: ``auto`` (CUDA when a GPU is present, else the CPU backend), ``cuda`` or
+    ``cpu``. ``verify``: compare replay with the eager step. ``detectors``: watch graph
+    segments for capture hazards, except the ``disabled_checks``. ``sizes``: capture
+    only these of the plan's descriptor sizes. ``seed``: verify's random inputs, so a
+    mismatch can be rerun. ``skip_rules``: validation rule codes not to apply (a plan
+    that reproduces a hazard on purpose, as a test of the runtime checks behind it).
+    """
+
+    backend: BackendKind = attrs.field(default=BackendKind.AUTO, converter=BackendKind)
+    verify: bool = True
+    detectors: bool = True
+    disabled_checks: frozenset[Check] = attrs.field(default=frozenset(), converter=_checks)
+    sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes)
+    seed: int = 0
+    skip_rules: frozenset[str] = attrs.field(default=frozenset(), converter=_rule_codes)
