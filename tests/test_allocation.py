@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from graphflow.engine import run_pipeline
+from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Plan, Segment, SegmentKind, Stream
 from graphflow.render import format_summary, summarize
@@ -23,6 +23,8 @@ from strategies import valid_plans
 
 GRAPH = SegmentKind.GRAPH
 CPU = torch.device("cpu")
+#: The plans are written for a GPU (streams on cuda:0, which the CPU backend maps to the CPU).
+CPU_RUN = RunOptions(backend="cpu", detectors=False)
 
 
 def shown_static_bytes(plan: Plan) -> int:
@@ -62,7 +64,7 @@ class TestCapacity:
     def test_show_reports_the_bytes_the_engine_allocates(self):
         plan = cache_plan()
         assert validate(plan).diagnostics == ()
-        with run_pipeline(plan, backend="cpu", model=Cache(), detectors=False) as engine:
+        with run_pipeline(plan, CPU_RUN, model=Cache()) as engine:
             allocated = engine.buffers.nbytes()
             assert engine.buffers.tensors["cache"].shape == (64, 8, 16)
         # x, kv, y: 8 rows x 16 float32 each; cache: 64 x 8 x 16 float32
@@ -121,7 +123,7 @@ class TestAliasChains:
         assert validate(chain_plan()).diagnostics == ()
 
     def test_a_chain_allocates_and_writes_through_it_reach_the_root(self):
-        with run_pipeline(chain_plan(), backend="cpu", model=Chain(), detectors=False) as engine:
+        with run_pipeline(chain_plan(), CPU_RUN, model=Chain()) as engine:
             tensors = engine.buffers.tensors
             assert tensors["c"].data_ptr() == tensors["b"].data_ptr() == tensors["a"].data_ptr()
             tensors["c"].fill_(7.0)
