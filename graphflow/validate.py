@@ -227,7 +227,8 @@ def unknown_codes(codes: Iterable[str]) -> str:
     codes = sorted(codes)
     retired = [f"{code} is retired ({RETIRED[code]})" for code in codes if code in RETIRED]
     unknown = [code for code in codes if code not in RETIRED]
-    parts = [f"unknown rule code(s) {', '.join(unknown)}: `graphflow rules` lists them"] if unknown else []
+    parts = [f"unknown rule code{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (see 'graphflow rules')"
+             ] if unknown else []
     return "; ".join(parts + retired)
 
 
