@@ -79,6 +79,11 @@ def _is_list(value) -> bool:
     return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
 
 
+def _tuple(value):
+    """A list (any iterable but a string or mapping) as a tuple; anything else as it is, for the check."""
+    return tuple(value) if _is_list(value) else value
+
+
 @attrs.frozen
 class Text(_Kind):
     """A string, optionally spelled by ``pattern`` (a regular expression matching all of it)."""
@@ -137,19 +142,6 @@ class Number(_Kind):
             raise FieldTypeError(path, "a number", value)
         if self.minimum is not None and (value < self.minimum or (self.exclusive and value == self.minimum)):
             raise FieldValueError(path, self.bound, value)
-
-
-@attrs.frozen
-class Flag(_Kind):
-    """A bool."""
-
-    @property
-    def expected(self) -> str:
-        return "true or false"
-
-    def check(self, path: str, value) -> None:
-        if not isinstance(value, bool):
-            raise FieldTypeError(path, self.expected, value)
 
 
 @attrs.frozen
@@ -281,7 +273,7 @@ class Bounds(_Kind):
         return "two numbers [low, high)"
 
     def convert(self, value):
-        return tuple(value) if _is_list(value) else value
+        return _tuple(value)
 
     def check(self, path: str, value) -> None:
         if not isinstance(value, tuple):
@@ -306,7 +298,7 @@ class Elements(_Kind):
         return f"a list of {self.cls.__name__} elements"
 
     def convert(self, value):
-        return tuple(value) if _is_list(value) else value
+        return _tuple(value)
 
     def check(self, path: str, value) -> None:
         if not isinstance(value, tuple):
@@ -318,17 +310,26 @@ class Elements(_Kind):
 
 @attrs.frozen
 class Instance(_Kind):
-    """An instance of ``cls`` (a plan's capture settings)."""
+    """An instance of ``cls`` (a plan's capture settings); ``what`` says it in words."""
 
     cls: type
+    what: str | None = None
 
     @property
     def expected(self) -> str:
-        return f"a {self.cls.__name__}"
+        return self.what or f"a {self.cls.__name__}"
 
     def check(self, path: str, value) -> None:
         if not isinstance(value, self.cls):
             raise FieldTypeError(path, self.expected, value)
+
+
+@attrs.frozen
+class Flag(Instance):
+    """A bool (never 1 or "true")."""
+
+    cls: type = bool
+    what: str | None = "true or false"
 
 
 @attrs.frozen

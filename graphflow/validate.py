@@ -722,10 +722,15 @@ def unused_buffers(plan: Plan) -> Iterator[Finding]:
     """
     used = {storage for segment in plan.segments for name in (*segment.reads, *segment.writes)
             for storage in plan.alias_chain(name)}
-    for buffer in plan.buffers:
-        if buffer.name not in used:
-            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' is read or written by no segment",
-                          "use it in a segment's reads or writes, or remove it")
+    yield from _unused("buffer", plan.buffers, used, "buffer '{}' is read or written by no segment",
+                       "use it in a segment's reads or writes, or remove it")
+
+
+def _unused(kind: str, elements: Iterable, used: set, message: str, fix: str) -> Iterator[Finding]:
+    """A finding for each element whose name is not in ``used`` (GF205, GF404, GF506)."""
+    for element in elements:
+        if element.name not in used:
+            yield Finding(kind, element.name, message.format(element.name), fix)
 
 
 # -- allocation: GF3xx ---------------------------------------------------------------------
@@ -914,10 +919,8 @@ def unused_streams(plan: Plan) -> Iterator[Finding]:
     Fix: name it in the segments that should run on it, or remove it.
     """
     used = {segment.stream for segment in plan.segments}
-    for stream in plan.streams:
-        if stream.name not in used:
-            yield Finding("stream", stream.name, f"stream {stream.name} is used by no segment",
-                          "name it in a segment's stream, or remove it")
+    yield from _unused("stream", plan.streams, used, "stream {} is used by no segment",
+                       "name it in a segment's stream, or remove it")
 
 
 # -- channels: GF5xx -----------------------------------------------------------------------
@@ -1072,10 +1075,8 @@ def unused_channels(plan: Plan) -> Iterator[Finding]:
     Fix: use it in the segment that communicates, or remove it.
     """
     used = {name for segment in plan.segments for name in segment.channels}
-    for channel in plan.channels:
-        if channel.name not in used:
-            yield Finding("channel", channel.name, f"channel {channel.name} is used by no segment",
-                          "name it in the segment that communicates, or remove it")
+    yield from _unused("channel", plan.channels, used, "channel {} is used by no segment",
+                       "name it in the segment that communicates, or remove it")
 
 
 # -- modes: GF6xx --------------------------------------------------------------------------
