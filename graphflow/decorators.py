@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import sys
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -41,15 +40,13 @@ from typing import Any, TypeVar
 
 import attrs
 
-from graphflow.errors import PlanError
-# One template grammar for YAML and decorated plans: the loader's.
-from graphflow.loader import _TOKEN, _VAR
+from graphflow import templates
+from graphflow.errors import FieldError, PlanError
 from graphflow.plan import (
     Buffer,
     BufferRole,
     CaptureSettings,
     Channel,
-    ChannelKind,
     Family,
     Mode,
     Origin,
@@ -59,6 +56,7 @@ from graphflow.plan import (
     SegmentKind,
     Stream,
     WarmupPolicy,
+    alias_chain,
 )
 
 __all__ = [
@@ -125,8 +123,9 @@ class BufferDecl(_ClassLevel):
 
     def build(self, name: str, resolve: Callable[[Any], Any], expand: Callable[[str], str]) -> Buffer:
         alias = resolve(self.alias_of)
-        return Buffer(name=name, shape=tuple(resolve(dim) for dim in resolve(self.shape)), dtype=resolve(self.dtype),
-                      device=resolve(self.device), role=BufferRole(resolve(self.role)),
+        shape = resolve(self.shape)
+        return Buffer(name=name, shape=[resolve(dim) for dim in shape] if isinstance(shape, (list, tuple)) else shape,
+                      dtype=resolve(self.dtype), device=resolve(self.device), role=resolve(self.role),
                       capacity=resolve(self.capacity) or {}, alias_of=None if alias is None else expand(alias),
                       values=resolve(self.values))
 
@@ -163,10 +162,9 @@ class ChannelDecl(_ClassLevel):
 
     def build(self, name: str, resolve: Callable[[Any], Any], expand: Callable[[str], str]) -> Channel:
         hook = resolve(self.prewarm)
-        return Channel(name=name, kind=ChannelKind(resolve(self.kind)), group=expand(resolve(self.group)),
-                       id=resolve(self.id), family=expand(resolve(self.family)),
-                       warmup=WarmupPolicy(resolve(self.warmup)), prewarm=None if hook is None else expand(hook),
-                       jit=resolve(self.jit))
+        return Channel(name=name, kind=resolve(self.kind), group=expand(resolve(self.group)), id=resolve(self.id),
+                       family=expand(resolve(self.family)), warmup=resolve(self.warmup),
+                       prewarm=None if hook is None else expand(hook), jit=resolve(self.jit))
 
 
 @attrs.frozen
@@ -381,28 +379,19 @@ def _is_module_class(owner: type) -> bool:
 
 
 def _expand(text: str, env: Mapping[str, int], fail: Callable[[str], PlanError]) -> str:
-    """Expand ``{var}``, ``{var+N}``, ``{var-N}`` as the YAML loader does; ``{{``/``}}`` are braces."""
+    """Expand the module's positions in ``text`` with the YAML loader's grammar (``graphflow.templates``)."""
     if not isinstance(text, str):
         raise fail(f"expected a name (a string), got {type(text).__name__} {text!r}")
 
-    def substitute(match: re.Match) -> str:
-        token = match.group(0)
-        if token in ("{{", "}}"):
-            return token[0]
-        var = _VAR.match(match.group(1)) if match.group(1) is not None else None
-        if var is None:
-            raise fail(f"bad template {token!r} in {text!r}: templates are {{var}}, {{var+N}} or {{var-N}}")
-        name, sign, offset = var.groups()
-        if name not in env:
-            bound = ", ".join(sorted(env)) or "none"
-            raise fail(f"{text!r} uses {{{name}}}, but neither this module nor a parent declares "
-                       f"{name} = graphflow.position() (bound here: {bound})")
-        value = env[name]
-        if sign is not None:
-            value = value + int(offset) if sign == "+" else value - int(offset)
-        return str(value)
+    def unbound(name: str) -> str:
+        bound = ", ".join(sorted(env)) or "none"
+        return (f"{text!r} uses {{{name}}}, but neither this module nor a parent declares "
+                f"{name} = graphflow.position() (bound here: {bound})")
 
-    return _TOKEN.sub(substitute, text)
+    try:
+        return templates.expand(text, env, unbound)
+    except templates.TemplateError as exc:
+        raise fail(str(exc)) from exc
 
 
 # -- the module tree ---------------------------------------------------------------------------
@@ -689,21 +678,24 @@ def _segment(call: _Call) -> Segment:
     def expand(text: str) -> str:
         return site.expand(call.method, text, origin)
 
-    return Segment(
-        name=expand(decl.name) if decl.name is not None else site.call(call.method),
-        kind=decl.kind,
-        call=site.call(call.method),
-        reads=[expand(n) for n in decl.reads],
-        writes=[expand(n) for n in decl.writes],
-        stream=None if decl.stream is None else expand(decl.stream),
-        channels=[expand(n) for n in decl.channels],
-        family=expand(decl.family),
-        data_dependent=decl.data_dependent,
-        device=None if decl.device is None else expand(decl.device),
-        ranks=decl.ranks,
-        after=[expand(n) for n in decl.after],
-        kernels=[expand(n) for n in decl.kernels],
-    )
+    try:
+        return Segment(
+            name=expand(decl.name) if decl.name is not None else site.call(call.method),
+            kind=decl.kind,
+            call=site.call(call.method),
+            reads=[expand(n) for n in decl.reads],
+            writes=[expand(n) for n in decl.writes],
+            stream=None if decl.stream is None else expand(decl.stream),
+            channels=[expand(n) for n in decl.channels],
+            family=expand(decl.family),
+            data_dependent=decl.data_dependent,
+            device=None if decl.device is None else expand(decl.device),
+            ranks=decl.ranks,
+            after=[expand(n) for n in decl.after],
+            kernels=[expand(n) for n in decl.kernels],
+        )
+    except FieldError as exc:
+        raise site.error(call.method, f"bad {decl.decorator} declaration: {exc}", origin) from exc
 
 
 def _segments(calls: list[_Call], tables: Mapping[str, _Table]) -> list[Segment]:
@@ -764,9 +756,12 @@ def _record(root: _Site, sites: list[_Site], attr: str, fn: Callable[..., Any]) 
     return recorder.calls
 
 
-def _check_all_used(sites: list[_Site], tables: Mapping[str, _Table], calls: Iterable[_Call],
-                    segments: Iterable[Segment]) -> None:
-    """A decorated method no step reaches, or a declaration no step uses, is a mistake: say so."""
+def _check_all_reached(sites: list[_Site], calls: Iterable[_Call]) -> None:
+    """A decorated method no step reaches is a mistake YAML cannot make: say so.
+
+    Declarations no step uses (a buffer, stream or channel) are kept in the plan
+    instead, for the validator to warn about exactly as it does for a YAML plan.
+    """
     reached = {(id(call.site.module), call.method) for call in calls}
     for site in sites:
         for attr, (fn, decls) in site.info.methods.items():
@@ -774,23 +769,12 @@ def _check_all_used(sites: list[_Site], tables: Mapping[str, _Table], calls: Ite
                 raise site.error(attr, f"declared with {decls[0].decorator} but never reached by a step: call it "
                                        f"from a @graphflow.step method of {type(sites[0].module).__name__}, or "
                                        "remove the decorator", _method_origin(fn))
-    used = _used(tables, list(segments))
-    for kind in ("buffer", "stream", "channel"):
-        for name in tables[kind].items:
-            if name not in used[kind]:
-                raise tables[kind].error(name, f"{kind} {name!r} is declared but no step's segment uses it — "
-                                               "use it in a segment's declaration, or remove it")
 
 
 def _used(tables: Mapping[str, _Table], segments: list[Segment]) -> dict[str, set[str]]:
     """The names segments use, with the buffers those alias and the hooks their channels name."""
-    buffers = {n for s in segments for n in (*s.reads, *s.writes)}
-    pending = list(buffers)
-    while pending:
-        target = getattr(tables["buffer"].items.get(pending.pop()), "alias_of", None)
-        if target is not None and target not in buffers:
-            buffers.add(target)
-            pending.append(target)
+    lookup = tables["buffer"].items.get
+    buffers = {name for s in segments for n in (*s.reads, *s.writes) for name in alias_chain(n, lookup)}
     channels = {n for s in segments for n in s.channels}
     named_hooks = {c.prewarm for c in tables["channel"].items.values() if c.prewarm is not None}
     hooks = {c.prewarm for name, c in tables["channel"].items.items() if name in channels}
@@ -830,49 +814,53 @@ def plan_from_module(model, *, step: str | None = None, factory: str | None = No
     chosen = _choose(root, steps, step)
     recorded = {attr: _record(root, sites, attr, fn) for attr, (fn, _) in steps.items()}
     built = {attr: _segments(calls, tables) for attr, calls in recorded.items()}
-    _check_all_used(sites, tables, (c for calls in recorded.values() for c in calls),
-                    (s for segments in built.values() for s in segments))
+    _check_all_reached(sites, (c for calls in recorded.values() for c in calls))
     segments = built[chosen]
     used = _used(tables, segments)
-    kept = {kind: [e for n, e in table.items.items() if n in used[kind]] for kind, table in tables.items()}
+    anywhere = _used(tables, [s for segments in built.values() for s in segments])
+    # What this step uses, and what no step uses: the validator warns about the latter
+    # (GF205, GF404, GF506) as it does for a YAML plan; another step's elements stay out.
+    kept = {kind: [e for n, e in table.items.items() if n in used[kind] or n not in anywhere[kind]]
+            for kind, table in tables.items()}
     origins = {f"{kind}:{e.name}": tables[kind].sources[e.name][2] for kind, elements in kept.items()
                for e in elements if tables[kind].sources[e.name][2] is not None}
     origins.update({f"segment:{s.name}": o for s, c in zip(segments, recorded[chosen])
                     if (o := _method_origin(c.fn)) is not None})
 
-    step_decl = steps[chosen][1]
+    step_fn, step_decl = steps[chosen]
 
     def setting(value, field):
         return _first(value, root.resolve(getattr(step_decl, field)))
 
     defaults = CaptureSettings()
-    capture = CaptureSettings(
-        modes=tuple(Mode(m) for m in setting(modes, "modes") or defaults.modes),
-        sizes=tuple(setting(sizes, "sizes") or defaults.sizes),
-        size_symbol=_first(setting(size_symbol, "size_symbol"), defaults.size_symbol),
-        warmup_iters=_first(setting(warmup_iters, "warmup_iters"), defaults.warmup_iters),
-        atol=float(_first(setting(atol, "atol"), defaults.atol)),
-        rtol=float(_first(setting(rtol, "rtol"), defaults.rtol)),
-        barrier_timeout_s=float(_first(setting(barrier_timeout_s, "barrier_timeout_s"),
-                                       defaults.barrier_timeout_s)),
-    )
     named = [c.family for c in kept["channel"]] + [s.family for s in segments]
-    family_names = setting(families, "families") or list(dict.fromkeys(named)) or ["target"]
-    return Plan(
-        name=_first(setting(name, "name"), type(model).__name__),
-        buffers=kept["buffer"],
-        streams=kept["stream"],
-        channels=kept["channel"],
-        segments=segments,
-        families=[Family(f) for f in family_names],
-        prewarm=kept["prewarm"],
-        symbols=setting(symbols, "symbols") or {},
-        capture=capture,
-        model=factory,
-        model_args=dict(model_args or {}),
-        world_size=_first(setting(world_size, "world_size"), 1),
-        origins=origins,
-    )
+    try:
+        capture = CaptureSettings(
+            modes=setting(modes, "modes") or defaults.modes,
+            sizes=setting(sizes, "sizes") or defaults.sizes,
+            size_symbol=_first(setting(size_symbol, "size_symbol"), defaults.size_symbol),
+            warmup_iters=_first(setting(warmup_iters, "warmup_iters"), defaults.warmup_iters),
+            atol=_first(setting(atol, "atol"), defaults.atol),
+            rtol=_first(setting(rtol, "rtol"), defaults.rtol),
+            barrier_timeout_s=_first(setting(barrier_timeout_s, "barrier_timeout_s"), defaults.barrier_timeout_s),
+        )
+        return Plan(
+            name=_first(setting(name, "name"), type(model).__name__),
+            buffers=kept["buffer"],
+            streams=kept["stream"],
+            channels=kept["channel"],
+            segments=segments,
+            families=[Family(f) for f in setting(families, "families") or list(dict.fromkeys(named)) or ["target"]],
+            prewarm=kept["prewarm"],
+            symbols=setting(symbols, "symbols") or {},
+            capture=capture,
+            model=factory,
+            model_args=dict(model_args or {}),
+            world_size=_first(setting(world_size, "world_size"), 1),
+            origins=origins,
+        )
+    except FieldError as exc:
+        raise root.error(chosen, f"bad {step_decl.decorator} settings: {exc}", _method_origin(step_fn)) from exc
 
 
 def _torch_nn():

@@ -6,7 +6,8 @@ element, phase or rank instead of parsing text.
 
 from __future__ import annotations
 
-__all__ = ["GraphflowError", "PlanError", "InvalidPlanError", "CaptureError", "DivergenceError"]
+__all__ = ["GraphflowError", "PlanError", "FieldError", "FieldTypeError", "FieldValueError", "InvalidPlanError",
+           "CaptureError", "DivergenceError"]
 
 
 class GraphflowError(Exception):
@@ -32,6 +33,32 @@ class PlanError(GraphflowError, ValueError):
             where = f"{self.file}:{self.line}: " if self.line is not None else f"{self.file}: "
         elem = f"{self.element}: " if self.element else ""
         return f"{where}{elem}{self.message}"
+
+
+class FieldError(GraphflowError):
+    """A plan element built in Python holds a value its field does not allow.
+
+    The message follows attrs' template, ``'warmup_iters' must be >= 1 (got 0)``; the
+    pieces stay as attributes: ``field`` (the attribute, with an index or key for an
+    item: ``'ranks[1]'``), ``expected`` and ``value``.
+    """
+
+    def __init__(self, field: str, expected: str, value):
+        self.field = field
+        self.expected = expected
+        self.value = value
+        super().__init__(field, expected, value)  # the pieces, as attrs raises them (and pickling needs)
+
+    def __str__(self) -> str:
+        return f"'{self.field}' must be {self.expected} (got {self.value!r})"
+
+
+class FieldTypeError(FieldError, TypeError):
+    """A field holds a value of the wrong type (``'id'`` given ``'1'``)."""
+
+
+class FieldValueError(FieldError, ValueError):
+    """A field holds a value of the right type outside its range or choices."""
 
 
 class InvalidPlanError(GraphflowError, ValueError):

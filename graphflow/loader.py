@@ -5,12 +5,15 @@ walks them, so every element keeps its line: a bad plan gives one ``PlanError`` 
 file, line and element, and ``Plan.origins`` tells the validator where each element
 was declared. Loading never imports the model factory a plan names.
 
-Templating is deliberately tiny: ``{var}``, ``{var+N}`` and ``{var-N}``, substituted in
-the strings of an element whose name uses ``var``; ``{{`` and ``}}`` are literal braces.
-Anything else in braces is an error, so a typo never survives as a buffer name.
+Which keys an element has, which are required, and what each value may be are read off
+the plan classes (``graphflow.fields``): one generic reader checks every value by its
+field's kind, so YAML, Python and the JSON Schema (``graphflow.schema``) state the same
+rules. What is particular to the file stays here: sections keyed by name, ``for_each``,
+a symbol listing the descriptor sizes, and families named by their members.
 
-``dump_plan`` writes the expanded plan, with literal braces escaped, so
-``loads_plan(dump_plan(plan)) == plan`` for every plan.
+Templates (``graphflow.templates``) are substituted in the strings of an element whose
+name uses a ``for_each`` variable. ``dump_plan`` writes the expanded plan, with literal
+braces escaped, so ``loads_plan(dump_plan(plan)) == plan`` for every plan.
 """
 
 from __future__ import annotations
@@ -20,30 +23,26 @@ import enum
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 import yaml
 
-from graphflow.errors import PlanError
+from graphflow import fields, templates
+from graphflow.errors import FieldError, PlanError
 from graphflow.plan import (
-    DTYPE_BYTES,
+    IDENTIFIER,
     Buffer,
-    BufferRole,
     CaptureSettings,
     Channel,
-    ChannelKind,
     Family,
     Mode,
     Origin,
     Plan,
     Prewarm,
     Segment,
-    SegmentKind,
     Stream,
-    WarmupPolicy,
-    dim_symbols,
 )
 
 __all__ = ["FORMAT_VERSION", "dump_plan", "load_plan", "loads_plan", "plan_to_dict"]
@@ -51,11 +50,8 @@ __all__ = ["FORMAT_VERSION", "dump_plan", "load_plan", "loads_plan", "plan_to_di
 #: The ``graphflow:`` value this module reads and writes.
 FORMAT_VERSION = 1
 
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_TOKEN = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
-_VAR = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:([+-])\s*(\d+)\s*)?\Z")
-_RANGE = re.compile(r"\s*range\(\s*([+-]?\d+)\s*(?:,\s*([+-]?\d+)\s*(?:,\s*([+-]?\d+)\s*)?)?\)\s*\Z")
-_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*\Z")
+_IDENT = re.compile(rf"{IDENTIFIER}\Z")
+_RANGE = re.compile(rf"{templates.RANGE_PATTERN}\Z")
 _TAG = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_TAG + t for t in ("str", "int", "float", "bool", "null")}
 _MAX_NODES = 200_000  # aliases can make a small file huge ("billion laughs")
@@ -191,14 +187,13 @@ def _closest(word: str, choices: Iterable[str]) -> str:
 # -- the format: keys of each element ---------------------------------------------------
 _TOP_KEYS = ("graphflow", "name", "model", "model_args", "world_size", "symbols", "for_each", "families",
              "streams", "buffers", "channels", "prewarm", "segments", "capture")
-_BUFFER_KEYS = ("shape", "dtype", "device", "role", "capacity", "alias_of", "values")
-_STREAM_KEYS = ("device",)
-_CHANNEL_KEYS = ("kind", "group", "id", "family", "warmup", "prewarm", "jit")
-_PREWARM_KEYS = ("call", "per_size")
-_SEGMENT_KEYS = ("name", "kind", "call", "reads", "writes", "stream", "channels", "family", "data_dependent",
-                 "device", "ranks", "after", "kernels")
-_CAPTURE_KEYS = ("modes", "sizes", "size_symbol", "warmup_iters", "verify", "barrier_timeout_s")
-_VERIFY_KEYS = ("atol", "rtol")
+#: Sections of named elements: section key -> (element class, kind of element).
+_SECTIONS = {"streams": (Stream, "stream"), "buffers": (Buffer, "buffer"), "channels": (Channel, "channel"),
+             "prewarm": (Prewarm, "prewarm")}
+
+
+def _kind(cls: type, name: str) -> fields.Kind:
+    return fields.spec(attrs.fields_dict(cls)[name]).kind
 
 
 @attrs.frozen
@@ -223,13 +218,13 @@ class _Reader:
     def fail(self, message: str, line: int | None, element: str | None = None):
         raise PlanError(message, file=self.file, line=line, element=element)
 
-    # -- typed values ---------------------------------------------------------------
+    # -- values, by the kind of the field they fill ------------------------------------
     def mapping(self, node: _Node, where: str | None, known: tuple[str, ...] | None,
-                required: tuple[str, ...] = ()) -> dict:
+                required: tuple[str, ...] = (), what: str = "a mapping") -> dict:
         """The node's entries, checked against the known keys (None: any key)."""
         if not node.is_map:
             keys = f" with keys {', '.join(known)}" if known else ""
-            self.fail(f"expected a mapping{keys}, got {_describe(node.value)}", node.line, where)
+            self.fail(f"expected {what}{keys}, got {_describe(node.value)}", node.line, where)
         for key in node.value:
             if known is not None and key not in known:
                 self.fail(f"unknown key {key!r}{_closest(key, known)}; known keys: {', '.join(known)}",
@@ -239,76 +234,115 @@ class _Reader:
                 self.fail(f"missing required key {key!r}", node.line, where)
         return node.value
 
-    def string(self, node: _Node, where: str, what: str = "a string") -> str:
-        if not isinstance(node.value, str):
-            self.fail(f"expected {what}, got {_describe(node.value)}", node.line, where)
-        return node.value
-
-    def opt_str(self, node: _Node, where: str) -> str | None:
-        return None if node.value is None else self.string(node, where)
-
-    def integer(self, node: _Node, where: str, minimum: int | None = None) -> int:
-        value = node.value
-        if not isinstance(value, int) or isinstance(value, bool):
-            self.fail(f"expected an integer, got {_describe(value)}", node.line, where)
-        if minimum is not None and value < minimum:
-            self.fail(f"expected an integer >= {minimum}, got {value}", node.line, where)
-        return value
-
-    def number(self, node: _Node, where: str, minimum: float = -math.inf, strict: bool = False) -> float:
-        value = node.value
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            self.fail(f"expected a number, got {_describe(value)}", node.line, where)
-        if value < minimum or (strict and value == minimum):
-            self.fail(f"expected a number {'>' if strict else '>='} {minimum:g}, got {value}", node.line, where)
-        return float(value)
-
-    def flag(self, node: _Node, where: str) -> bool:
-        if not isinstance(node.value, bool):
-            self.fail(f"expected true or false, got {_describe(node.value)}", node.line, where)
-        return node.value
-
-    def choice(self, node: _Node, where: str, kind: type[enum.Enum]) -> Any:
-        allowed = [member.value for member in kind]
-        if not isinstance(node.value, str) or node.value not in allowed:
-            self.fail(f"expected one of {', '.join(allowed)}, got {_describe(node.value)}"
-                      f"{_closest(str(node.value), allowed)}", node.line, where)
-        return kind(node.value)
-
     def sequence(self, node: _Node, where: str, what: str) -> tuple[_Node, ...]:
         if not node.is_list:
             self.fail(f"expected a list of {what}, got {_describe(node.value)}", node.line, where)
         return node.value
 
-    def names(self, node: _Node, where: str, what: str) -> tuple[str, ...]:
-        items = self.sequence(node, where, what)
-        for index, item in enumerate(items):
-            if not isinstance(item.value, str):
-                self.fail(f"expected a list of {what}, got {_describe(item.value)} at [{index}]", item.line, where)
-        return tuple(item.value for item in items)
-
-    def ints(self, node: _Node, where: str, what: str, minimum: int | None = None) -> tuple[int, ...]:
-        items = self.sequence(node, where, what)
-        return tuple(self.integer(item, f"{where}[{index}]", minimum) for index, item in enumerate(items))
-
-    def dims(self, node: _Node, where: str) -> tuple:
-        dims = []
-        for index, item in enumerate(self.sequence(node, where, "dimensions (ints or symbols like B, 2*B)")):
-            if isinstance(item.value, str):
+    def read(self, kind: fields.Kind, node: _Node, where: str) -> Any:
+        """The value of ``node`` for a field of ``kind``, or a PlanError at the node's line."""
+        value = node.value
+        if isinstance(kind, fields.Optional):
+            return None if value is None else self.read(kind.inner, node, where)
+        if isinstance(kind, fields.Text):
+            if not isinstance(value, str):
+                self.fail(f"expected {kind.what}, got {_describe(value)}", node.line, where)
+            if kind.pattern is not None and re.fullmatch(kind.pattern, value) is None:
+                self.fail(f"expected {kind.what}, got {value!r}", node.line, where)
+            return value
+        if isinstance(kind, fields.Integer):
+            if not isinstance(value, int) or isinstance(value, bool):
+                self.fail(f"expected an integer, got {_describe(value)}", node.line, where)
+            if kind.minimum is not None and value < kind.minimum:
+                self.fail(f"expected {kind.expected}, got {value}", node.line, where)
+            return value
+        if isinstance(kind, fields.Number):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                self.fail(f"expected a number, got {_describe(value)}", node.line, where)
+            if kind.minimum is not None and (value < kind.minimum or (kind.exclusive and value == kind.minimum)):
+                self.fail(f"expected {kind.expected}, got {value}", node.line, where)
+            return float(value)
+        if isinstance(kind, fields.Flag):
+            if not isinstance(value, bool):
+                self.fail(f"expected true or false, got {_describe(value)}", node.line, where)
+            return value
+        if isinstance(kind, fields.Choice):
+            if not isinstance(value, str) or value not in kind.values:
+                self.fail(f"expected {kind.expected}, got {_describe(value)}{_closest(str(value), kind.values)}",
+                          node.line, where)
+            return kind.enum(value) if kind.enum is not None else value
+        if isinstance(kind, fields.Dimension):
+            if isinstance(value, str):
+                if re.fullmatch(kind.pattern, value) is None:
+                    self.fail(f"bad shape dimension {value!r}: use {kind.expected}", node.line, where)
+                return value
+            if isinstance(value, int) and not isinstance(value, bool):
+                return self.read(fields.Integer(minimum=1), node, where)
+            self.fail(f"expected {kind.expected}, got {_describe(value)}", node.line, where)
+        if isinstance(kind, fields.Sequence):
+            items = self.sequence(node, where, kind.what)
+            if isinstance(kind.item, fields.Text) and kind.item.pattern is None:
+                for index, item in enumerate(items):  # a list of names: say which entry
+                    if not isinstance(item.value, str):
+                        self.fail(f"expected a list of {kind.what}, got {_describe(item.value)} at [{index}]",
+                                  item.line, where)
+            return tuple(self.read(kind.item, item, f"{where}[{index}]") for index, item in enumerate(items))
+        if isinstance(kind, fields.Table):
+            entries = self.mapping(node, where, None, what=kind.expected)
+            for key in entries:
                 try:
-                    dim_symbols(item.value)
-                except ValueError as exc:
-                    raise PlanError(str(exc), file=self.file, line=item.line, element=f"{where}[{index}]") from exc
-                dims.append(item.value)
-            else:
-                dims.append(self.integer(item, f"{where}[{index}]", minimum=0))
-        return tuple(dims)
+                    kind.key.check(where, key)
+                except FieldError:
+                    self.fail(f"expected {kind.key.expected} as a key, got {key!r}", node.key_lines[key], where)
+            return {key: self.read(kind.value, item, f"{where}.{key}") for key, item in entries.items()}
+        if isinstance(kind, fields.Bounds):
+            bounds = self.sequence(node, where, "two numbers [low, high)") if node.is_list else None
+            if bounds is None:
+                self.fail(f"expected {kind.expected}, got {_describe(value)}", node.line, where)
+            if len(bounds) != 2:
+                self.fail(f"expected {kind.expected}, got {len(bounds)} items", node.line, where)
+            for index, bound in enumerate(bounds):
+                self.read(fields.Number(), bound, f"{where}[{index}]")
+            low, high = (bound.value for bound in bounds)
+            if low >= high:
+                self.fail(f"expected {kind.expected} with low < high, got [{low}, {high}]", node.line, where)
+            return low, high
+        if isinstance(kind, fields.Data):
+            return _plain(node)
+        raise TypeError(f"no YAML form for a field of kind {kind!r}")  # a plan class declares a new kind
 
-    def identifier(self, node: _Node, where: str, what: str) -> str:
-        text = self.string(node, where, what)
-        if not _IDENT.match(text):
-            self.fail(f"expected {what} (letters, digits and _), got {text!r}", node.line, where)
-        return text
+    def element(self, cls: type, node: _Node, where: str, name: str | None = None) -> Any:
+        """An element of ``cls`` from its YAML mapping: keys, required keys and values by its fields.
+
+        ``name`` is given for elements keyed by name in their section (streams, buffers...).
+        """
+        layout = fields.yaml_fields(cls, skip=("name",) if name is not None else ())
+        required = tuple(key for key, attribute in layout.items()
+                         if isinstance(attribute, attrs.Attribute) and attribute.default is attrs.NOTHING)
+        kwargs = self.values(self.mapping(node, where, tuple(layout), required), layout, where)
+        if name is not None:
+            kwargs["name"] = name
+        return self.build(cls, kwargs, node.line, where)
+
+    def values(self, found: Mapping[str, _Node], layout: Mapping[str, Any], where: str) -> dict[str, Any]:
+        """The keyword arguments ``found`` gives, each key read by the kind of its field."""
+        kwargs: dict[str, Any] = {}
+        for key, value in found.items():
+            at, attribute = f"{where}.{key}", layout[key]
+            if isinstance(attribute, dict):  # a nested mapping (capture.verify)
+                for inner, item in self.mapping(value, at, tuple(attribute)).items():
+                    kwargs[attribute[inner].name] = self.read(fields.spec(attribute[inner]).kind, item,
+                                                              f"{at}.{inner}")
+            else:
+                kwargs[attribute.name] = self.read(fields.spec(attribute).kind, value, at)
+        return kwargs
+
+    def build(self, cls: type, kwargs: Mapping[str, Any], line: int, where: str | None) -> Any:
+        """``cls(**kwargs)``; a value its fields refuse becomes a PlanError at ``line``."""
+        try:
+            return cls(**kwargs)
+        except FieldError as exc:
+            raise PlanError(str(exc), file=self.file, line=line, element=where) from exc
 
     # -- templating -------------------------------------------------------------------
     def for_each(self, node: _Node) -> None:
@@ -342,44 +376,27 @@ class _Reader:
 
     def name_variables(self, name: str, line: int, where: str) -> tuple[str, ...]:
         """The ``for_each`` variables a name uses, in declaration order."""
-        used = set()
-        for match in _TOKEN.finditer(name):
-            var = _VAR.match(match.group(1)) if match.group(1) is not None else None
-            if var is not None:
-                if var.group(1) not in self.variables:
-                    self.unknown_variable(var.group(1), name, line, where)
-                used.add(var.group(1))
+        used = templates.variables(name)
+        for var in used:
+            if var not in self.variables:
+                self.fail(self.unknown_variable(var, name), line, where)
         return tuple(v for v in self.variables if v in used)
 
-    def unknown_variable(self, var: str, text: str, line: int, where: str):
+    def unknown_variable(self, var: str, text: str) -> str:
         hint = _closest(var, self.variables) or " (declare it under for_each, or write {{ }} for literal braces)"
-        self.fail(f"unknown template variable {var!r} in {text!r}{hint}", line, where)
+        return f"unknown template variable {var!r} in {text!r}{hint}"
 
     def expand(self, text: str, env: Mapping[str, int | str], line: int, where: str, owner: str) -> str:
-        def substitute(match: re.Match) -> str:
-            token = match.group(0)
-            if token in ("{{", "}}"):
-                return token[0]
-            if match.group(1) is None:
-                self.fail(f"unbalanced {token!r} in {text!r}: write {token * 2!r} for a literal brace", line, where)
-            var = _VAR.match(match.group(1))
-            if var is None:
-                self.fail(f"unexpanded {token!r} in {text!r}: templates are {{var}}, {{var+N}} or {{var-N}}",
-                          line, where)
-            name, sign, offset = var.groups()
-            if name not in self.variables:
-                self.unknown_variable(name, text, line, where)
-            if name not in env:
-                self.fail(f"template variable {name!r} used outside a templated element: {text!r} is in "
-                          f"{owner}, whose name does not use {{{name}}}", line, where)
-            value = env[name]
-            if sign is not None:
-                if not isinstance(value, int):
-                    self.fail(f"arithmetic on {name!r}, whose value {value!r} is not an integer", line, where)
-                value = value + int(offset) if sign == "+" else value - int(offset)
-            return str(value)
+        def unbound(var: str) -> str:
+            if var not in self.variables:
+                return self.unknown_variable(var, text)
+            return (f"template variable {var!r} used outside a templated element: {text!r} is in {owner}, "
+                    f"whose name does not use {{{var}}}")
 
-        return _TOKEN.sub(substitute, text)
+        try:
+            return templates.expand(text, env, unbound)
+        except templates.TemplateError as exc:
+            raise PlanError(str(exc), file=self.file, line=line, element=where) from exc
 
     def substitute(self, node: _Node, env: Mapping, where: str, owner: str) -> _Node:
         """A copy of an element's body with every string expanded (lines kept)."""
@@ -416,7 +433,8 @@ class _Reader:
         self.origins[key] = Origin(self.file, line)
 
     # -- sections -----------------------------------------------------------------
-    def section(self, node: _Node, section: str, parse: Callable[[str, _Node, str], Any], kind: str) -> list:
+    def section(self, node: _Node, section: str) -> list:
+        cls, kind = _SECTIONS[section]
         if not node.is_map:
             self.fail(f"expected a mapping of {kind} names to their fields, got {_describe(node.value)}",
                       node.line, section)
@@ -427,11 +445,11 @@ class _Reader:
             template = _Template(None, key, self.name_variables(key, line, where), body, line)
             for name, expanded in self.expansions(template, where):
                 self.record(kind, name, line, where)
-                elements.append(parse(name, expanded, where))
+                elements.append(self.element(cls, expanded, where, name))
         return elements
 
     def segments(self, node: _Node) -> list[Segment]:
-        templates = []
+        templates_ = []
         for index, item in enumerate(self.sequence(node, "segments", "segment mappings")):
             where = f"segments[{index}]"
             if not item.is_map:
@@ -440,12 +458,12 @@ class _Reader:
             if "name" not in item.value:
                 self.fail("missing required key 'name'", item.line, where)
             name_node = item.value["name"]
-            name = self.string(name_node, f"{where}.name")
+            name = self.read(_kind(Segment, "name"), name_node, f"{where}.name")
             where = f"{where} {name!r}"
-            templates.append(_Template(index, name, self.name_variables(name, name_node.line, where), item,
-                                       item.line))
+            templates_.append(_Template(index, name, self.name_variables(name, name_node.line, where), item,
+                                        item.line))
         segments = []
-        for _, block in itertools.groupby(templates, key=lambda t: t.variables):
+        for _, block in itertools.groupby(templates_, key=lambda t: t.variables):
             block = list(block)
             first = block[0]
             for combo in self.combinations(first.variables, first.line, f"segments[{first.index}] {first.name!r}"):
@@ -453,96 +471,10 @@ class _Reader:
                     where = f"segments[{template.index}] {template.name!r}"
                     env = dict(zip(template.variables, combo))
                     body = self.substitute(template.node, env, where, repr(template.name))
-                    segment = self.segment(body, where)
+                    segment = self.element(Segment, body, where)
                     self.record("segment", segment.name, template.line, where)
                     segments.append(segment)
         return segments
-
-    # -- elements -------------------------------------------------------------------
-    def buffer(self, name: str, node: _Node, where: str) -> Buffer:
-        fields = self.mapping(node, where, _BUFFER_KEYS, ("shape", "dtype", "device"))
-        kwargs: dict[str, Any] = {}
-        for key, value in fields.items():
-            at = f"{where}.{key}"
-            if key == "shape":
-                kwargs[key] = self.dims(value, at)
-            elif key == "dtype":
-                dtype = self.string(value, at)
-                if dtype not in DTYPE_BYTES:
-                    self.fail(f"expected one of {', '.join(DTYPE_BYTES)}, got {dtype!r}{_closest(dtype, DTYPE_BYTES)}",
-                              value.line, at)
-                kwargs[key] = dtype
-            elif key == "device":
-                kwargs[key] = self.string(value, at)
-            elif key == "role":
-                kwargs[key] = self.choice(value, at, BufferRole)
-            elif key == "capacity":
-                capacity = self.mapping(value, at, None)
-                kwargs[key] = {sym: self.integer(v, f"{at}.{sym}", minimum=1) for sym, v in capacity.items()}
-            elif key == "alias_of":
-                kwargs[key] = self.opt_str(value, at)
-            elif key == "values":
-                if value.value is not None:
-                    bounds = self.sequence(value, at, "two numbers [low, high)")
-                    if len(bounds) != 2:
-                        self.fail(f"expected two numbers [low, high), got {len(bounds)} items", value.line, at)
-                    for index, bound in enumerate(bounds):
-                        self.number(bound, f"{at}[{index}]")
-                    kwargs[key] = tuple(bound.value for bound in bounds)
-        return Buffer(name=name, **kwargs)
-
-    def stream(self, name: str, node: _Node, where: str) -> Stream:
-        fields = self.mapping(node, where, _STREAM_KEYS, ("device",))
-        return Stream(name, self.string(fields["device"], f"{where}.device"))
-
-    def channel(self, name: str, node: _Node, where: str) -> Channel:
-        fields = self.mapping(node, where, _CHANNEL_KEYS, ("kind", "group", "id", "family"))
-        kwargs: dict[str, Any] = {}
-        for key, value in fields.items():
-            at = f"{where}.{key}"
-            if key == "kind":
-                kwargs[key] = self.choice(value, at, ChannelKind)
-            elif key in ("group", "family"):
-                kwargs[key] = self.string(value, at)
-            elif key == "id":
-                kwargs[key] = self.integer(value, at)
-            elif key == "warmup":
-                kwargs[key] = self.choice(value, at, WarmupPolicy)
-            elif key == "prewarm":
-                kwargs[key] = self.opt_str(value, at)
-            elif key == "jit":
-                kwargs[key] = self.flag(value, at)
-        return Channel(name=name, **kwargs)
-
-    def prewarm(self, name: str, node: _Node, where: str) -> Prewarm:
-        fields = self.mapping(node, where, _PREWARM_KEYS, ("call",))
-        per_size = self.flag(fields["per_size"], f"{where}.per_size") if "per_size" in fields else True
-        return Prewarm(name, self.string(fields["call"], f"{where}.call"), per_size)
-
-    def segment(self, node: _Node, where: str) -> Segment:
-        fields = self.mapping(node, where, _SEGMENT_KEYS, ("name", "kind", "call"))
-        kwargs: dict[str, Any] = {}
-        for key, value in fields.items():
-            at = f"{where}.{key}"
-            if key in ("name", "call", "family"):
-                kwargs[key] = self.string(value, at)
-            elif key == "kind":
-                kwargs[key] = self.choice(value, at, SegmentKind)
-            elif key in ("reads", "writes"):
-                kwargs[key] = self.names(value, at, "buffer names")
-            elif key == "channels":
-                kwargs[key] = self.names(value, at, "channel names")
-            elif key == "after":
-                kwargs[key] = self.names(value, at, "segment names")
-            elif key == "kernels":
-                kwargs[key] = self.names(value, at, "JIT kernel names")
-            elif key in ("stream", "device"):
-                kwargs[key] = self.opt_str(value, at)
-            elif key == "data_dependent":
-                kwargs[key] = self.flag(value, at)
-            elif key == "ranks":
-                kwargs[key] = None if value.value is None else self.ints(value, at, "ranks", minimum=0)
-        return Segment(**kwargs)
 
     # -- the whole plan -------------------------------------------------------------
     def plan(self, root: _Node) -> Plan:
@@ -558,44 +490,36 @@ class _Reader:
         if "name" not in top:
             self.fail("missing required key 'name'", root.line)
         kwargs: dict[str, Any] = {}
-        name = self.expand(self.string(top["name"], "name"), {}, top["name"].line, "name", "the plan name")
+        name = self.expand(self.read(_kind(Plan, "name"), top["name"], "name"), {}, top["name"].line, "name",
+                           "the plan name")
         self.origins[f"plan:{name}"] = Origin(self.file, root.key_lines["name"])
-        if "model" in top:
-            model = self.opt_str(top["model"], "model")
-            if model is not None and not _FACTORY.match(model):
-                self.fail(f"expected a factory 'package.module:function', got {model!r}", top["model"].line, "model")
-            kwargs["model"] = model
-        if "model_args" in top:
-            node = top["model_args"]
-            kwargs["model_args"] = _plain(node) if node.value is not None else {}
-            if not isinstance(kwargs["model_args"], dict):
-                self.fail(f"expected a mapping of factory arguments, got {_describe(node.value)}", node.line,
-                          "model_args")
-        if "world_size" in top:
-            kwargs["world_size"] = self.integer(top["world_size"], "world_size", minimum=1)
+        for key in ("model", "world_size"):
+            if key in top:
+                kwargs[key] = self.read(_kind(Plan, key), top[key], key)
+        if "model_args" in top and top["model_args"].value is not None:
+            kwargs["model_args"] = self.read(_kind(Plan, "model_args"), top["model_args"], "model_args")
         if "for_each" in top:
             self.for_each(top["for_each"])
         constants, size_list = self.symbols(top["symbols"]) if "symbols" in top else ({}, None)
         kwargs["symbols"] = constants
-        plain_sections = (("streams", self.stream, "stream"), ("buffers", self.buffer, "buffer"),
-                          ("channels", self.channel, "channel"), ("prewarm", self.prewarm, "prewarm"))
-        for section, parse, kind in plain_sections:
+        for section in _SECTIONS:
             if section in top:
-                kwargs[section] = self.section(top[section], section, parse, kind)
+                kwargs[section] = self.section(top[section], section)
         if "segments" in top:
             kwargs["segments"] = self.segments(top["segments"])
         named = [(self.origins[f"{kind}:{element.name}"].line, element.family)
                  for kind in ("channel", "segment") for element in kwargs.get(f"{kind}s", ())]
         kwargs["families"] = self.families(top.get("families"), root, named)
         kwargs["capture"] = self.capture(top.get("capture"), constants, size_list)
-        return Plan(name=name, origins=self.origins, **kwargs)
+        return self.build(Plan, {"name": name, "origins": self.origins, **kwargs}, root.line, None)
 
     def symbols(self, node: _Node) -> tuple[dict[str, int], tuple[str, tuple[int, ...], int] | None]:
         """Constants, and the one symbol listing descriptor sizes (name, sizes, line)."""
-        fields = self.mapping(node, "symbols", None)
+        constant = _kind(Plan, "symbols").value
+        listing = _kind(CaptureSettings, "sizes")
         constants: dict[str, int] = {}
         size_list = None
-        for name, value in fields.items():
+        for name, value in self.mapping(node, "symbols", None).items():
             line = node.key_lines[name]
             where = f"symbols.{name}"
             if not _IDENT.match(name):
@@ -604,16 +528,17 @@ class _Reader:
                 if size_list is not None:
                     self.fail(f"only one symbol may list descriptor sizes; {size_list[0]!r} already does "
                               f"(line {size_list[2]})", line, where)
-                size_list = (name, self.ints(value, where, "descriptor sizes", minimum=1), line)
+                size_list = (name, self.read(listing, value, where), line)
             else:
-                constants[name] = self.integer(value, where)
+                constants[name] = self.read(constant, value, where)
         return constants, size_list
 
     def families(self, node: _Node | None, root: _Node, named: list[tuple[int, str]]) -> tuple[Family, ...]:
         """The declared families, else those the (line, family) pairs name in file order, else target."""
         if node is not None:
             families = []
-            for item, name in zip(node.value, self.names(node, "families", "family names")):
+            for item, name in zip(node.value, self.read(fields.Sequence(fields.Text(), "family names"), node,
+                                                        "families")):
                 name = self.expand(name, {}, item.line, "families", "families")
                 self.record("family", name, item.line, "families")
                 families.append(Family(name))
@@ -627,52 +552,42 @@ class _Reader:
 
     def capture(self, node: _Node | None, constants: Mapping[str, int],
                 size_list: tuple[str, tuple[int, ...], int] | None) -> CaptureSettings:
+        """The capture settings: ``sizes`` may name the list symbol or map modes to sizes,
+        ``size_symbol`` must agree with the list symbol; every other key is read by its field."""
         kwargs: dict[str, Any] = {}
         if size_list is not None:
             kwargs["size_symbol"], kwargs["sizes"] = size_list[0], size_list[1]
             self.origins["capture:sizes"] = Origin(self.file, size_list[2])
         if node is None:
             return CaptureSettings(**kwargs)
-        fields = self.mapping(node, "capture", _CAPTURE_KEYS)
-        for key, value in fields.items():
-            at = f"capture.{key}"
+        layout = fields.yaml_fields(CaptureSettings)
+        found = dict(self.mapping(node, "capture", tuple(layout)))
+        for key in found:
             self.origins[f"capture:{key}"] = Origin(self.file, node.key_lines[key])
-            if key == "modes":
-                kwargs[key] = tuple(self.choice(item, f"{at}[{index}]", Mode)
-                                    for index, item in enumerate(self.sequence(value, at, "modes (PIECEWISE, FULL)")))
-            elif key == "sizes":
-                if value.is_map:
-                    kwargs["mode_sizes"] = self.mode_sizes(value, constants, size_list)
-                    kwargs[key] = tuple(sorted({s for sizes in kwargs["mode_sizes"].values() for s in sizes}))
-                else:
-                    kwargs[key] = self.sizes(value, constants, size_list)
-            elif key == "size_symbol":
-                symbol = self.identifier(value, at, "a symbol name")
-                if size_list is not None and symbol != size_list[0]:
-                    self.fail(f"size_symbol {symbol!r} differs from {size_list[0]!r}, the symbol listing the sizes",
-                              value.line, at)
-                kwargs[key] = symbol
-            elif key == "warmup_iters":
-                kwargs[key] = self.integer(value, at, minimum=0)
-            elif key == "verify":
-                verify = self.mapping(value, at, _VERIFY_KEYS)
-                for name, bound in verify.items():
-                    kwargs[name] = self.number(bound, f"{at}.{name}", minimum=0.0)
-            elif key == "barrier_timeout_s":
-                kwargs[key] = self.number(value, at, minimum=0.0, strict=True)
-        if "mode_sizes" in kwargs:
+        sizes = found.pop("sizes", None)
+        given = self.values(found, layout, "capture")
+        if size_list is not None and given.get("size_symbol", size_list[0]) != size_list[0]:
+            self.fail(f"size_symbol {given['size_symbol']!r} differs from {size_list[0]!r}, the symbol listing the "
+                      "sizes", found["size_symbol"].line, "capture.size_symbol")
+        kwargs.update(given)
+        if sizes is not None and sizes.is_map:
+            kwargs["mode_sizes"] = self.mode_sizes(sizes, constants, size_list)
+            kwargs["sizes"] = tuple(sorted({s for values in kwargs["mode_sizes"].values() for s in values}))
             missing = [m.value for m in kwargs.get("modes", CaptureSettings().modes) if m not in kwargs["mode_sizes"]]
             if missing:
-                self.fail(f"capture.modes lists {', '.join(missing)} but capture.sizes gives {'it' if len(missing) == 1 else 'them'} "
-                          f"no sizes: add {missing[0]}: [...] to capture.sizes", fields["sizes"].line, "capture.sizes")
-        return CaptureSettings(**kwargs)
+                self.fail(f"capture.modes lists {', '.join(missing)} but capture.sizes gives "
+                          f"{'it' if len(missing) == 1 else 'them'} no sizes: add {missing[0]}: [...] to "
+                          "capture.sizes", sizes.line, "capture.sizes")
+        elif sizes is not None:
+            kwargs["sizes"] = self.sizes(sizes, constants, size_list)
+        return self.build(CaptureSettings, kwargs, node.line, "capture")
 
     def sizes(self, node: _Node, constants: Mapping[str, int],
               size_list: tuple[str, tuple[int, ...], int] | None, where: str = "capture.sizes") -> tuple[int, ...]:
         if node.is_list:
-            return self.ints(node, where, "descriptor sizes", minimum=1)
-        symbol = self.string(node, where, "a symbol listing sizes under symbols, a list of sizes, or a mapping "
-                                          "of modes to either")
+            return self.read(_kind(CaptureSettings, "sizes"), node, where)
+        symbol = self.read(fields.Text(what="a symbol listing sizes under symbols, a list of sizes, or a mapping "
+                                            "of modes to either"), node, where)
         if size_list is not None and symbol == size_list[0]:
             return size_list[1]
         if symbol in constants:
@@ -707,20 +622,15 @@ class _Dumper(_YAML_DUMPER):
 _Dumper.add_representer(_Flow, lambda dumper, data: dumper.represent_mapping(_TAG + "map", data, flow_style=True))
 
 
-def _escape(text: str) -> str:
-    return text.replace("{", "{{").replace("}", "}}")
-
-
-def _fields(element, order: tuple[str, ...], skip: tuple[str, ...] = ("name",)) -> _Flow:
-    """An element's fields in the documented order, leaving out those at their default."""
-    defaults = {field.name: field.default for field in attrs.fields(type(element))}
+def _fields(element, skip: tuple[str, ...] = ("name",)) -> _Flow:
+    """An element's fields in the order of its class, leaving out those at their default."""
     body = _Flow()
-    for key in order:
-        value = getattr(element, key)
-        default = defaults[key]
+    for key, attribute in fields.yaml_fields(type(element), skip=skip).items():
+        value = getattr(element, attribute.name)
+        default = attribute.default
         if isinstance(default, attrs.Factory):
             default = default.factory()
-        if key in skip or (default is not attrs.NOTHING and value == default):
+        if default is not attrs.NOTHING and value == default:
             continue
         body[key] = _data(value)
     return body
@@ -730,7 +640,7 @@ def _data(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, str):
-        return _escape(value)
+        return templates.escape(value)
     if isinstance(value, (tuple, list)):
         return [_data(item) for item in value]
     if isinstance(value, Mapping):
@@ -740,7 +650,7 @@ def _data(value: Any) -> Any:
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """The expanded plan as plain YAML data, keys in the documented order, braces escaped."""
-    data: dict[str, Any] = {"graphflow": FORMAT_VERSION, "name": _escape(plan.name)}
+    data: dict[str, Any] = {"graphflow": FORMAT_VERSION, "name": templates.escape(plan.name)}
     if plan.model is not None:
         data["model"] = plan.model
     if plan.model_args:
@@ -748,19 +658,18 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     if plan.world_size != 1:
         data["world_size"] = plan.world_size
     capture = plan.capture
-    by_symbol = bool(_IDENT.match(capture.size_symbol)) and capture.size_symbol not in plan.symbols
+    by_symbol = capture.size_symbol not in plan.symbols
     symbols = {capture.size_symbol: list(capture.sizes)} if by_symbol else {}
     symbols.update(plan.symbols)
     if symbols:
         data["symbols"] = _Flow(symbols)
-    data["families"] = [_escape(family.name) for family in plan.families]
-    sections = (("streams", plan.streams, _STREAM_KEYS), ("buffers", plan.buffers, _BUFFER_KEYS),
-                ("channels", plan.channels, _CHANNEL_KEYS), ("prewarm", plan.prewarm, _PREWARM_KEYS))
-    for section, elements, order in sections:
+    data["families"] = [templates.escape(family.name) for family in plan.families]
+    for section in _SECTIONS:
+        elements = getattr(plan, section)
         if elements:
-            data[section] = {_escape(element.name): _fields(element, order) for element in elements}
+            data[section] = {templates.escape(element.name): _fields(element) for element in elements}
     if plan.segments:
-        data["segments"] = [_fields(segment, _SEGMENT_KEYS, skip=()) for segment in plan.segments]
+        data["segments"] = [_fields(segment, skip=()) for segment in plan.segments]
     def sizes(values: tuple[int, ...]) -> Any:
         return capture.size_symbol if by_symbol and values == capture.sizes else list(values)
 

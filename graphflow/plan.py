@@ -1,10 +1,13 @@
 """The capture plan: what a model declares, as small frozen attrs classes.
 
-A plan is data only. It knows nothing of YAML (see ``graphflow.loader``), of checks
+A plan is data only. It knows nothing of YAML (see ``graphflow.loader``), of rules
 (see ``graphflow.validate``) or of GPUs (see ``graphflow.engine``), and it imports no
 torch, so ``graphflow validate`` starts in milliseconds and runs where torch is absent.
+Each field declares what it may hold (``graphflow.fields``): building an element with a
+wrong type or a value out of range raises at once, naming the field, whether the plan
+comes from Python, a decorated model or YAML.
 
-Two derived views are computed here because every consumer needs the same answer:
+Derived views are computed here because every consumer needs the same answer:
 
 * ``Plan.dag()``: a networkx DiGraph over segment names. Segments run in the order
   listed; a buffer is versioned at each write, so a reader depends on the writer of the
@@ -13,18 +16,39 @@ Two derived views are computed here because every consumer needs the same answer
   making a cycle. ``after`` adds explicit ordering edges (``after`` kind).
 * ``Plan.regions(mode)``: PIECEWISE regions are maximal runs of graph segments between
   eager breaks, per family; the FULL region of a family is its whole step.
+* ``Plan.storage(name)`` and ``Plan.allocated_shape(buffer)``: which buffer owns the
+  memory a name uses (alias chains followed to their root), and the shape it is
+  allocated at (capacities included), for the validator, ``show`` and the engine alike.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Union
 
 import attrs
 import networkx as nx
+
+from graphflow.fields import (
+    Bounds,
+    Choice,
+    Data,
+    Dimension,
+    Elements,
+    Flag,
+    Instance,
+    Integer,
+    Number,
+    Optional,
+    Sequence as Items,
+    Table,
+    Text,
+    field,
+)
 
 __all__ = [
     "Buffer",
@@ -45,6 +69,7 @@ __all__ = [
     "Stream",
     "WarmupPolicy",
     "DTYPE_BYTES",
+    "alias_chain",
     "dataflow_edges",
     "eval_dim",
     "dim_symbols",
@@ -62,7 +87,11 @@ class Mode(enum.Enum):
 
 
 class WarmupPolicy(enum.Enum):
-    """What a channel's collective does during warmup (see BRIEF, seed 000)."""
+    """What a channel's collective does during warmup, before its graphs are captured.
+
+    Only ``real`` gives every rank the reduced value; the others give each rank its own
+    local data, which is harmless for dense math and fatal for routing (GF503).
+    """
 
     REAL = "real"  # run the real collective
     PREPARE = "prepare"  # run the channel's prewarm hook; no communication
@@ -102,7 +131,12 @@ DTYPE_BYTES: Mapping[str, int] = {
 #: A shape dimension: an int, a symbol (``"B"``) or a product of both (``"2*B"``).
 Dim = Union[int, str]
 
-_DIM_TERM = re.compile(r"^\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*))\s*$")
+_TERM = r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*))\s*"
+_DIM_TERM = re.compile(rf"^{_TERM}$")
+#: How a dimension string is spelled: terms (a positive int or a symbol) joined by ``*``.
+DIM_PATTERN = rf"{_TERM}(?:\*{_TERM})*"
+#: A symbol or symbol-like name: letters, digits and ``_``, not starting with a digit.
+IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 
 
 def dim_symbols(dim: Dim) -> tuple[str, ...]:
@@ -132,12 +166,15 @@ def eval_dim(dim: Dim, values: Mapping[str, int]) -> int:
     return result
 
 
-def _tuple(value) -> tuple:
-    return tuple(value)
-
-
-def _dims(value) -> tuple[Dim, ...]:
-    return tuple(value)
+# -- field kinds (graphflow.fields): what one value may be -------------------------------
+_NAME = Text()
+_SYMBOL = Text(IDENTIFIER, "a symbol name (letters, digits and _)")
+#: ``cuda`` alone means "the current GPU", which differs per process and thread: capture
+#: on another GPU then records empty graphs, so a device always names its index.
+_DEVICE = Text(r"cpu|cuda:\d+", "'cpu' or 'cuda:N' with the GPU's index (a bare 'cuda' is whichever GPU is "
+                                "current)")
+_SIZES = Items(Integer(minimum=1), "descriptor sizes (ints >= 1)")
+_FACTORY = Text(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "a factory 'package.module:function'")
 
 
 @attrs.frozen
@@ -156,22 +193,26 @@ class Buffer:
     """A static tensor, allocated once at its largest descriptor size before capture.
 
     ``capacity`` gives the rows this buffer holds along a symbol (a KV cache for 64
-    sequences): it is allocated at ``max(largest descriptor, capacity)``, the runtime's
-    eager fallback may use it for larger batches, and a descriptor above it cannot be
-    captured (GF604). ``alias_of`` declares that
-    this buffer is a view of another's storage: writes to either are writes to both.
-    ``values`` is the half-open range ``[low, high)`` that verify draws random inputs
-    from (token ids need ``[0, vocab)``); floats default to a standard normal.
+    sequences): it is allocated at ``max(largest descriptor, capacity)``
+    (``Plan.allocated_shape``), the runtime's eager fallback may use it for larger
+    batches, and a descriptor above it cannot be captured (GF604). ``alias_of``
+    declares that this buffer is a view of another's storage: writes to either are
+    writes to both; the target may itself be an alias (``Plan.storage`` follows the
+    chain). ``values`` is the half-open range ``[low, high)`` that verify draws random
+    inputs from (token ids need ``[0, vocab)``); floats default to a standard normal.
     """
 
-    name: str
-    shape: tuple[Dim, ...] = attrs.field(converter=_dims)
-    dtype: str
-    device: str
-    role: BufferRole = BufferRole.INTERNAL
-    capacity: Mapping[str, int] = attrs.field(factory=dict, converter=lambda m: dict(sorted(dict(m).items())), hash=False)
-    alias_of: str | None = None
-    values: tuple[float, float] | None = attrs.field(default=None, converter=lambda v: None if v is None else tuple(v))
+    name: str = field(_NAME)
+    shape: tuple[Dim, ...] = field(Items(Dimension(DIM_PATTERN), "dimensions (ints or symbols like B, 2*B)"))
+    dtype: str = field(Choice(tuple(DTYPE_BYTES)), doc="torch's dtype name, without 'torch.'")
+    device: str = field(_DEVICE)
+    role: BufferRole = field(Choice.of(BufferRole), default=BufferRole.INTERNAL)
+    capacity: Mapping[str, int] = field(Table(_SYMBOL, Integer(minimum=1), "symbols to the rows the buffer holds", sort=True),
+                                        factory=dict, hash=False,
+                                        doc="the rows this buffer holds along a symbol, at least")
+    alias_of: str | None = field(Optional(_NAME), default=None, doc="the buffer whose storage this one views")
+    values: tuple[float, float] | None = field(Optional(Bounds()), default=None,
+                                               doc="[low, high) that verify draws random inputs from")
 
     def symbols(self) -> tuple[str, ...]:
         return tuple(s for dim in self.shape for s in dim_symbols(dim))
@@ -183,15 +224,20 @@ class Buffer:
         return n
 
     def nbytes(self, values: Mapping[str, int]) -> int:
-        return self.numel(values) * DTYPE_BYTES.get(self.dtype, 0)
+        return self.numel(values) * DTYPE_BYTES[self.dtype]
 
 
 @attrs.frozen
 class Stream:
-    """An explicit capture stream; capture on a non-default GPU needs one (seed 002)."""
+    """An explicit capture stream on one device.
 
-    name: str
-    device: str
+    Capturing on the ambient stream after ``set_device`` records an empty graph on one
+    GPU and replays stale data on the others; a stream created on the segment's own
+    device is what makes capture on any GPU but the first work.
+    """
+
+    name: str = field(_NAME)
+    device: str = field(_DEVICE)
 
 
 @attrs.frozen
@@ -202,14 +248,17 @@ class Channel:
     Triton): it must be warmed by a real warmup or by the ``prewarm`` hook it names.
     """
 
-    name: str
-    kind: ChannelKind
-    group: str
-    id: int
-    family: str
-    warmup: WarmupPolicy = WarmupPolicy.REAL
-    prewarm: str | None = None
-    jit: bool = False
+    name: str = field(_NAME)
+    kind: ChannelKind = field(Choice.of(ChannelKind))
+    group: str = field(_NAME)
+    id: int = field(Integer(), doc="the semantic channel id")
+    family: str = field(_NAME, doc="the owning family")
+    warmup: WarmupPolicy = field(Choice.of(WarmupPolicy), default=WarmupPolicy.REAL)
+    prewarm: str | None = field(Optional(_NAME), default=None, doc="the prewarm hook that warms its kernel")
+    jit: bool = field(Flag(), default=False)
+
+
+_NAMES = {what: Items(_NAME, what) for what in ("buffer names", "channel names", "segment names", "JIT kernel names")}
 
 
 @attrs.frozen
@@ -224,21 +273,21 @@ class Segment:
     warms them before capture, and a cold one inside capture names the segment.
     """
 
-    name: str
-    kind: SegmentKind
-    call: str
-    reads: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
-    writes: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
-    stream: str | None = None
-    channels: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
-    family: str = "target"
-    data_dependent: bool = False
-    device: str | None = None
-    ranks: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: None if v is None else tuple(v)
-    )
-    after: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
-    kernels: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    name: str = field(_NAME)
+    kind: SegmentKind = field(Choice.of(SegmentKind))
+    call: str = field(_NAME, doc="an attribute path on the model")
+    reads: tuple[str, ...] = field(_NAMES["buffer names"], default=())
+    writes: tuple[str, ...] = field(_NAMES["buffer names"], default=())
+    stream: str | None = field(Optional(_NAME), default=None)
+    channels: tuple[str, ...] = field(_NAMES["channel names"], default=())
+    family: str = field(_NAME, default="target")
+    data_dependent: bool = field(Flag(), default=False)
+    device: str | None = field(Optional(_DEVICE), default=None)
+    ranks: tuple[int, ...] | None = field(Optional(Items(Integer(minimum=0), "ranks (ints >= 0)")), default=None,
+                                          doc="the ranks it runs on; absent: every rank")
+    after: tuple[str, ...] = field(_NAMES["segment names"], default=(), doc="segments it must follow")
+    kernels: tuple[str, ...] = field(_NAMES["JIT kernel names"], default=(),
+                                     doc="the JIT kernels it launches (graphflow.jit), for prewarm")
 
     @property
     def is_graph(self) -> bool:
@@ -252,7 +301,7 @@ class Segment:
 class Family:
     """A group of segments captured together, owning its channels (target, draft...)."""
 
-    name: str
+    name: str = field(_NAME)
 
 
 @attrs.frozen
@@ -263,9 +312,9 @@ class Prewarm:
     when ``per_size`` is true, else once with no argument.
     """
 
-    name: str
-    call: str
-    per_size: bool = True
+    name: str = field(_NAME)
+    call: str = field(_NAME, doc="an attribute path on the model")
+    per_size: bool = field(Flag(), default=True, doc="call once per descriptor size, else once with no argument")
 
 
 @attrs.frozen(order=True)
@@ -279,10 +328,6 @@ class Descriptor:
         return f"{self.mode.value}(B={self.size})"
 
 
-def _mode_sizes(value) -> dict:
-    return {Mode(mode): tuple(sizes) for mode, sizes in dict(value).items()}
-
-
 @attrs.frozen
 class CaptureSettings:
     """How to capture: which modes and sizes, how many warmups, how to verify.
@@ -293,14 +338,17 @@ class CaptureSettings:
     for the largest size of any captured mode.
     """
 
-    modes: tuple[Mode, ...] = attrs.field(default=(Mode.PIECEWISE,), converter=_tuple)
-    sizes: tuple[int, ...] = attrs.field(default=(1,), converter=_tuple)
-    size_symbol: str = "B"
-    warmup_iters: int = 2
-    atol: float = 0.0
-    rtol: float = 0.0
-    barrier_timeout_s: float = 60.0
-    mode_sizes: Mapping[Mode, tuple[int, ...]] = attrs.field(factory=dict, converter=_mode_sizes, hash=False)
+    modes: tuple[Mode, ...] = field(Items(Choice.of(Mode), "modes (PIECEWISE, FULL)"), default=(Mode.PIECEWISE,))
+    sizes: tuple[int, ...] = field(_SIZES, default=(1,))
+    size_symbol: str = field(_SYMBOL, default="B", doc="the shape symbol the sizes bind")
+    #: At least one: without a warmup, lazy allocations and JIT launches happen inside capture.
+    warmup_iters: int = field(Integer(minimum=1), default=2)
+    atol: float = field(Number(minimum=0.0), default=0.0, key="verify.atol")
+    rtol: float = field(Number(minimum=0.0), default=0.0, key="verify.rtol")
+    #: Above zero: a zero timeout turns every barrier into a divergence.
+    barrier_timeout_s: float = field(Number(minimum=0.0, exclusive=True), default=60.0)
+    mode_sizes: Mapping[Mode, tuple[int, ...]] = field(Table(Choice.of(Mode), _SIZES, "modes to their own sizes"),
+                                                       factory=dict, hash=False, in_yaml=False)
 
     def __attrs_post_init__(self) -> None:
         # One spelling per meaning, so equal settings compare equal: when every captured
@@ -351,18 +399,22 @@ class Plan:
     declared; it is not part of equality, so a plan equals its YAML round trip.
     """
 
-    name: str
-    buffers: tuple[Buffer, ...] = attrs.field(default=(), converter=_tuple)
-    streams: tuple[Stream, ...] = attrs.field(default=(), converter=_tuple)
-    channels: tuple[Channel, ...] = attrs.field(default=(), converter=_tuple)
-    segments: tuple[Segment, ...] = attrs.field(default=(), converter=_tuple)
-    families: tuple[Family, ...] = attrs.field(default=(Family("target"),), converter=_tuple)
-    prewarm: tuple[Prewarm, ...] = attrs.field(default=(), converter=_tuple)
-    symbols: Mapping[str, int] = attrs.field(factory=dict, converter=lambda m: dict(sorted(dict(m).items())), hash=False)
-    capture: CaptureSettings = attrs.field(factory=CaptureSettings)
-    model: str | None = None
-    model_args: Mapping[str, object] = attrs.field(factory=dict, hash=False)
-    world_size: int = 1
+    name: str = field(_NAME)
+    buffers: tuple[Buffer, ...] = field(Elements(Buffer), default=())
+    streams: tuple[Stream, ...] = field(Elements(Stream), default=())
+    channels: tuple[Channel, ...] = field(Elements(Channel), default=())
+    segments: tuple[Segment, ...] = field(Elements(Segment), default=())
+    families: tuple[Family, ...] = field(Elements(Family), default=(Family("target"),))
+    prewarm: tuple[Prewarm, ...] = field(Elements(Prewarm), default=())
+    symbols: Mapping[str, int] = field(Table(_SYMBOL, Integer(minimum=1), "symbols to their values", sort=True),
+                                       factory=dict, hash=False, doc="constant shape symbols")
+    capture: CaptureSettings = field(Instance(CaptureSettings), factory=CaptureSettings)
+    model: str | None = field(Optional(_FACTORY), default=None,
+                              doc="the factory graphflow run imports and calls with model_args; loading never "
+                                  "imports it")
+    model_args: Mapping[str, object] = field(Table(_NAME, Data(), "factory arguments"), factory=dict,
+                                             hash=False, doc="keyword arguments of the factory")
+    world_size: int = field(Integer(minimum=1), default=1, doc="the number of ranks")
     origins: Mapping[str, Origin] = attrs.field(factory=dict, eq=False, repr=False)
 
     # -- lookups -------------------------------------------------------------------
@@ -428,13 +480,9 @@ class Plan:
         return values
 
     def buffer_values(self, buffer: Buffer, size: int) -> dict[str, int]:
-        """The symbol values ``buffer`` holds at a descriptor size: a ``capacity`` caps its
-        symbols, since the buffer never grows past it (the validator and ``show`` agree)."""
-        values = self.symbol_values(size)
-        for symbol, cap in buffer.capacity.items():
-            if symbol in values:
-                values[symbol] = min(values[symbol], cap)
-        return values
+        """The symbol values a descriptor of batch ``size`` sees in ``buffer``: its allocation's,
+        with the size symbol at ``size`` (the engine narrows that symbol only)."""
+        return {**self.allocation_values(buffer), self.capture.size_symbol: size}
 
     def descriptors(self) -> tuple[Descriptor, ...]:
         """Every capture key, PIECEWISE before FULL, each mode's sizes largest first."""
@@ -446,6 +494,57 @@ class Plan:
     def max_size(self) -> int:
         """The largest descriptor size of any captured mode (0 with none)."""
         return max(self.capture.all_sizes, default=0)
+
+    # -- storage and allocation: one answer for the validator, show and the engine ---------
+    def alias_chain(self, name: str) -> tuple[str, ...]:
+        """``name``, the buffer it aliases, that one's target... up to the buffer owning the storage.
+
+        Stops before a name repeats (an alias cycle, GF204) and at an undeclared name (GF101).
+        """
+        return alias_chain(name, self.buffer)
+
+    def storage(self, name: str) -> str:
+        """The buffer whose storage ``name`` uses: the end of its alias chain."""
+        return self.alias_chain(name)[-1]
+
+    def allocation_values(self, buffer: Buffer, largest: int | None = None) -> dict[str, int]:
+        """The symbol values ``buffer`` is allocated at, once, before capture.
+
+        Every symbol at its value, the size symbol at the largest descriptor (``largest``,
+        default ``max_size``), each raised to the buffer's ``capacity`` where that is
+        larger: a capacity is rows the buffer holds, so it never shrinks the allocation
+        (a size above it is GF604).
+        """
+        values = self.symbol_values(self.max_size if largest is None else largest)
+        for symbol, cap in buffer.capacity.items():
+            values[symbol] = max(values.get(symbol, 0), cap)
+        return values
+
+    def allocated_shape(self, buffer: Buffer, largest: int | None = None) -> tuple[int, ...]:
+        """The shape ``buffer`` is allocated at (KeyError for a symbol nobody declares: GF106)."""
+        values = self.allocation_values(buffer, largest)
+        return tuple(eval_dim(dim, values) for dim in buffer.shape)
+
+    def allocated_bytes(self, buffer: Buffer, largest: int | None = None) -> int:
+        """The bytes of ``buffer``'s allocation (an alias allocates none: it views its target's)."""
+        return math.prod(self.allocated_shape(buffer, largest)) * DTYPE_BYTES[buffer.dtype]
+
+    def static_memory(self, largest: int | None = None) -> dict[str, dict[str, int]]:
+        """Bytes allocated before capture, per device then per buffer owning storage.
+
+        What the engine allocates, ``graphflow show`` prints and GF303/GF304 judge.
+        Aliases own no storage; a buffer whose shape names an undeclared symbol cannot be
+        sized and is left out (GF106 reports it).
+        """
+        memory: dict[str, dict[str, int]] = {}
+        for buffer in self.buffers:
+            if buffer.alias_of is None:
+                try:
+                    size = self.allocated_bytes(buffer, largest)
+                except KeyError:
+                    continue
+                memory.setdefault(buffer.device, {})[buffer.name] = size
+        return memory
 
     # -- derived graph views ---------------------------------------------------------
     def dag(self) -> nx.DiGraph:
@@ -484,6 +583,18 @@ class Plan:
                 yield region
             else:
                 yield segment
+
+
+def alias_chain(name: str, lookup: Callable[[str], Buffer | None]) -> tuple[str, ...]:
+    """``name`` and the ``alias_of`` targets after it, up to a buffer that owns its storage,
+    with buffers found by ``lookup`` (a plan's, or the declarations a decorated model
+    collects before there is a plan). Stops before a name repeats and at an unknown name."""
+    chain = [name]
+    buffer = lookup(name)
+    while buffer is not None and buffer.alias_of is not None and buffer.alias_of not in chain:
+        chain.append(buffer.alias_of)
+        buffer = lookup(buffer.alias_of)
+    return tuple(chain)
 
 
 def _graph_runs(segments: tuple[Segment, ...]) -> Iterator[tuple[str, ...]]:

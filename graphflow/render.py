@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from graphflow.plan import DTYPE_BYTES, Buffer, Mode, Plan, Segment
+from graphflow.plan import Buffer, Mode, Plan, Segment
 
 __all__ = [
     "Group",
@@ -160,16 +160,13 @@ class Summary:
     sections: tuple[Section, ...]
 
 
-def _buffer_bytes(plan: Plan, buffer: Buffer, size: int) -> int | None:
-    """A buffer's bytes at one descriptor size; None when its shape or dtype is unknown.
-
-    A buffer with a ``capacity`` never grows past it, so its symbols are capped.
-    """
-    if buffer.dtype not in DTYPE_BYTES:
-        return None
+def _buffer_bytes(plan: Plan, buffer: Buffer, size: int | None) -> int | None:
+    """The bytes of ``buffer``'s view at one descriptor size, or of its allocation (``size``
+    None: what the engine allocates, capacities included); None when its shape names an
+    undeclared symbol."""
     try:
-        return buffer.nbytes(plan.buffer_values(buffer, size))
-    except (KeyError, ValueError):
+        return plan.allocated_bytes(buffer) if size is None else buffer.nbytes(plan.buffer_values(buffer, size))
+    except KeyError:
         return None
 
 
@@ -294,9 +291,11 @@ def _regions_section(plan: Plan, mode: Mode, n_sizes: int) -> Section:
 
 
 def _buffers_section(plan: Plan, sizes: list[int]) -> Section:
-    small, large = (sizes[0], sizes[-1]) if sizes else (None, None)
+    """Buffers grouped by template: the bytes a view at the smallest descriptor uses, and
+    the bytes allocated (at the largest size, or the capacity where that is larger)."""
+    small = sizes[0] if sizes else None
     sym = plan.capture.size_symbol
-    columns = ("name", "count", "shape", "dtype", "device", "role", f"bytes {sym}={small}", f"bytes {sym}={large}")
+    columns = ("name", "count", "shape", "dtype", "device", "role", f"bytes {sym}={small}", "allocated")
     rows = []
     groups = group_by_template(
         plan.buffers, key=lambda b: (b.shape, b.dtype, b.device, b.role, b.alias_of is None)
@@ -305,10 +304,10 @@ def _buffers_section(plan: Plan, sizes: list[int]) -> Section:
         first = group.members[0]
         role = first.role.value if first.alias_of is None else f"alias of {first.alias_of}"
         cells = []
-        for size in (small, large):
-            total = 0 if size is not None else None
+        for size in (small, None):
+            total = 0 if sizes else None
             for member in group.members:
-                n = _buffer_bytes(plan, member, size) if size is not None else None
+                n = _buffer_bytes(plan, member, size) if sizes else None
                 total = None if n is None or total is None else total + n
             cells.append("?" if total is None else format_bytes(total))
         rows.append((group.label, str(len(group.members)), _shape(first), first.dtype, first.device, role, *cells))
@@ -337,17 +336,22 @@ def _channels_section(plan: Plan) -> Section:
 
 
 def _memory_section(plan: Plan, sizes: list[int]) -> Section:
-    """Static memory: every buffer that owns storage (aliases are views of another)."""
-    owners = [b for b in plan.buffers if b.alias_of is None]
-    sym = plan.capture.size_symbol
-    lines = []
-    for size in dict.fromkeys(sizes[-1:] + sizes[:1]):
-        counts = [_buffer_bytes(plan, b, size) for b in owners]
-        known = sum(n for n in counts if n is not None)
-        unknown = sum(1 for n in counts if n is None)
-        note = f" ({plural(unknown, 'buffer')} with unknown shape or dtype not counted)" if unknown else ""
-        lines.append(f"total static memory at {sym}={size}: {format_bytes(known)} ({known:,} bytes){note}")
-    return Section("memory", tuple(lines) or ("no descriptors",))
+    """Static memory as the engine allocates it (``Plan.static_memory``): every buffer that
+    owns storage (aliases are views), once, at its allocated shape; per device when the
+    plan uses several."""
+    if not sizes:
+        return Section("memory", ("no descriptors",))
+    memory = plan.static_memory()
+    total = sum(n for per_device in memory.values() for n in per_device.values())
+    unknown = sum(1 for b in plan.buffers if b.alias_of is None) - sum(len(d) for d in memory.values())
+    note = f" ({plural(unknown, 'buffer')} with an unknown shape symbol not counted)" if unknown else ""
+    lines = [f"static memory, allocated once at {plan.capture.size_symbol}={sizes[-1]} (capacities included): "
+             f"{format_bytes(total)} ({total:,} bytes){note}"]
+    if len(memory) > 1:
+        for device, per_device in memory.items():
+            n = sum(per_device.values())
+            lines.append(f"  {device}: {format_bytes(n)} ({n:,} bytes)")
+    return Section("memory", tuple(lines))
 
 
 def format_summary(summary: Summary) -> str:

@@ -9,9 +9,15 @@ A rule yields ``Finding`` objects (element, message, fix); the registration wrap
 so that ``Rule.check(plan)`` yields complete ``Diagnostic`` objects with code,
 severity and the element's declaration origin.
 
-Rules run on broken plans too: each tolerates what another rule reports (an
-undeclared buffer, an unknown symbol, a cycle) and skips it instead of crashing, so
-one ``graphflow validate`` shows every problem at once. This module imports no torch.
+Rules judge how a plan's values fit together. What one value may be (a dtype, a
+device spelled ``cuda:N``, ``warmup_iters >= 1``) is checked when the plan is built, by
+its fields (``graphflow.fields``), for YAML, Python and decorated plans alike; so a rule
+never sees a value of the wrong type. Rules run on broken plans too: each tolerates
+what another rule reports (an undeclared buffer, an unknown symbol, a cycle) and skips
+it instead of crashing, so one ``graphflow validate`` shows every problem at once.
+
+Codes of rules that were removed are listed in ``RETIRED`` and never reused. This
+module imports no torch.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import attrs
 import networkx as nx
 
 from graphflow.plan import (
-    DTYPE_BYTES,
     Buffer,
     BufferRole,
     Mode,
@@ -36,10 +41,23 @@ from graphflow.plan import (
     Segment,
     WarmupPolicy,
     dim_symbols,
-    eval_dim,
 )
+from graphflow.render import format_bytes, group_by_template
 
-__all__ = ["Diagnostic", "Finding", "Report", "Rule", "RULES", "Severity", "rules_markdown", "validate"]
+__all__ = ["Diagnostic", "Finding", "MEMORY_CEILING", "RETIRED", "Report", "Rule", "RULES", "Severity",
+           "rules_markdown", "unknown_codes", "validate"]
+
+#: Bytes of static buffers no device made today holds (the largest GPUs hold under
+#: 300 GB): 1 TiB, generous on purpose, so GF304 fires only on a plan no GPU can run
+#: (a batch size of 10**9, a capacity with a digit too many).
+MEMORY_CEILING = 1 << 40
+
+#: Codes of rules that were removed, never to be reused, and what checks each failure now.
+RETIRED: Mapping[str, str] = {
+    "GF111": "unknown dtype: now rejected when the plan is read or built (Buffer.dtype)",
+    "GF606": "bad capture settings: warmup_iters >= 1, verify tolerances >= 0 and a positive "
+             "barrier_timeout_s are now checked when the plan is read or built (CaptureSettings)",
+}
 
 
 class Severity(enum.Enum):
@@ -100,11 +118,15 @@ def _rule_doc(rule: Rule) -> str:
 
 @attrs.frozen
 class Rule:
-    """A row of the rule table; ``doc`` explains the failure the rule prevents."""
+    """A row of the rule table; ``doc`` explains the failure the rule prevents.
+
+    ``check(plan, device_memory=None)`` yields the rule's diagnostics; ``device_memory``
+    (bytes per GPU) is a figure the plan does not hold, which the rules that need it read.
+    """
 
     code: str
     severity: Severity
-    check: Callable[[Plan], Iterable[Diagnostic]]
+    check: Callable[..., Iterable[Diagnostic]]
     title: str
     doc: str = attrs.field(default=attrs.Factory(_rule_doc, takes_self=True))
 
@@ -126,12 +148,19 @@ _TABLE: list[Rule] = []
 
 
 def _rule(code: str, severity: Severity, title: str):
-    """Register a rule function: it yields Findings, ``Rule.check`` yields Diagnostics."""
+    """Register a rule function: it yields Findings, ``Rule.check`` yields Diagnostics.
 
-    def register(find: Callable[[Plan], Iterable[Finding]]) -> Callable[[Plan], Iterator[Diagnostic]]:
+    A rule that needs the device memory declares a ``device_memory`` parameter; the
+    others take the plan alone.
+    """
+
+    def register(find: Callable[..., Iterable[Finding]]) -> Callable[..., Iterator[Diagnostic]]:
+        wants_memory = "device_memory" in inspect.signature(find).parameters
+
         @functools.wraps(find)
-        def check(plan: Plan) -> Iterator[Diagnostic]:
-            for finding in find(plan):
+        def check(plan: Plan, *, device_memory: int | None = None) -> Iterator[Diagnostic]:
+            found = find(plan, device_memory=device_memory) if wants_memory else find(plan)
+            for finding in found:
                 key = finding.at if finding.at is not None else finding.name
                 origin = plan.origin(finding.kind, key) if key is not None else None
                 yield Diagnostic(code, severity, finding.element, finding.message, finding.fix, origin)
@@ -174,15 +203,33 @@ class Report:
         }
 
 
-def validate(plan: Plan, *, disable: Iterable[str] = ()) -> Report:
-    """Run every rule except the ``disable``d codes; raises ValueError on an unknown code."""
+def validate(plan: Plan, *, disable: Iterable[str] = (), device_memory: int | None = None) -> Report:
+    """Run every rule except the ``disable``d codes.
+
+    ``device_memory`` is the memory of one GPU in bytes, for GF303; without it, only
+    plans beyond any GPU (GF304) are flagged. Raises ValueError on an unknown or
+    retired code, or a device memory that is not a positive int.
+    """
     disabled = set(disable)
     unknown = disabled - {rule.code for rule in RULES}
     if unknown:
-        raise ValueError(f"unknown rule code(s) {', '.join(sorted(unknown))}: `graphflow rules` lists them")
-    found = [d for rule in RULES if rule.code not in disabled for d in rule.check(plan)]
+        raise ValueError(unknown_codes(unknown))
+    if device_memory is not None and (not isinstance(device_memory, int) or isinstance(device_memory, bool)
+                                      or device_memory <= 0):
+        raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
+    found = [d for rule in RULES if rule.code not in disabled for d in rule.check(plan, device_memory=device_memory)]
     found.sort(key=_sort_key)
     return Report(plan.name, tuple(found))
+
+
+def unknown_codes(codes: Iterable[str]) -> str:
+    """What to tell someone who names codes no rule has: retired ones say what checks them now."""
+    codes = sorted(codes)
+    retired = [f"{code} is retired ({RETIRED[code]})" for code in codes if code in RETIRED]
+    unknown = [code for code in codes if code not in RETIRED]
+    parts = [f"unknown rule code{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (see 'graphflow rules')"
+             ] if unknown else []
+    return "; ".join(parts + retired)
 
 
 def _sort_key(diagnostic: Diagnostic) -> tuple:
@@ -193,8 +240,7 @@ def _sort_key(diagnostic: Diagnostic) -> tuple:
 # -- shared helpers ------------------------------------------------------------------------
 # Each tolerates broken plans: undeclared names resolve to None, bad shapes to None.
 
-_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
-_STREAM_DEVICE = re.compile(r"^cuda:\d+$")
+_GPU = re.compile(r"cuda:\d+")
 _NON_COMMUNICATING = (WarmupPolicy.PLACEHOLDER, WarmupPolicy.PREPARE)
 
 
@@ -213,13 +259,9 @@ def _duplicates(items: Iterable[str]) -> list[str]:
     return [name for name, n in counts.items() if n > 1]
 
 
-def _is_size(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def _sizes(plan: Plan) -> list[int]:
-    """The usable descriptor sizes of every captured mode (GF605 reports the others)."""
-    return sorted({s for _, sizes in _size_lists(plan) for s in sizes if _is_size(s)})
+    """The descriptor sizes of every captured mode, and of every list the plan declares."""
+    return sorted({s for _, sizes in _size_lists(plan) for s in sizes})
 
 
 def _size_lists(plan: Plan) -> list[tuple[str, tuple]]:
@@ -235,43 +277,16 @@ def _known_symbols(plan: Plan) -> set[str]:
     return {*plan.symbols, plan.capture.size_symbol}
 
 
-def _shape_is_valid(plan: Plan, buffer: Buffer) -> bool:
-    """True when every dim parses and uses known symbols (GF106 reports the rest)."""
-    known = _known_symbols(plan)
-    for dim in buffer.shape:
-        if isinstance(dim, bool) or not isinstance(dim, (int, str)):
-            return False
-        try:
-            if not set(dim_symbols(dim)) <= known:
-                return False
-        except ValueError:
-            return False
-    return True
-
-
 def _nbytes(plan: Plan, buffer: Buffer) -> int | None:
-    """Bytes allocated for a buffer (its largest descriptor), or None if unknowable."""
-    sizes = _sizes(plan)
-    if not sizes or not _shape_is_valid(plan, buffer) or buffer.dtype not in DTYPE_BYTES:
+    """Bytes the engine allocates for a buffer, or None without sizes or with an unknown symbol."""
+    if not _sizes(plan) or not set(buffer.symbols()) <= _known_symbols(plan):
         return None
-    values = plan.buffer_values(buffer, max(sizes))
-    return buffer.numel(values) * DTYPE_BYTES[buffer.dtype]
-
-
-def _storage(plan: Plan, name: str) -> str:
-    """The buffer whose storage ``name`` uses: follows ``alias_of`` (stops at a cycle)."""
-    seen = {name}
-    buffer = plan.buffer(name)
-    while buffer is not None and buffer.alias_of is not None and buffer.alias_of not in seen:
-        name = buffer.alias_of
-        seen.add(name)
-        buffer = plan.buffer(name)
-    return name
+    return plan.allocated_bytes(buffer, max(_sizes(plan)))
 
 
 def _roles(plan: Plan, name: str) -> set[BufferRole]:
-    """The roles of a buffer and of the buffer whose storage it uses."""
-    return {b.role for b in (plan.buffer(name), plan.buffer(_storage(plan, name))) if b is not None}
+    """The roles of a buffer and of every buffer its alias chain views."""
+    return {b.role for b in map(plan.buffer, plan.alias_chain(name)) if b is not None}
 
 
 def _home_device(plan: Plan, segment: Segment) -> str | None:
@@ -301,8 +316,7 @@ def _is_copy(plan: Plan, segment: Segment) -> bool:
 
 
 def _ranks(plan: Plan, segment: Segment) -> frozenset[int]:
-    world = range(plan.world_size if isinstance(plan.world_size, int) and plan.world_size > 0 else 1)
-    return frozenset(r for r in world if segment.runs_on(r))
+    return frozenset(r for r in range(plan.world_size) if segment.runs_on(r))
 
 
 def _capture_modes(plan: Plan) -> list[Mode]:
@@ -339,8 +353,8 @@ def undeclared_buffers(plan: Plan) -> Iterator[Finding]:
 def undeclared_streams(plan: Plan) -> Iterator[Finding]:
     """A segment names a stream that no stream declares.
 
-    Capture would fall back to an implicit stream, which on a non-default GPU records
-    an empty graph or replays stale data (seed 002).
+    Capture would fall back to an implicit stream, which on any GPU but the first
+    records an empty graph or replays stale data.
 
     Fix: declare the stream under ``streams`` with its device, or correct the name.
     """
@@ -411,36 +425,27 @@ def cycles(plan: Plan) -> Iterator[Finding]:
                           f"remove '{segment.name}' from its `after` list")
 
 
-@_rule("GF106", Severity.ERROR, "bad shape")
+@_rule("GF106", Severity.ERROR, "unknown shape symbol")
 def bad_shapes(plan: Plan) -> Iterator[Finding]:
-    """A buffer shape has a dimension that is not an int, a symbol or a product, names
-    an unknown symbol, or is a non-positive integer.
+    """A buffer shape names a symbol that is neither the size symbol nor declared under
+    ``symbols``.
 
-    The engine could not size the buffer for each descriptor, so allocation would fail
-    or produce an empty tensor.
+    The engine could not size the buffer for each descriptor, so allocation would fail.
+    (How a dimension is spelled, and that an int one is at least 1, is checked when the
+    plan is read.)
 
-    Fix: use positive ints and declared symbols (the size symbol or ``symbols``), e.g.
-    ``[B, 1024]`` or ``["2*B", H]``.
+    Fix: declare the symbol under ``symbols``, or use the size symbol, e.g. ``[B, 1024]``
+    or ``["2*B", H]``.
     """
     known = _known_symbols(plan)
     for buffer in plan.buffers:
         for index, dim in enumerate(buffer.shape):
-            problem = None
-            if isinstance(dim, bool) or not isinstance(dim, (int, str)):
-                problem = f"dimension {index} ({dim!r}) is not an int or a symbol"
-            elif isinstance(dim, int) and dim <= 0:
-                problem = f"dimension {index} is {dim}"
-            else:
-                try:
-                    unknown = [s for s in dim_symbols(dim) if s not in known]
-                except ValueError:
-                    problem = f"dimension {index} ({dim!r}) is not an int, a symbol or a product like '2*B'"
-                else:
-                    if unknown:
-                        problem = f"dimension {index} ({dim!r}) uses unknown symbol {', '.join(unknown)}"
-            if problem is not None:
-                yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' shape {list(buffer.shape)}: {problem}",
-                              f"use positive ints and declared symbols ({', '.join(sorted(known))})")
+            unknown = [s for s in dim_symbols(dim) if s not in known]
+            if unknown:
+                yield Finding("buffer", buffer.name,
+                              f"buffer '{buffer.name}' shape {list(buffer.shape)}: dimension {index} ({dim!r}) "
+                              f"uses unknown symbol {', '.join(unknown)}",
+                              f"declare it under symbols, or use a declared symbol ({', '.join(sorted(known))})")
 
 
 @_rule("GF107", Severity.ERROR, "undeclared family")
@@ -469,7 +474,7 @@ def undeclared_prewarm(plan: Plan) -> Iterator[Finding]:
     """A channel's ``prewarm`` names a hook that no prewarm entry declares.
 
     The JIT specialization would stay cold and its first launch would happen inside
-    capture, where it is rejected (seed 003).
+    capture, where a kernel that refuses a cold launch under capture fails it.
 
     Fix: declare the hook under ``prewarm`` with its ``call``, or correct the name.
     """
@@ -518,64 +523,34 @@ def after_order(plan: Plan) -> Iterator[Finding]:
                               f"move {segment.name} below {name} (segments run in the order listed)")
 
 
-@_rule("GF111", Severity.ERROR, "unknown dtype")
-def unknown_dtypes(plan: Plan) -> Iterator[Finding]:
-    """A buffer's dtype is not one graphflow knows.
-
-    The engine could not allocate it, and sizes and capacity checks would be wrong.
-
-    Fix: use one of torch's dtype names without ``torch.`` (``bfloat16``, ``float32``,
-    ``int32``...).
-    """
-    for buffer in plan.buffers:
-        if buffer.dtype not in DTYPE_BYTES:
-            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' has unknown dtype '{buffer.dtype}'",
-                          f"use one of {', '.join(DTYPE_BYTES)}")
-
-
-@_rule("GF112", Severity.ERROR, "bad device")
+@_rule("GF112", Severity.ERROR, "stream not on a GPU")
 def bad_devices(plan: Plan) -> Iterator[Finding]:
-    """A device is not written ``cuda:N`` (or ``cpu`` for buffers and segments), or a
-    stream is not on a GPU.
+    """A stream is declared on the CPU.
 
-    A bare ``cuda`` means "the current device", which differs per process and per
-    thread: capture on a non-default GPU then records empty graphs (seed 002).
+    Capture records the work queued on a GPU stream; a plan whose streams are on the
+    CPU runs only on the engine's CPU backend (tests), never captures a graph.
 
-    Fix: write the device with its index, e.g. ``cuda:0``.
+    Fix: put the stream on the GPU of the segments that use it, e.g. ``cuda:0``.
     """
-    for buffer in plan.buffers:
-        if not _DEVICE.match(str(buffer.device)):
-            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' has device '{buffer.device}'",
-                          "write cuda:N (with its index) or cpu")
-    for segment in plan.segments:
-        if segment.device is not None and not _DEVICE.match(str(segment.device)):
-            yield Finding("segment", segment.name, f"{_describe(segment)} has device '{segment.device}'",
-                          "write cuda:N (with its index) or cpu")
     for stream in plan.streams:
-        if not _STREAM_DEVICE.match(str(stream.device)):
+        if not _GPU.fullmatch(stream.device):
             yield Finding("stream", stream.name, f"stream {stream.name} has device '{stream.device}'",
                           "a capture stream lives on a GPU: write cuda:N")
 
 
 @_rule("GF113", Severity.ERROR, "bad ranks")
 def bad_ranks(plan: Plan) -> Iterator[Finding]:
-    """``world_size`` is below 1, or a segment's ``ranks`` names a rank outside
-    ``0..world_size-1`` or no rank at all.
+    """A segment's ``ranks`` names a rank outside ``0..world_size-1``, or no rank at all.
 
     Per-rank collective orders (GF505) and rank-aware dataflow would be computed over
-    ranks that do not exist.
+    ranks that do not exist, and a segment on no rank silently never runs.
 
     Fix: set ``world_size`` to the number of ranks and list ranks below it.
     """
-    if not isinstance(plan.world_size, int) or plan.world_size < 1:
-        yield Finding("plan", None,
-                      f"world_size is {plan.world_size!r}", "set world_size to the number of ranks (1 or more)",
-                      at=plan.name)
-        return
     for segment in plan.segments:
         if segment.ranks is None:
             continue
-        outside = [r for r in segment.ranks if not isinstance(r, int) or not 0 <= r < plan.world_size]
+        outside = [r for r in segment.ranks if r >= plan.world_size]
         if outside:
             yield Finding("segment", segment.name,
                           f"{_describe(segment)} runs on rank(s) {', '.join(map(str, outside))} "
@@ -595,7 +570,7 @@ def read_before_write(plan: Plan) -> Iterator[Finding]:
     buffer is not an ``input`` or ``state``.
 
     Capture would record a read of uninitialized memory: replay is garbage, and on
-    several ranks each reads its own garbage (seed 000).
+    several ranks each reads its own garbage, so data-dependent work diverges.
 
     Fix: write it in an earlier segment, or declare ``role: input`` (the runtime fills
     it) or ``role: state`` (it persists across steps).
@@ -606,7 +581,7 @@ def read_before_write(plan: Plan) -> Iterator[Finding]:
         for name in dict.fromkeys(segment.reads):
             if plan.buffer(name) is None or _roles(plan, name) & {BufferRole.INPUT, BufferRole.STATE}:
                 continue
-            missing = ranks - written.get(_storage(plan, name), set())
+            missing = ranks - written.get(plan.storage(name), set())
             if not missing:
                 continue
             on = f" on rank(s) {', '.join(map(str, sorted(missing)))}"
@@ -617,7 +592,7 @@ def read_before_write(plan: Plan) -> Iterator[Finding]:
                           "write it in an earlier segment or declare role: input (or state)")
         for name in segment.writes:
             if plan.buffer(name) is not None:
-                written.setdefault(_storage(plan, name), set()).update(ranks)
+                written.setdefault(plan.storage(name), set()).update(ranks)
 
 
 @_rule("GF202", Severity.ERROR, "unordered writers")
@@ -663,11 +638,11 @@ def unread_outputs(plan: Plan) -> Iterator[Finding]:
     for segment in plan.segments:
         for name in segment.reads:
             if plan.buffer(name) is not None:
-                pending.pop(_storage(plan, name), None)
+                pending.pop(plan.storage(name), None)
         for name in dict.fromkeys(segment.writes):
             if plan.buffer(name) is None:
                 continue
-            storage = _storage(plan, name)
+            storage = plan.storage(name)
             earlier = [(s, n) for s, n in pending.get(storage, ()) if s is not segment]
             yield from _dead_writes(plan, earlier, "overwritten")
             pending[storage] = [(segment, name)]
@@ -686,10 +661,12 @@ def _dead_writes(plan: Plan, writes: Iterable[tuple[Segment, str]], until: str) 
 @_rule("GF204", Severity.ERROR, "bad alias")
 def bad_aliases(plan: Plan) -> Iterator[Finding]:
     """An ``alias_of`` buffer is larger than its target, on another device, part of an
-    alias cycle, or written through more than one name of the same storage.
+    alias cycle, or written through more than one name of the same storage. (A chain,
+    an alias of an alias, is fine: all of it views the storage of the buffer at its end.)
 
-    A view larger than its storage overruns it; writes through two names are invisible
-    to the DAG (which versions names), so their order is undefined.
+    A view larger than its storage overruns it; a cycle has no storage at all; writes
+    through two names are invisible to the DAG (which versions names), so their order
+    is undefined.
 
     Fix: make the alias fit its target on the same device, and write the storage
     through one name only (read through the others).
@@ -717,7 +694,7 @@ def bad_aliases(plan: Plan) -> Iterator[Finding]:
     for segment in plan.segments:
         for name in segment.writes:
             if plan.buffer(name) is not None:
-                written.setdefault(_storage(plan, name), {}).setdefault(name, segment.name)
+                written.setdefault(plan.storage(name), {}).setdefault(name, segment.name)
     for storage, names in written.items():
         if len(names) > 1:
             through = ", ".join(f"'{n}' (by {s})" for n, s in names.items())
@@ -726,62 +703,64 @@ def bad_aliases(plan: Plan) -> Iterator[Finding]:
 
 
 def _alias_loop(plan: Plan, buffer: Buffer) -> list[str]:
-    """The alias chain from ``buffer`` back to itself, or [] when it reaches a storage."""
-    chain = [buffer.name]
-    current = buffer
-    while current is not None and current.alias_of is not None:
-        chain.append(current.alias_of)
-        if current.alias_of == buffer.name:
-            return chain
-        if current.alias_of in chain[:-1]:
-            return []
-        current = plan.buffer(current.alias_of)
-    return []
+    """The alias chain from ``buffer`` back to itself, or [] when it reaches a storage
+    (or runs into a cycle that does not pass through ``buffer``)."""
+    chain = plan.alias_chain(buffer.name)
+    last = plan.buffer(chain[-1])
+    return [*chain, buffer.name] if last is not None and last.alias_of == buffer.name else []
+
+
+@_rule("GF205", Severity.WARNING, "buffer never used")
+def unused_buffers(plan: Plan) -> Iterator[Finding]:
+    """A buffer is declared but no segment reads or writes it, directly or through an
+    alias.
+
+    It is still allocated at its largest size before capture, and usually a segment
+    names the wrong buffer.
+
+    Fix: use it in the segment that needs it, or remove it.
+    """
+    used = {storage for segment in plan.segments for name in (*segment.reads, *segment.writes)
+            for storage in plan.alias_chain(name)}
+    yield from _unused("buffer", plan.buffers, used, "buffer '{}' is read or written by no segment",
+                       "use it in a segment's reads or writes, or remove it")
+
+
+def _unused(kind: str, elements: Iterable, used: set, message: str, fix: str) -> Iterator[Finding]:
+    """A finding for each element whose name is not in ``used`` (GF205, GF404, GF506)."""
+    for element in elements:
+        if element.name not in used:
+            yield Finding(kind, element.name, message.format(element.name), fix)
 
 
 # -- allocation: GF3xx ---------------------------------------------------------------------
 
 
-@_rule("GF301", Severity.ERROR, "shape does not cover descriptors")
+@_rule("GF301", Severity.ERROR, "capacity on a symbol the shape does not use")
 def uncovered_shapes(plan: Plan) -> Iterator[Finding]:
-    """A buffer's shape evaluates to zero or less at some descriptor size (a symbol
-    with a non-positive value, a non-positive capacity), or its ``capacity`` caps a
-    symbol its shape does not use.
+    """A buffer's ``capacity`` caps a symbol its shape does not use.
 
-    The engine would allocate an empty tensor, or the capacity the author relied on
-    limits nothing.
+    The capacity the author relied on limits nothing: the buffer is allocated without
+    it, and sizes above it are neither refused (GF604) nor held.
 
-    Fix: give every symbol a positive value, and cap only symbols the shape uses.
+    Fix: cap a symbol the shape uses, or drop the capacity.
     """
-    sizes = _sizes(plan)
     for buffer in plan.buffers:
-        if not _shape_is_valid(plan, buffer):
-            continue
         used = set(buffer.symbols())
-        for symbol, cap in buffer.capacity.items():
+        for symbol in buffer.capacity:
             if symbol not in used:
                 yield Finding("buffer", buffer.name,
                               f"buffer '{buffer.name}' caps '{symbol}' "
                               f"but its shape {list(buffer.shape)} does not use it",
                               "cap a symbol the shape uses, or drop the capacity")
-        if not sizes:
-            continue
-        # Sizes are positive, so a dimension's sign is the same at every size: check one.
-        size = min(sizes)
-        values = plan.buffer_values(buffer, size)
-        bad = [i for i, dim in enumerate(buffer.shape) if eval_dim(dim, values) <= 0]
-        if bad:
-            dims = ", ".join(f"dimension {i} ({buffer.shape[i]!r}) = {eval_dim(buffer.shape[i], values)}" for i in bad)
-            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' at {plan.capture.size_symbol}={size}: {dims}",
-                          "give its symbols and capacity positive values")
 
 
 @_rule("GF302", Severity.ERROR, "buffer on another device")
 def buffer_devices(plan: Plan) -> Iterator[Finding]:
     """A graph segment reads or writes a buffer on another device than the segment's.
 
-    A graph captures on one device; a cross-GPU access inside it is a hidden copy that
-    breaks capture or replays stale data (seed 002, category 4).
+    A graph captures on one device; a cross-GPU access inside it (``x.to("cuda:1")``
+    in a layer) is a hidden copy that breaks capture or replays stale data.
 
     Fix: move the buffer to the segment's device, or add an eager copy segment.
     """
@@ -798,6 +777,66 @@ def buffer_devices(plan: Plan) -> Iterator[Finding]:
                                   f"move the buffer to {home} or add an eager copy segment")
 
 
+def _over(plan: Plan, limit: int) -> Iterator[tuple[str, int, str]]:
+    """Each GPU whose static buffers exceed ``limit`` bytes: (device, total, what takes it),
+    the largest named by template (``kv_cache{0..60}``) as ``graphflow show`` groups them."""
+    for device, sizes in plan.static_memory().items():
+        total = sum(sizes.values())
+        if not _GPU.fullmatch(device) or total <= limit:
+            continue
+        groups = group_by_template([plan.buffer(name) for name in sizes])
+        weighed = sorted(((sum(sizes[b.name] for b in g.members), g) for g in groups), key=lambda item: -item[0])
+        shown = ", ".join(f"{g.label} ({format_bytes(n)}{f' in {len(g.members)} buffers' if len(g.members) > 1 else ''})"
+                          for n, g in weighed[:3])
+        yield device, total, f"the largest: {shown}"
+
+
+def _amount(total: int) -> str:
+    return f"{format_bytes(total)} ({total:,} bytes)"
+
+
+@_rule("GF303", Severity.WARNING, "static buffers exceed device memory")
+def over_device_memory(plan: Plan, device_memory: int | None = None) -> Iterator[Finding]:
+    """The static buffers of one GPU add up to more than its memory, as given to
+    ``graphflow validate --device-memory`` (``validate(plan, device_memory=...)``).
+
+    Allocation fails before the first capture, after the model has loaded; or the
+    buffers leave no room for the weights and the graphs' memory pools. Buffers are
+    counted at their allocation (the largest size, capacities included), aliases not
+    at all; buffers on the CPU are not counted.
+
+    Fix: lower the largest sizes or the capacities, use a smaller dtype, or spread the
+    buffers over more GPUs.
+    """
+    if device_memory is None:
+        return
+    for device, total, largest in _over(plan, device_memory):
+        if total <= max(MEMORY_CEILING, device_memory):  # beyond that, GF304 reports it
+            yield Finding("plan", None, f"static buffers on {device} take {_amount(total)}, more than its "
+                                        f"{_amount(device_memory)} of memory; {largest}",
+                          "lower the largest sizes or capacities, or spread the buffers over more GPUs",
+                          at=plan.name)
+
+
+@_rule("GF304", Severity.ERROR, "static buffers fit no GPU")
+def beyond_any_gpu(plan: Plan, device_memory: int | None = None) -> Iterator[Finding]:
+    """The static buffers of one GPU add up to more than 1 TiB (``MEMORY_CEILING``,
+    several times what the largest GPUs hold), or to more than a larger
+    ``--device-memory`` figure when one is given.
+
+    No GPU can allocate them: usually a batch size or a capacity with a digit too many
+    (``B`` up to 10**9). Without this check the plan validates clean and the engine
+    fails only after the model has loaded.
+
+    Fix: lower the largest sizes or the capacities.
+    """
+    limit = MEMORY_CEILING if device_memory is None else max(MEMORY_CEILING, device_memory)
+    for device, total, largest in _over(plan, limit):
+        yield Finding("plan", None, f"static buffers on {device} take {_amount(total)}, more than any GPU holds "
+                                    f"(over {format_bytes(limit)}); {largest}",
+                      "lower the largest sizes or capacities", at=plan.name)
+
+
 # -- streams: GF4xx ------------------------------------------------------------------------
 
 
@@ -805,8 +844,8 @@ def buffer_devices(plan: Plan) -> Iterator[Finding]:
 def missing_streams(plan: Plan) -> Iterator[Finding]:
     """A graph segment has no explicit stream.
 
-    Capturing on the ambient stream after ``set_device`` records empty graphs on one GPU
-    and stale replays on the others (seed 002's all-zeros bug).
+    Capturing on the ambient stream after ``set_device`` records an empty graph on one
+    GPU and replays stale data on the others: every replay returns zeros or old values.
 
     Fix: declare a stream on the segment's device and name it in ``stream``.
     """
@@ -847,7 +886,7 @@ def region_devices(plan: Plan) -> Iterator[Finding]:
     graph segments on different devices.
 
     One graph captures on one device; moving data across GPUs must be an explicit eager
-    copy between graphs (seed 002, category 8).
+    copy between graphs, or the graph replays stale data on the second GPU.
 
     Fix: insert an eager copy segment where the device changes.
     """
@@ -870,6 +909,20 @@ def region_devices(plan: Plan) -> Iterator[Finding]:
                 previous = (name, home)
 
 
+@_rule("GF404", Severity.WARNING, "stream never used")
+def unused_streams(plan: Plan) -> Iterator[Finding]:
+    """A stream is declared but no segment runs on it.
+
+    The engine still creates it on its device, and usually a segment names the wrong
+    stream.
+
+    Fix: name it in the segments that should run on it, or remove it.
+    """
+    used = {segment.stream for segment in plan.segments}
+    yield from _unused("stream", plan.streams, used, "stream {} is used by no segment",
+                       "name it in a segment's stream, or remove it")
+
+
 # -- channels: GF5xx -----------------------------------------------------------------------
 
 
@@ -878,7 +931,8 @@ def shared_channel_ids(plan: Plan) -> Iterator[Finding]:
     """One channel id is owned by channels of two families.
 
     Graph families that share signal buffers or IPC registrations corrupt each other's
-    captured collectives (seed 004: target, draft and context-KV graphs).
+    captured collectives (a target model, a speculative draft and a context-KV cache,
+    each with its own graphs, replaying against one set of buffers).
 
     Fix: give each family's channel its own id.
     """
@@ -899,7 +953,7 @@ def foreign_channels(plan: Plan) -> Iterator[Finding]:
     """A segment uses a channel owned by another family.
 
     Its collectives would be captured into another owner's graphs on a shared channel,
-    which conflicts when both replay (seed 004).
+    which conflicts when both replay.
 
     Fix: declare a channel (with its own id) for the segment's family.
     """
@@ -919,8 +973,8 @@ def placeholder_reaches_routing(plan: Plan) -> Iterator[Finding]:
     a data-dependent segment (the using segment itself or any DAG descendant).
 
     During warmup each rank gets rank-local garbage instead of the reduced value; top-k
-    routing then picks different paths per rank and capture hangs (seed 000: 67
-    PIECEWISE descriptors, then no progress in FULL).
+    routing then picks different paths per rank and capture hangs: every PIECEWISE
+    descriptor captures, then FULL capture makes no progress.
 
     Fix: use ``warmup: real`` for this channel.
     """
@@ -949,8 +1003,9 @@ def cold_jit_channels(plan: Plan) -> Iterator[Finding]:
     """A channel needs its kernel warmed (``jit``, or ``warmup: prepare``) but its warmup
     is not ``real`` and it names no ``prewarm`` hook.
 
-    The specialization's first launch would be inside capture, which rejects it ("cold
-    PCIe oneshot CUDA graph capture is not allowed", seed 003) or records nothing.
+    The specialization's first launch would be inside capture, which rejects it (a
+    CuTe DSL all-reduce raises "cold ... CUDA graph capture is not allowed") or records
+    nothing.
 
     Fix: declare a prewarm hook and name it in the channel's ``prewarm``, or use
     ``warmup: real``.
@@ -970,7 +1025,7 @@ def rank_collective_order(plan: Plan) -> Iterator[Finding]:
     segments that use channels).
 
     Mismatched collectives pair wrongly and every rank hangs until the timeout, with
-    nothing naming the rank that diverged (seed 000; BRIEF design notes).
+    nothing naming the rank that diverged.
 
     Fix: give every rank the same sequence of channel uses (move the channel to a
     segment that runs on all ranks).
@@ -1020,10 +1075,8 @@ def unused_channels(plan: Plan) -> Iterator[Finding]:
     Fix: use it in the segment that communicates, or remove it.
     """
     used = {name for segment in plan.segments for name in segment.channels}
-    for channel in plan.channels:
-        if channel.name not in used:
-            yield Finding("channel", channel.name, f"channel {channel.name} is used by no segment",
-                          "name it in the segment that communicates, or remove it")
+    yield from _unused("channel", plan.channels, used, "channel {} is used by no segment",
+                       "name it in the segment that communicates, or remove it")
 
 
 # -- modes: GF6xx --------------------------------------------------------------------------
@@ -1059,7 +1112,7 @@ def unsorted_sizes(plan: Plan) -> Iterator[Finding]:
     Fix: list the sizes in increasing order.
     """
     for what, values in _size_lists(plan):
-        sizes = [s for s in values if _is_size(s)]
+        sizes = list(values)
         if sizes != sorted(sizes):
             yield Finding("capture", None, f"{what} {list(values)} are not in increasing order",
                           f"list them sorted: {sorted(set(sizes))}", at="sizes")
@@ -1110,52 +1163,23 @@ def sizes_above_capacity(plan: Plan) -> Iterator[Finding]:
 
 @_rule("GF605", Severity.ERROR, "no descriptors")
 def missing_descriptors(plan: Plan) -> Iterator[Finding]:
-    """``capture.modes`` or a mode's ``capture.sizes`` is empty, a size is not a positive
-    integer, or sizes are given for a mode that is not captured.
+    """``capture.modes`` or a mode's ``capture.sizes`` is empty, or sizes are given for
+    a mode that is not captured.
 
-    Nothing (or a meaningless shape) would be captured, and every batch would fall back
-    to eager.
+    Nothing would be captured, and every batch would fall back to eager; sizes for an
+    uncaptured mode are usually a mode missing from ``capture.modes``.
 
-    Fix: list at least one mode and positive integer sizes.
+    Fix: list at least one mode and its sizes, and give sizes only to captured modes.
     """
     if not plan.capture.modes:
         yield Finding("capture", None, "capture.modes is empty", "list PIECEWISE and/or FULL", at="modes")
     for what, values in _size_lists(plan):
         if not values:
             yield Finding("capture", None, f"{what} is empty", "list the batch sizes to capture", at="sizes")
-        bad = [s for s in values if not _is_size(s)]
-        if bad:
-            yield Finding("capture", None, f"{what} has {', '.join(map(repr, bad))}, not positive integers",
-                          "list positive integer batch sizes", at="sizes")
     extra = [m.value for m in plan.capture.mode_sizes if m not in plan.capture.modes]
     if extra:
         yield Finding("capture", None, f"capture.sizes gives sizes for {', '.join(extra)}, which capture.modes "
                       "does not list", "add the mode to capture.modes or drop its sizes", at="sizes")
-
-
-@_rule("GF606", Severity.ERROR, "bad capture settings")
-def bad_capture_settings(plan: Plan) -> Iterator[Finding]:
-    """``warmup_iters`` is below 1, a verify tolerance is negative, or the barrier
-    timeout is not positive.
-
-    Without a warmup, lazy allocations and JIT launches happen inside capture; a
-    negative tolerance fails every verify; a zero timeout turns every barrier into a
-    divergence.
-
-    Fix: use ``warmup_iters >= 1``, tolerances ``>= 0`` and a positive timeout.
-    """
-    settings = plan.capture
-    if settings.warmup_iters < 1:
-        yield Finding("capture", None, f"capture.warmup_iters is {settings.warmup_iters}",
-                      "run at least one warmup iteration", at="warmup_iters")
-    for name in ("atol", "rtol"):
-        if getattr(settings, name) < 0:
-            yield Finding("capture", None, f"capture.verify {name} is {getattr(settings, name)}",
-                          "use a tolerance >= 0", at="verify")
-    if settings.barrier_timeout_s <= 0:
-        yield Finding("capture", None,
-                      f"capture.barrier_timeout_s is {settings.barrier_timeout_s}", "use a positive timeout",
-                      at="barrier_timeout_s")
 
 
 #: The rule table, ordered by code.
@@ -1169,6 +1193,8 @@ def rules_markdown() -> str:
         "",
         "Generated from `graphflow.validate.RULES` by `rules_markdown()`; do not edit by hand.",
         "`graphflow validate PLAN` runs every rule before any GPU work; errors make it exit 1.",
+        "What a single value may be (a dtype, a device written `cuda:N`, `warmup_iters >= 1`) is checked",
+        "earlier, when the plan is read or built: see docs/plan-format.md.",
         "",
         "| code | severity | title | what it prevents | how to fix |",
         "| --- | --- | --- | --- | --- |",
@@ -1176,4 +1202,6 @@ def rules_markdown() -> str:
     for rule in RULES:
         cells = (rule.code, rule.severity.value, rule.title, rule.prevents, rule.how_to_fix)
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", "## Retired codes", "", "Never reused; each failure is still caught, elsewhere.", ""]
+    lines += [f"- {code}: {text}" for code, text in RETIRED.items()]
     return "\n".join(lines) + "\n"

@@ -10,7 +10,10 @@ an eager segment), and sorted unique sizes.
 
 ``MUTATIONS`` maps a rule code to a function ``Plan -> Plan`` that injects exactly that
 conflict (with ``attrs.evolve``), choosing a target the plan has or rejecting the example
-with ``assume`` when it has none.
+with ``assume`` when it has none; ``VALIDATE_ARGS`` gives the few rules that judge a
+figure the plan does not hold (the device memory) what to validate with.
+``FIELD_MUTATIONS`` maps a field to a function that builds the plan with a value that
+field refuses: those failures are caught when the plan is built, before any rule.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from graphflow.plan import (
     WarmupPolicy,
 )
 
-__all__ = ["MUTATIONS", "valid_plans"]
+__all__ = ["FIELD_MUTATIONS", "MUTATIONS", "VALIDATE_ARGS", "valid_plans"]
 
 FAMILIES = ("target", "draft", "context_kv")
 SIZES = (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 256, 512)
@@ -209,10 +212,14 @@ def valid_plans(draw) -> Plan:
     next_id = draw(st.integers(1, 8))
     for family in families:
         next_id = builder.family(family, next_id)
+    # Only what segments use: a declared buffer or stream nobody uses is a warning.
+    used = {n for s in builder.segments for n in (*s.reads, *s.writes)}
+    used |= {b.alias_of for b in builder.buffers if b.name in used and b.alias_of is not None}
+    streams = {s.stream for s in builder.segments}
     return Plan(
         name=draw(_NAME),
-        buffers=builder.buffers,
-        streams=[Stream(f"s{i}", f"cuda:{i}") for i in range(devices)],
+        buffers=[b for b in builder.buffers if b.name in used],
+        streams=[Stream(f"s{i}", f"cuda:{i}") for i in range(devices) if f"s{i}" in streams],
         channels=builder.channels,
         segments=builder.segments,
         families=[Family(f) for f in families],
@@ -305,12 +312,9 @@ def after_later(plan: Plan) -> Plan:
     return _replace(plan, 0, after=[*plan.segments[0].after, "late"])
 
 
-def unknown_dtype(plan: Plan) -> Plan:
-    return attrs.evolve(plan, buffers=[attrs.evolve(plan.buffers[0], dtype="float13"), *plan.buffers[1:]])
-
-
-def bad_device(plan: Plan) -> Plan:
-    return attrs.evolve(plan, streams=[attrs.evolve(plan.streams[0], device="cuda"), *plan.streams[1:]])
+def stream_on_the_cpu(plan: Plan) -> Plan:
+    assume(plan.streams)
+    return attrs.evolve(plan, streams=[attrs.evolve(plan.streams[0], device="cpu"), *plan.streams[1:]])
 
 
 def rank_outside_world(plan: Plan) -> Plan:
@@ -351,10 +355,29 @@ def alias_larger_than_target(plan: Plan) -> Plan:
     return attrs.evolve(plan, buffers=[*plan.buffers, big])
 
 
-def shape_evaluates_to_zero(plan: Plan) -> Plan:
+def unused_buffer(plan: Plan) -> Plan:
+    spare = Buffer(_fresh(plan.buffers, "spare"), ("B",), "float32", plan.buffers[0].device)
+    return attrs.evolve(plan, buffers=[*plan.buffers, spare])
+
+
+def capacity_on_an_unused_symbol(plan: Plan) -> Plan:
     buffer = plan.buffers[0]
-    plan = attrs.evolve(plan, buffers=[attrs.evolve(buffer, shape=(*buffer.shape, "Z")), *plan.buffers[1:]])
-    return attrs.evolve(plan, symbols={**plan.symbols, "Z": 0})
+    capped = attrs.evolve(buffer, capacity={**buffer.capacity, "Z": 4})
+    return attrs.evolve(plan, buffers=[capped, *plan.buffers[1:]])
+
+
+def _huge(plan: Plan, stem: str, rows: int) -> Plan:
+    """A buffer of ``rows`` x 1024 float32 on cuda:0 (its capacity), nothing else changed."""
+    huge = Buffer(_fresh(plan.buffers, stem), ("B", 1024), "float32", "cuda:0", capacity={"B": rows})
+    return attrs.evolve(plan, buffers=[*plan.buffers, huge])
+
+
+def above_device_memory(plan: Plan) -> Plan:
+    return _huge(plan, "big", 1 << 24)  # 64 GiB, validated against 32 GiB (VALIDATE_ARGS)
+
+
+def beyond_any_gpu(plan: Plan) -> Plan:
+    return _huge(plan, "huge", 1 << 30)  # 4 TiB
 
 
 def buffer_on_other_gpu(plan: Plan) -> Plan:
@@ -366,6 +389,10 @@ def buffer_on_other_gpu(plan: Plan) -> Plan:
 
 def graph_without_stream(plan: Plan) -> Plan:
     return _replace(plan, _graph(plan), stream=None)
+
+
+def unused_stream(plan: Plan) -> Plan:
+    return attrs.evolve(plan, streams=[*plan.streams, Stream(_fresh(plan.streams, "s_idle"), "cuda:0")])
 
 
 def stream_on_other_gpu(plan: Plan) -> Plan:
@@ -449,10 +476,6 @@ def no_sizes(plan: Plan) -> Plan:
     return attrs.evolve(plan, capture=attrs.evolve(plan.capture, sizes=()))
 
 
-def no_warmup(plan: Plan) -> Plan:
-    return attrs.evolve(plan, capture=attrs.evolve(plan.capture, warmup_iters=0))
-
-
 #: One mutation per conflict class, keyed by the code that must report it.
 MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF101": undeclared_buffer,
@@ -465,18 +488,21 @@ MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF108": undeclared_prewarm,
     "GF109": unknown_after,
     "GF110": after_later,
-    "GF111": unknown_dtype,
-    "GF112": bad_device,
+    "GF112": stream_on_the_cpu,
     "GF113": rank_outside_world,
     "GF201": read_before_write,
     "GF202": unordered_writers,
     "GF203": unread_graph_output,
     "GF204": alias_larger_than_target,
-    "GF301": shape_evaluates_to_zero,
+    "GF205": unused_buffer,
+    "GF301": capacity_on_an_unused_symbol,
     "GF302": buffer_on_other_gpu,
+    "GF303": above_device_memory,
+    "GF304": beyond_any_gpu,
     "GF401": graph_without_stream,
     "GF402": stream_on_other_gpu,
     "GF403": region_spans_gpus,
+    "GF404": unused_stream,
     "GF501": shared_channel_id,
     "GF502": foreign_channel,
     "GF503": placeholder_reaches_routing,
@@ -488,5 +514,38 @@ MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF603": duplicated_size,
     "GF604": size_above_capacity,
     "GF605": no_sizes,
-    "GF606": no_warmup,
+}
+
+#: What ``validate`` needs besides the plan to judge a mutation (by code).
+VALIDATE_ARGS: dict[str, dict] = {"GF303": {"device_memory": 32 << 30}}
+
+
+# -- field mutations: a value the plan classes refuse ---------------------------------------------
+
+
+def _buffer(plan: Plan, **changes) -> Plan:
+    return attrs.evolve(plan, buffers=[attrs.evolve(plan.buffers[0], **changes), *plan.buffers[1:]])
+
+
+def _capture(plan: Plan, **changes) -> Plan:
+    return attrs.evolve(plan, capture=attrs.evolve(plan.capture, **changes))
+
+
+#: One refused value per field, keyed by the field the error must name. These were
+#: validator rules (unknown dtype, bad device, bad shape, bad capture settings...)
+#: before the classes checked their own fields.
+FIELD_MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
+    "dtype": lambda plan: _buffer(plan, dtype="float13"),
+    "device": lambda plan: _buffer(plan, device="cuda"),
+    "shape": lambda plan: _buffer(plan, shape=(*plan.buffers[0].shape, 0)),
+    "capacity": lambda plan: _buffer(plan, capacity={"B": 0}),
+    "values": lambda plan: _buffer(plan, values=(1, 1)),
+    "symbols": lambda plan: attrs.evolve(plan, symbols={**plan.symbols, "Z": 0}),
+    "world_size": lambda plan: attrs.evolve(plan, world_size=0),
+    "ranks": lambda plan: _replace(plan, 0, ranks=[-1]),
+    "sizes": lambda plan: _capture(plan, sizes=(0, *plan.capture.sizes)),
+    "warmup_iters": lambda plan: _capture(plan, warmup_iters=0),
+    "atol": lambda plan: _capture(plan, atol=-1e-3),
+    "barrier_timeout_s": lambda plan: _capture(plan, barrier_timeout_s=0.0),
+    "kind": lambda plan: _replace(plan, 0, kind="capturable"),
 }

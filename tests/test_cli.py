@@ -125,6 +125,47 @@ class TestValidateOutput:
         assert capsys.readouterr().err == "graphflow: --disable: unknown rule code GF999 (see 'graphflow rules')\n"
 
 
+    def test_a_retired_code_says_what_checks_it_now(self, plans, capsys):
+        assert main(["validate", "--disable", "GF606", "clean.yaml"]) == 2
+        assert capsys.readouterr().err == (
+            "graphflow: --disable: GF606 is retired (bad capture settings: warmup_iters >= 1, verify tolerances "
+            ">= 0 and a positive barrier_timeout_s are now checked when the plan is read or built "
+            "(CaptureSettings))\n")
+
+
+class TestValidateDeviceMemory:
+    # The clean plan's static buffers: 32 rows x (x 2048 + 4 x (q 2048 + kv 4096 + o 2048) + logits 128000)
+    STATIC = 32 * (2048 + 4 * (2048 + 4096 + 2048) + 128000)
+
+    @pytest.mark.parametrize("amount", [str(STATIC), "0.005GiB", "0.006GB", "5 MiB", "5mib"])
+    def test_buffers_within_the_memory_are_clean(self, plans, capsys, amount):
+        assert main(["validate", "--device-memory", amount, "clean.yaml"]) == 0
+        assert capsys.readouterr().out == "clean.yaml: 0 errors, 0 warnings (13 segments, 6 descriptors)\n"
+
+    def test_buffers_above_it_are_a_warning_naming_the_largest(self, plans, capsys):
+        assert main(["validate", "--device-memory", "4MB", "clean.yaml"]) == 0
+        warning, summary = capsys.readouterr().out.splitlines()
+        assert warning == (f"clean.yaml:2: GF303 warning plan: static buffers on cuda:0 take 5.0 MiB "
+                           f"({self.STATIC:,} bytes), more than its 3.8 MiB (4,000,000 bytes) of memory; the "
+                           "largest: logits (3.9 MiB), kv{0..3} (512.0 KiB in 4 buffers), q{0..3} (256.0 KiB in 4 "
+                           "buffers) — lower the largest sizes or capacities, or spread the buffers over more GPUs")
+        assert summary == "clean.yaml: 0 errors, 1 warning (13 segments, 6 descriptors)"
+
+    def test_buffers_no_gpu_holds_are_an_error_without_any_figure(self, plans, capsys):
+        (plans / "huge.yaml").write_text(CLEAN.replace("symbols: {B: [1, 2, 4, 8, 16, 32]}",
+                                                       "symbols: {B: [1, 2, 4, 8, 16, 32, 1000000000]}"))
+        assert main(["validate", "huge.yaml"]) == 1
+        error = capsys.readouterr().out.splitlines()[0]
+        assert error.startswith("huge.yaml:2: GF304 error plan: static buffers on cuda:0 take 148.1 TiB ")
+        assert "more than any GPU holds (over 1.0 TiB); the largest: logits (116.4 TiB), kv{0..3} " in error
+
+    @pytest.mark.parametrize("amount", ["80XB", "GiB", "-1GiB", "0"])
+    def test_a_bad_amount_exits_2_without_a_traceback(self, plans, amount):
+        proc = graphflow("-m", "graphflow", "validate", "--device-memory", amount, "clean.yaml", cwd=plans)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert "argument --device-memory: expected " in proc.stderr
+
+
 class TestValidateJson:
     def test_one_document_listing_every_plan(self, plans, capsys):
         assert main(["validate", "--json", "clean.yaml", "broken.yaml", "unreadable.yaml", "nowhere.yaml"]) == 2
@@ -184,8 +225,8 @@ class TestShowText:
         assert "  target#1: L0.post, L1.pre\n" in out
         assert "  tp_ar: all_reduce group=tp id=1 warmup=real, used by 4 segments" in out
         # per batch row: x 2048 + 4 x (q 2048 + kv 4096 + o 2048) + logits 128000 = 162816 bytes
-        assert "total static memory at B=32: 5.0 MiB (5,210,112 bytes)" in out
-        assert "total static memory at B=1: 159.0 KiB (162,816 bytes)" in out
+        assert "static memory, allocated once at B=32 (capacities included): 5.0 MiB (5,210,112 bytes)" in out
+        assert re.search(r"^logits +1 +\[B, 32000\] .* 125\.0 KiB +3\.9 MiB$", out, re.M)  # B=1, allocated
 
     def test_buffer_rows(self, plans, capsys):
         main(["show", "clean.yaml"])
@@ -212,7 +253,7 @@ class TestShowText:
     def test_text_to_a_file(self, plans, capsys):
         assert main(["show", "clean.yaml", "-o", "summary.txt"]) == 0
         assert capsys.readouterr().out == ""
-        assert "total static memory at B=32" in (plans / "summary.txt").read_text()
+        assert "static memory, allocated once at B=32" in (plans / "summary.txt").read_text()
 
     def test_unreadable_plan_exits_2(self, plans, capsys):
         assert main(["show", "unreadable.yaml"]) == 2

@@ -410,14 +410,69 @@ class TestMisuse:
         assert err.message == ("declared with @graphflow.segment but never reached by a step: call it from a "
                                "@graphflow.step method of Root, or remove the decorator")
 
-    def test_a_buffer_no_step_uses(self):
-        class Unused(Leaf):
-            spare = graphflow.buffer("spare{layer}", shape=("B",), dtype="float32", device=DEV)
+    def test_a_field_value_the_plan_refuses_names_the_declaration(self):
+        class Typo(Leaf):
+            wrong = graphflow.buffer("wrong{layer}", shape=("B",), dtype="bf16", device=DEV)
 
-        err = _error(Root(Unused))
-        assert err.element == "layers.0 (Unused.spare)"
-        assert err.message == ("buffer 'spare0' is declared but no step's segment uses it — use it in a "
-                               "segment's declaration, or remove it")
+        err = _error(Root(Typo))
+        assert err.element == "layers.0 (Typo.wrong)"
+        assert err.message.startswith("bad buffer declaration: 'dtype' must be one of float64, float32, ")
+        assert err.message.endswith(" (got 'bf16')")
+
+    def test_a_segment_field_the_plan_refuses_names_the_method(self):
+        class Negative(Leaf):
+            @graphflow.segment("L{layer}", reads=["x"], writes=["h{layer}"], stream="s0", ranks=[-1])
+            def work(self, x, h):
+                pass
+
+        err = _error(Root(Negative))
+        assert (err.element, err.message) == ("layers.0 (Negative.work)",
+                                              "bad @graphflow.segment declaration: 'ranks[0]' must be >= 0 (got -1)")
+
+    def test_a_step_setting_the_plan_refuses_names_the_step(self):
+        err = _error(Root(), warmup_iters=0)
+        assert (err.element, err.message) == ("Root.step", "bad @graphflow.step settings: 'warmup_iters' must be "
+                                                           ">= 1 (got 0)")
+
+
+class TestJudgedLikeYaml:
+    """What no step uses is kept for the validator, which judges it as it judges YAML."""
+
+    class Spare(Leaf):
+        spare = graphflow.buffer("spare{layer}", shape=("B",), dtype="float32", device=DEV)
+        idle = graphflow.stream("idle{layer}", device=DEV)
+        ep = graphflow.channel("ep{layer}", kind="all_to_all", group="ep", id=7)
+
+    def test_unused_declarations_are_warnings_not_errors(self):
+        plan = plan_from_module(Root(self.Spare))
+        report = validate(plan)
+        assert report.ok
+        unused = {(d.code, d.severity.value, d.element) for d in report.warnings if d.code in ("GF205", "GF404",
+                                                                                              "GF506")}
+        assert unused == {(code, "warning", f"{kind} {name}{i}") for i in range(2)
+                          for code, kind, name in (("GF205", "buffer", "spare"), ("GF404", "stream", "idle"),
+                                                   ("GF506", "channel", "ep"))}
+
+    def test_the_warning_points_at_the_declaration(self):
+        plan = plan_from_module(Root(self.Spare))
+        [spare] = [d for d in validate(plan).diagnostics if d.element == "buffer spare0"]
+        line = (pathlib.Path(__file__).read_text().splitlines()[spare.origin.line - 1]).strip()
+        assert spare.origin.file == "tests/test_decorators.py" and line.startswith("spare = graphflow.buffer(")
+
+    def test_the_same_plan_written_as_yaml_gets_the_same_diagnostics(self):
+        from graphflow.loader import dump_plan
+
+        plan = plan_from_module(Root(self.Spare))
+        as_yaml = loads_plan(dump_plan(plan))
+
+        def judged(p):
+            return sorted((d.code, d.severity, d.element, d.message) for d in validate(p).diagnostics)
+
+        assert judged(as_yaml) == judged(plan)
+
+    def test_another_steps_declarations_stay_out(self):
+        assert [b.name for b in plan_from_module(TestSteps.TwoSteps(), step="full").buffers] == ["x"]
+
 
     def test_two_declarations_of_one_buffer_that_disagree(self):
         class Wider(Leaf):

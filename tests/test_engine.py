@@ -142,7 +142,7 @@ class TestAllocate:
         events = len(rig.events)
         with pytest.raises(InvalidPlanError) as info:
             run(attrs.evolve(plan, buffers=(*plan.buffers[:-1], small)), model, rig)
-        assert info.value.report.codes() == ("GF604",)
+        assert [d.code for d in info.value.report.errors] == ["GF604"]
         assert len(rig.events) == events, "refused before anything ran"
 
     def test_missing_call_path_names_the_segment_and_path(self):

@@ -188,7 +188,7 @@ class TestFields:
               modes: [FULL, PIECEWISE]
               sizes: [8, 1, 4]
               size_symbol: N
-              warmup_iters: 0
+              warmup_iters: 1
               verify: {atol: 0.001, rtol: 1}
               barrier_timeout_s: 5
         """))
@@ -196,7 +196,7 @@ class TestFields:
         assert plan.model_args == {"layers": 4, "dims": [1, 2], "opts": {"fast": True}}
         assert plan.world_size == 4
         assert plan.families == (Family("draft"), Family("target"))
-        assert plan.capture == CaptureSettings((Mode.FULL, Mode.PIECEWISE), (8, 1, 4), "N", 0, 0.001, 1.0, 5.0)
+        assert plan.capture == CaptureSettings((Mode.FULL, Mode.PIECEWISE), (8, 1, 4), "N", 1, 0.001, 1.0, 5.0)
 
     def test_defaults_when_keys_are_absent(self):
         plan = loads_plan("graphflow: 1\nname: bare\n")
@@ -242,9 +242,19 @@ class TestTemplates:
     def test_for_each_forms(self, spec, values):
         plan = loads_plan(plan_text(f"""
             for_each: {{v: {spec}}}
-            streams: {{"s{{v}}": {{device: "cuda:{{v}}"}}}}
+            prewarm: {{"p{{v}}": {{call: "warm.{{v}}"}}}}
         """))
-        assert plan.streams == tuple(Stream(f"s{v}", f"cuda:{v}") for v in values)
+        assert plan.prewarm == tuple(Prewarm(f"p{v}", f"warm.{v}") for v in values)
+
+    def test_a_templated_device_is_checked_once_expanded(self):
+        plan = loads_plan(plan_text("""
+            for_each: {v: "range(2)"}
+            streams: {"s{v}": {device: "cuda:{v}"}}
+        """))
+        assert plan.streams == (Stream("s0", "cuda:0"), Stream("s1", "cuda:1"))
+        error = load_error(plan_text('for_each: {v: [up]}\nstreams: {"s{v}": {device: "cuda:{v}"}}\n'))
+        assert (error.line, error.element) == (4, "streams 's{v}'.device")
+        assert error.message.startswith("expected 'cpu' or 'cuda:N' with the GPU's index")
 
     def test_arithmetic_offsets(self):
         plan = loads_plan(plan_text("""
@@ -361,9 +371,9 @@ class TestErrors:
          "size_symbol 'N' differs from 'B', the symbol listing the sizes"),
         ("symbols: {2B: 3}\n", 3, "symbols", "symbol names are identifiers (letters, digits and _), got '2B'"),
         ("buffers:\n  x: {shape: [B], dtype: f32, device: cpu}\n", 4, "buffers 'x'.dtype",
-         "expected one of " + ", ".join(DTYPE_BYTES) + ", got 'f32' (did you mean 'float32'?)"),
+         "expected one of " + ", ".join(DTYPE_BYTES) + ", got str 'f32' (did you mean 'float32'?)"),
         ("buffers:\n  x: {shape: [-1], dtype: int8, device: cpu}\n", 4, "buffers 'x'.shape[0]",
-         "expected an integer >= 0, got -1"),
+         "expected an integer >= 1, got -1"),
         ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, values: [0]}\n", 4, "buffers 'x'.values",
          "expected two numbers [low, high), got 1 items"),
         ("buffers:\n  x: [1]\n", 4, "buffers 'x'",
@@ -389,7 +399,7 @@ class TestErrors:
          "prewarm, segments, capture"),
         ("symbols: [B]\n", 3, "symbols", "expected a mapping, got a list"),
         ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, capacity: 4}\n", 4, "buffers 'x'.capacity",
-         "expected a mapping, got int 4"),
+         "expected a mapping of symbols to the rows the buffer holds, got int 4"),
         ("model_args: [1]\n", 3, "model_args", "expected a mapping of factory arguments, got a list"),
         ("capture: {modes: [PIECEWISE], when: now}\n", 3, "capture",
          "unknown key 'when'; known keys: modes, sizes, size_symbol, warmup_iters, verify, barrier_timeout_s"),
@@ -475,17 +485,18 @@ class TestDump:
                                       "it's", "é\u2028ü", "a\nb", " sp ", "*a", "&b", "!t", "%", "@", '"q"',
                                       "0x10", "~", "yes", "<<", "1e3", ".inf"])
     def test_round_trips_names_that_need_quoting_or_escaping(self, name):
+        # Every free string field holds the name; devices must be spelled as devices.
         plan = Plan(
             name=name,
-            buffers=[Buffer(name, ("B", "2*B", 3), "float32", name, BufferRole.STATE, {"B": 4}, name, (0, 1.5))],
-            streams=[Stream(name, name)],
+            buffers=[Buffer(name, ("B", "2*B", 3), "float32", "cuda:3", BufferRole.STATE, {"B": 4}, name, (0, 1.5))],
+            streams=[Stream(name, "cpu")],
             channels=[Channel(name, ChannelKind.P2P, name, -3, name, WarmupPolicy.PREPARE, name, True)],
-            segments=[Segment(name, SegmentKind.EAGER, name, (name,), (name,), name, (name,), name, True, name, (),
-                              (name,))],
+            segments=[Segment(name, SegmentKind.EAGER, name, (name,), (name,), name, (name,), name, True, "cuda:1",
+                              (), (name,))],
             families=[Family(name)],
             prewarm=[Prewarm(name, name, False)],
             symbols={"H": 3},
-            capture=CaptureSettings((), (), "C", 0, 1e-5, 0.5, 1e300),
+            capture=CaptureSettings((), (), "C", 1, 1e-5, 0.5, 1e300),
             model_args={"k{": [1, {"n": None, "s": name}]},
             world_size=3,
         )
@@ -585,6 +596,17 @@ class TestSchema:
     def test_is_a_valid_draft_2020_12_schema(self):
         jsonschema.Draft202012Validator.check_schema(SCHEMA)
 
+    def test_the_committed_file_is_generated_from_the_plan_classes(self):
+        from graphflow.schema import schema_json
+
+        committed = (ROOT / "graphflow" / "schema" / "plan.schema.json").read_text()
+        assert committed == schema_json(), "regenerate: python -m graphflow.schema > graphflow/schema/plan.schema.json"
+
+    def test_python_m_graphflow_schema_prints_it(self):
+        result = subprocess.run([sys.executable, "-m", "graphflow.schema"], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
+                                capture_output=True, text=True, check=True)
+        assert json.loads(result.stdout) == SCHEMA
+
     @pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
     def test_bundled_plans_validate_and_load(self, path):
         jsonschema.validate(yaml.safe_load(path.read_text()), SCHEMA)
@@ -595,19 +617,46 @@ class TestSchema:
 
         defs = SCHEMA["$defs"]
         assert tuple(SCHEMA["properties"]) == loader._TOP_KEYS
-        for key, names in (("buffer", loader._BUFFER_KEYS), ("stream", loader._STREAM_KEYS),
-                           ("channel", loader._CHANNEL_KEYS), ("prewarm", loader._PREWARM_KEYS),
-                           ("segment", loader._SEGMENT_KEYS), ("capture", loader._CAPTURE_KEYS)):
-            assert tuple(defs[key]["properties"]) == names, key
+        for key, names in (("buffer", "shape dtype device role capacity alias_of values"), ("stream", "device"),
+                           ("channel", "kind group id family warmup prewarm jit"), ("prewarm", "call per_size"),
+                           ("segment", "name kind call reads writes stream channels family data_dependent device "
+                                       "ranks after kernels"),
+                           ("capture", "modes sizes size_symbol warmup_iters verify barrier_timeout_s")):
+            assert tuple(defs[key]["properties"]) == tuple(names.split()), key
+        assert defs["buffer"]["required"] == ["shape", "dtype", "device"]
+        assert defs["channel"]["required"] == ["kind", "group", "id", "family"]
+        assert defs["segment"]["required"] == ["name", "kind", "call"]
 
     def test_enums_match_the_plan_model(self):
         defs = SCHEMA["$defs"]
-        assert defs["buffer"]["properties"]["dtype"]["enum"] == list(DTYPE_BYTES)
-        assert defs["buffer"]["properties"]["role"]["enum"] == [r.value for r in BufferRole]
-        assert defs["channel"]["properties"]["kind"]["enum"] == [k.value for k in ChannelKind]
-        assert defs["channel"]["properties"]["warmup"]["enum"] == [w.value for w in WarmupPolicy]
-        assert defs["segment"]["properties"]["kind"]["enum"] == [k.value for k in SegmentKind]
+
+        def choices(schema):
+            return next(option["enum"] for option in schema["anyOf"] if "enum" in option)
+
+        assert choices(defs["buffer"]["properties"]["dtype"]) == list(DTYPE_BYTES)
+        assert choices(defs["buffer"]["properties"]["role"]) == [r.value for r in BufferRole]
+        assert choices(defs["channel"]["properties"]["kind"]) == [k.value for k in ChannelKind]
+        assert choices(defs["channel"]["properties"]["warmup"]) == [w.value for w in WarmupPolicy]
+        assert choices(defs["segment"]["properties"]["kind"]) == [k.value for k in SegmentKind]
         assert defs["capture"]["properties"]["modes"]["items"]["enum"] == [m.value for m in Mode]
+
+    @pytest.mark.parametrize("body, fragment", [
+        ("capture: {warmup_iters: 0}\n", "0 is less than the minimum of 1"),
+        ("buffers:\n  x: {shape: [B, 0], dtype: int8, device: cpu}\n", "0 is not valid under any"),
+        ("buffers:\n  x: {shape: [B], dtype: int8, device: cuda}\n", "'cuda' is not valid under any"),
+        ("symbols: {H: 0}\n", "0 is not valid under any"),
+    ])
+    def test_ranges_the_classes_enforce_are_in_the_schema(self, body, fragment):
+        errors = list(jsonschema.Draft202012Validator(SCHEMA).iter_errors(yaml.safe_load(plan_text(body))))
+        assert errors and any(fragment in e.message for e in errors), [e.message for e in errors]
+
+    def test_a_templated_device_or_dtype_is_left_to_the_loader(self):
+        text = plan_text("""
+            for_each: {i: "range(2)"}
+            buffers:
+              "x{i}": {shape: [B], dtype: "{i}", device: "cuda:{i}"}
+        """)
+        jsonschema.validate(yaml.safe_load(text), SCHEMA)
 
     def test_dumped_plans_validate(self):
         jsonschema.validate(yaml.safe_load(dump_plan(loads_plan(BRIEF_EXAMPLE))), SCHEMA)

@@ -1,8 +1,9 @@
 """Properties of the validator over generated plans (see ``tests/strategies.py``).
 
 A valid plan gets no diagnostic at all; each injected conflict is reported with its
-code; no plan, however broken, makes a rule crash; plans survive a YAML round trip; and
-the derived views (DAG, PIECEWISE regions) are consistent.
+code; each value a field refuses is refused when the plan is built, naming the field;
+no plan, however broken, makes a rule crash; plans survive a YAML round trip; and the
+derived views (DAG, PIECEWISE regions) are consistent.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphflow.errors import FieldError
 from graphflow.loader import dump_plan, loads_plan
 from graphflow.plan import Mode, Plan
-from graphflow.validate import RULES, Severity, validate
-from strategies import MUTATIONS, valid_plans
+from graphflow.validate import RETIRED, RULES, Severity, validate
+from strategies import FIELD_MUTATIONS, MUTATIONS, VALIDATE_ARGS, valid_plans
 
 
 @given(valid_plans())
@@ -27,6 +29,10 @@ def test_every_rule_has_a_mutation():
     assert sorted(MUTATIONS) == [rule.code for rule in RULES]
 
 
+def test_no_rule_reuses_a_retired_code():
+    assert not set(RETIRED) & {rule.code for rule in RULES}
+
+
 #: A third of the profile's examples per mutation (34 classes): the mutations are
 #: deterministic, so the variety comes from the plans, and the suite stays fast.
 MUTATION_SETTINGS = settings(max_examples=max(10, settings.default.max_examples // 3))
@@ -36,7 +42,17 @@ MUTATION_SETTINGS = settings(max_examples=max(10, settings.default.max_examples 
 @MUTATION_SETTINGS
 @given(plan=valid_plans())
 def test_each_mutation_is_reported_with_its_code(code: str, plan: Plan):
-    assert code in validate(MUTATIONS[code](plan)).codes()
+    assert code in validate(MUTATIONS[code](plan), **VALIDATE_ARGS.get(code, {})).codes()
+
+
+@pytest.mark.parametrize("field", sorted(FIELD_MUTATIONS))
+@MUTATION_SETTINGS
+@given(plan=valid_plans())
+def test_each_refused_value_fails_when_the_plan_is_built_naming_its_field(field: str, plan: Plan):
+    with pytest.raises(FieldError) as info:
+        FIELD_MUTATIONS[field](plan)
+    assert info.value.field.split(".")[0].split("[")[0] == field
+    assert str(info.value).startswith(f"'{info.value.field}' must be ")
 
 
 SEVERITY = {rule.code: rule.severity for rule in RULES}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 
+import attrs
 import pytest
 
 from graphflow.plan import (
@@ -168,10 +169,10 @@ class TestSummary:
         assert "  target#0: L0.pre .. head (7 segments); 2 eager segments inside (FULL needs none)" in text
         assert "PIECEWISE regions" not in text
 
-    def test_buffer_table_groups_layers_with_bytes_at_smallest_and_largest(self):
+    def test_buffer_table_groups_layers_with_bytes_at_the_smallest_size_and_allocated(self):
         lines = self.text(split_plan(layers=4)).splitlines()
         header = next(line for line in lines if line.startswith("name "))
-        assert header.split() == ["name", "count", "shape", "dtype", "device", "role", "bytes", "B=1", "bytes", "B=8"]
+        assert header.split() == ["name", "count", "shape", "dtype", "device", "role", "bytes", "B=1", "allocated"]
         shown = re.compile(r"^(x|q\{0\.\.3\}|o\{0\.\.3\}|logits)\s")
         rows = {line.split()[0]: line.split() for line in lines if shown.match(line)}
         # x: [B, 1024] bfloat16 -> 2048 bytes per batch row.
@@ -181,11 +182,19 @@ class TestSummary:
         assert rows["q{0..3}"][-4:] == ["8.0", "KiB", "64.0", "KiB"]
         assert rows["logits"][-4:] == ["3.9", "KiB", "31.2", "KiB"]
 
-    def test_total_static_memory_is_exact_at_largest_and_smallest(self):
-        # per batch row: x 2048 + 2 layers x (q 2048 + o 2048) + logits 4000 = 14240 bytes
+    def test_static_memory_is_the_allocation_at_the_largest_size(self):
+        # per batch row: x 2048 + 2 layers x (q 2048 + o 2048) + logits 4000 = 14240 bytes, x 8 rows
         text = self.text(split_plan(layers=2))
-        assert "total static memory at B=8: 111.2 KiB (113,920 bytes)" in text
-        assert "total static memory at B=1: 13.9 KiB (14,240 bytes)" in text
+        assert "static memory, allocated once at B=8 (capacities included): 111.2 KiB (113,920 bytes)\n" in text
+        assert "cuda:0:" not in text  # one device: no per-device lines
+
+    def test_static_memory_per_device_when_there_are_several(self):
+        plan = split_plan(layers=1)
+        host = Buffer("ids", ("B", 16), "int64", "cpu", BufferRole.INPUT)
+        text = self.text(attrs.evolve(plan, buffers=(*plan.buffers, host)))
+        # cuda:0: 8 rows x (x 2048 + q 2048 + o 2048 + logits 4000); cpu: 8 rows x 16 int64
+        assert "(capacities included): 80.2 KiB (82,176 bytes)\n  cuda:0: 79.2 KiB (81,152 bytes)\n" \
+               "  cpu: 1.0 KiB (1,024 bytes)\n" in text
 
     def test_aliases_share_storage_and_are_not_counted(self):
         plan = split_plan(layers=1)
@@ -194,25 +203,33 @@ class TestSummary:
                     segments=plan.segments, capture=plan.capture)
         text = self.text(plan)
         assert "alias of x" in text
-        assert "total static memory at B=1: 9.9 KiB (10,144 bytes)" in text  # 2048 + 2*2048 + 4000
+        assert "(capacities included): 79.2 KiB (81,152 bytes)" in text  # 8 x (2048 + 2*2048 + 4000)
 
-    def test_capacity_caps_a_buffer(self):
-        cache = Buffer("cache", ("B", 256), "float32", DEV, BufferRole.STATE, capacity={"B": 2})
-        plan = Plan(name="p", buffers=[cache], capture=CaptureSettings(sizes=(1, 8)))
-        assert "total static memory at B=8: 2.0 KiB (2,048 bytes)" in self.text(plan)
+    def test_a_capacity_above_the_largest_size_is_allocated(self):
+        # A KV cache for 64 sequences, captured up to 8: the engine allocates 64 rows.
+        cache = Buffer("cache", ("B", 256), "float32", DEV, BufferRole.STATE, capacity={"B": 64})
+        text = self.text(Plan(name="p", buffers=[cache], capture=CaptureSettings(sizes=(1, 8))))
+        assert re.search(r"^cache .* state +1\.0 KiB +64\.0 KiB$", text, re.M)  # a B=1 view, the allocation
+        assert "(capacities included): 64.0 KiB (65,536 bytes)" in text
+
+    def test_a_capacity_on_another_symbol_is_allocated(self):
+        cache = Buffer("cache", ("B", "S", 4), "float32", DEV, BufferRole.STATE, capacity={"S": 32})
+        plan = Plan(name="p", buffers=[cache], symbols={"S": 16}, capture=CaptureSettings(sizes=(1, 2)))
+        text = self.text(plan)
+        assert re.search(r"^cache .* 512 B +1\.0 KiB$", text, re.M)  # S at 32 in the view too
+        assert "(capacities included): 1.0 KiB (1,024 bytes)" in text
 
     def test_unknown_symbol_is_shown_not_raised(self):
         plan = Plan(name="p", buffers=[Buffer("kv", ("S", 4), "float32", DEV)], capture=CaptureSettings(sizes=(1, 2)))
         text = self.text(plan)
         assert re.search(r"^kv .* \?\s+\?$", text, re.M)
-        assert "total static memory at B=2: 0 B (0 bytes) (1 buffer with unknown shape or dtype not counted)" in text
+        assert "(capacities included): 0 B (0 bytes) (1 buffer with an unknown shape symbol not counted)" in text
 
-    def test_unknown_dtype_is_shown_not_counted(self):
-        plan = Plan(name="p", buffers=[Buffer("kv", ("B", 4), "complex32", DEV), Buffer("x", ("B",), "int8", DEV)],
+    def test_an_unknown_symbol_leaves_the_other_buffers_counted(self):
+        plan = Plan(name="p", buffers=[Buffer("kv", ("S", 4), "float32", DEV), Buffer("x", ("B",), "int8", DEV)],
                     capture=CaptureSettings(sizes=(1, 2)))
-        text = self.text(plan)
-        assert re.search(r"^kv .* \?\s+\?$", text, re.M)
-        assert "total static memory at B=2: 2 B (2 bytes) (1 buffer with unknown shape or dtype not counted)" in text
+        assert "(capacities included): 2 B (2 bytes) (1 buffer with an unknown shape symbol not counted)" in \
+               self.text(plan)
 
     def test_channels_listed_by_family_with_users(self):
         text = self.text(split_plan(layers=3))

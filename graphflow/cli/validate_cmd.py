@@ -2,21 +2,40 @@
 
 Exit 0 when every plan is clean (warnings allowed), 1 when any finding is an error,
 2 when a plan cannot be read (or a ``--disable`` code is unknown). Imports no torch,
-so it runs in a fraction of a second wherever the plans are.
+so it runs in a fraction of a second wherever the plans are. ``--device-memory 80GiB``
+gives the memory of one GPU, so static buffers that would not fit are flagged (GF303)
+before a model is ever loaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from graphflow.errors import PlanError
 from graphflow.loader import load_plan
 from graphflow.render import plural
-from graphflow.validate import RULES, Report, validate
+from graphflow.validate import RULES, Report, unknown_codes, validate
 
 __all__ = ["register"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMOUNT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def device_memory(text: str) -> int:
+    """``80GiB`` (2**30 bytes each), ``80GB`` (10**9), ``85899345920`` (bytes): one GPU's memory."""
+    match = _AMOUNT.fullmatch(text)
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if unit is None:
+        raise argparse.ArgumentTypeError(f"expected bytes or an amount like 80GiB or 80GB, got {text!r}")
+    amount = int(float(match.group(1)) * unit) if "." in match.group(1) else int(match.group(1)) * unit
+    if amount <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive amount of memory, got {text!r}")
+    return amount
 
 
 def register(subparsers) -> None:
@@ -31,6 +50,10 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--disable", action="append", default=[], metavar="CODE",
         help="skip a rule by code (repeat, or separate with commas); see 'graphflow rules'",
+    )
+    parser.add_argument(
+        "--device-memory", type=device_memory, metavar="BYTES",
+        help="the memory of one GPU (85899345920, 80GiB or 80GB): warn when a GPU's static buffers exceed it",
     )
     parser.set_defaults(func=run)
 
@@ -67,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
     known = {rule.code for rule in RULES}
     unknown = [code for code in disable if code not in known]
     if unknown:
-        print(f"graphflow: --disable: unknown rule code {', '.join(unknown)} (see 'graphflow rules')",
-              file=sys.stderr)
+        print(f"graphflow: --disable: {unknown_codes(unknown)}", file=sys.stderr)
         return 2
     status = 0
     documents = []
@@ -82,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"graphflow: {err}", file=sys.stderr)
             continue
-        report = validate(plan, disable=disable)
+        report = validate(plan, disable=disable, device_memory=args.device_memory)
         if not report.ok:
             status = max(status, 1)
         if args.json:

@@ -1,11 +1,14 @@
 """Static buffers: allocated once at their largest size, then only ever viewed.
 
 A captured graph bakes in the addresses it reads and writes, so a buffer must never be
-reallocated after capture. Each buffer is allocated once, with the size symbol at the
-largest descriptor (or at the buffer's ``capacity`` when that is larger: a KV cache
-sized for 64 sequences); a descriptor of batch size ``b`` sees a view that narrows every
-dimension using the size symbol to its value at ``b``. Views share storage, so a
-smaller descriptor's graph reads the leading rows of the same memory.
+reallocated after capture. Each buffer is allocated once, at ``Plan.allocated_shape``:
+the size symbol at the largest descriptor, or at the buffer's ``capacity`` when that
+is larger (a KV cache sized for 64 sequences), the same figure ``graphflow show`` and
+the validator report. A descriptor of batch size ``b`` sees a view that narrows every
+dimension using the size symbol to its value at ``b`` (``Plan.buffer_values``). Views
+share storage, so a smaller descriptor's graph reads the leading rows of the same
+memory. An alias views its target's storage; targets are allocated first, so a chain
+of aliases ends in the one buffer that owns the memory (``Plan.storage``).
 """
 
 from __future__ import annotations
@@ -35,17 +38,20 @@ class StaticBuffers:
         self.tensors: dict[str, torch.Tensor] = {}
         self.alloc_values: dict[str, dict[str, int]] = {}
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        for buffer in sorted(plan.buffers, key=lambda b: b.alias_of is not None):  # targets before aliases
-            values = {**plan.symbol_values(max_size), **buffer.capacity}
-            values[self.symbol] = max(max_size, buffer.capacity.get(self.symbol, 0))
-            self.alloc_values[buffer.name] = values
-            shape = tuple(eval_dim(d, values) for d in buffer.shape)
+        # Roots first, then each alias after its target: sorted by the length of the chain.
+        for buffer in sorted(plan.buffers, key=lambda b: len(plan.alias_chain(b.name))):
+            self.alloc_values[buffer.name] = plan.allocation_values(buffer, max_size)
+            shape = plan.allocated_shape(buffer, max_size)
             dtype = torch_dtype(buffer.dtype)
             if buffer.alias_of is None:
                 # Zeros, not empty: warmup reads inputs before the runtime ever fills them.
                 self.tensors[buffer.name] = torch.zeros(shape, dtype=dtype, device=device_of(buffer.device))
-            else:
+            elif buffer.alias_of in self.tensors:
                 self.tensors[buffer.name] = _alias(self.tensors[buffer.alias_of], shape, dtype, buffer)
+            else:
+                chain = " -> ".join((*plan.alias_chain(buffer.name), buffer.alias_of))
+                raise ValueError(f"buffer {buffer.name!r} aliases {buffer.alias_of!r}, which owns no storage "
+                                 f"({chain}): point the chain at a buffer without alias_of (GF204, GF101)")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -73,7 +79,7 @@ class StaticBuffers:
     def fresh(self, name: str, size: int) -> torch.Tensor:
         """A new zeroed tensor shaped like ``name`` at ``size`` (eager fallback beyond capacity)."""
         buffer = self.plan.buffer(name)
-        values = {**self.alloc_values[name], self.symbol: size}
+        values = self.plan.buffer_values(buffer, size)
         tensor = self.tensors[name]
         return torch.zeros(tuple(eval_dim(d, values) for d in buffer.shape), dtype=tensor.dtype, device=tensor.device)
 
@@ -85,7 +91,7 @@ class StaticBuffers:
         self.tensors.clear()
 
     def _narrow(self, buffer: Buffer, tensor: torch.Tensor, size: int) -> torch.Tensor:
-        values = {**self.alloc_values[buffer.name], self.symbol: size}
+        values = self.plan.buffer_values(buffer, size)
         for index, dim in enumerate(buffer.shape):
             if self.symbol in dim_symbols(dim):
                 tensor = tensor.narrow(index, 0, eval_dim(dim, values))

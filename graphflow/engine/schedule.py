@@ -33,7 +33,6 @@ clocks, one latest position per stream).
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Hashable, Iterable, Sequence
 
 import attrs
@@ -101,17 +100,6 @@ class Schedule:
         return next(s for s in self.steps if s.name == name)
 
 
-def _storage(plan: Plan, name: str) -> str:
-    """The buffer whose memory ``name`` uses: itself, or the root of its ``alias_of`` chain."""
-    seen = {name}
-    buffer = plan.buffer(name)
-    while buffer is not None and buffer.alias_of is not None and buffer.alias_of not in seen:
-        seen.add(buffer.alias_of)
-        name = buffer.alias_of
-        buffer = plan.buffer(name)
-    return name
-
-
 def dependencies(plan: Plan, segments: Sequence[Segment]) -> tuple[Dependency, ...]:
     """Every ordering among ``segments`` (in run order) that concurrent execution must keep.
 
@@ -121,7 +109,7 @@ def dependencies(plan: Plan, segments: Sequence[Segment]) -> tuple[Dependency, .
     rank, a reader depends on the segment that last wrote the storage here.
     """
     found: dict[tuple[str, str, Hazard], Dependency] = {}
-    edges = dataflow_edges(segments, storage=functools.partial(_storage, plan), waw=True)
+    edges = dataflow_edges(segments, storage=plan.storage, waw=True)
     for source, target, kind, buffer, _ in edges:
         found.setdefault((source, target, Hazard(kind)), Dependency(source, target, Hazard(kind), buffer))
     return tuple(found.values())
