@@ -58,6 +58,9 @@ def register(subparsers) -> None:
     parser.add_argument("--trace", metavar="DIR",
                         help="write this rank's capture trace to DIR/rank0.jsonl (for 'graphflow trace diff'; "
                              "GRAPHFLOW_TRACE=DIR does the same)")
+    parser.add_argument("--report", metavar="FILE",
+                        help="write per-descriptor warmup/capture/verify time and pool memory to FILE: "
+                             ".json for scripts, .png or .svg as bars (graphflow.report)")
     parser.set_defaults(func=run)
 
 
@@ -105,10 +108,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"graphflow: --trace {args.trace}: cannot write there: {err.strerror or err}", file=sys.stderr)
         return 2
     listeners = [] if args.quiet or args.json else [ProgressDisplay()]
+    if args.report:
+        from graphflow.report import CaptureReport, report_format
+
+        try:
+            report_format(args.report)
+        except ValueError as err:
+            print(f"graphflow: --report {err}", file=sys.stderr)
+            return 2
+        listeners.append(CaptureReport(plan.name, backend.name))
     try:
         status, document = _capture(args, plan, source, backend, listeners, channels, sizes)
     finally:
         closed = _close(channels)
+    if args.report and not _write_report(listeners[-1], args.report):
+        return 2
     if document is None or not closed:
         return status or 1
     if channels is not None and channels.tracer is not None:
@@ -120,6 +134,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_text(document))
     return 0
+
+
+def _write_report(report, path: str) -> bool:
+    """Write the capture report (also after a rolled-back capture: it shows how far it got)."""
+    from graphflow.report import write_report
+
+    if not report.started:
+        return True
+    try:
+        write_report(report.document(), path)
+    except OSError as err:
+        print(f"graphflow: --report {path}: cannot write: {err.strerror or err}", file=sys.stderr)
+        return False
+    return True
 
 
 def _channels(plan, trace: str | None):
