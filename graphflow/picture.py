@@ -140,7 +140,8 @@ class Edge:
     route: str
     hazards: frozenset[str]
     real: frozenset[tuple[str, str]]
-    buffers: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()  # what the target reads that the source wrote
+    overwrites: tuple[str, ...] = ()  # what the target overwrites after the source read it
     offset: int = 0  # carried: how many copies later the target is
 
 
@@ -881,13 +882,13 @@ def _edges(structure: _Structure, boxes, box_of, copy_of, section_of_box, column
         else:
             route = "connector"
         key = (sa, sb, route, offset)
-        entry = merged.setdefault(key, {"hazards": set(), "real": set(), "buffers": []})
+        entry = merged.setdefault(key, {"hazards": set(), "real": set(), "raw": [], "war": []})
         entry["hazards"].add(hazard)
         if hazard != "event":
             entry["real"].add((a, b))
         for name in buffers:
-            if name is not None and name not in entry["buffers"]:
-                entry["buffers"].append(name)
+            if name is not None and hazard in ("raw", "war") and name not in entry[hazard]:
+                entry[hazard].append(name)
 
     for a, b, data in structure.dag.edges(data=True):
         for buffer, _, kind in data["buffers"]:
@@ -900,7 +901,7 @@ def _edges(structure: _Structure, boxes, box_of, copy_of, section_of_box, column
     edges = []
     for (sa, sb, route, offset), entry in merged.items():
         edges.append(Edge(sa, sb, route, frozenset(entry["hazards"]), frozenset(entry["real"]),
-                          tuple(entry["buffers"]), offset))
+                          tuple(entry["raw"]), tuple(entry["war"]), offset))
     return edges
 
 
@@ -978,7 +979,8 @@ def _merged_region_label(regions: Sequence[CaptureRegion], one_family: bool, mod
         return f"FULL graph ({families})" if not one_family else "FULL graph"
     by_family: dict[str, list[int]] = defaultdict(list)
     for r in regions:
-        by_family[r.family].append(r.index)
+        if r.index not in by_family[r.family]:
+            by_family[r.family].append(r.index)
     parts = []
     for family, indexes in by_family.items():
         text = f"R{indexes[0]}" if len(indexes) == 1 else f"R{{{compact_sizes(indexes)}}}".replace(" step ", "/")
@@ -1263,7 +1265,8 @@ class _Painter:
                        and self.p.blocks[boxes[e.source].block] is block]
             if carried:
                 buffers = [g.label for g in group_by_template(
-                    [_Named(n) for n in dict.fromkeys(b for e in carried for b in e.buffers)], min_size=2)]
+                    [_Named(n) for n in dict.fromkeys(b for e in carried for b in (*e.buffers, *e.overwrites))],
+                    min_size=2)]
                 offsets = sorted({e.offset for e in carried})
                 more = "" if offsets == [1] else " (" + ", ".join(f"+{o}" for o in offsets) + " copies)"
                 text = "↩ each copy feeds the next" + more + ": " + ", ".join(buffers)

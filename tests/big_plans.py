@@ -9,13 +9,18 @@ from graphflow.plan import Plan, Segment, SegmentKind, Stream
 
 
 def layered_plan(layers: int = 2500) -> Plan:
+    """The plan of ``layered_yaml``."""
+    return loads_plan(layered_yaml(layers), file=f"layered-{layers}.yaml")
+
+
+def layered_yaml(layers: int = 2500) -> str:
     """``layers`` copies of a 4-segment for_each block plus a head: 10,001 segments by default.
 
     Per copy: a graph segment on s0, an eager break, a graph segment on a side stream s1
     and a graph segment on s0 that joins both and all-reduces, so a picture of it has
     two lanes, event waits, eager breaks and a channel.
     """
-    text = f"""\
+    return f"""\
 graphflow: 1
 name: layered-{4 * layers + 1}
 symbols: {{B: [1, 2, 4, 8]}}
@@ -45,7 +50,6 @@ capture:
   modes: [PIECEWISE]
   sizes: B
 """
-    return loads_plan(text, file=f"layered-{layers}.yaml")
 
 
 def _letters(i: int) -> str:
