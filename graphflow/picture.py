@@ -644,6 +644,8 @@ def layout(plan: Plan, *, mode: Mode | None = None, expand: Expand = Expand.NONE
     expandable = sum(1 for _, parts in parts_by_family for p in parts if p.collapsed for n in p.numbers
                      if layers is None or n in layers)
     notes: list[str] = []
+    if plan.capture.modes and mode not in plan.capture.modes:
+        notes.append(f"the plan does not capture {mode.value}: the boxes show how {mode.value} would group the step")
     keep = 0 if expand is Expand.NONE and layers is None else None
     chosen = arrangement(keep, layers, screen_w)
     if keep is None and not fits(chosen, 3, cap_w, cap_h):
@@ -659,7 +661,7 @@ def layout(plan: Plan, *, mode: Mode | None = None, expand: Expand = Expand.NONE
         notes.append(f"{low:,} of {expandable:,} copies drawn apart; the other {expandable - low:,} stay "
                      f"collapsed to keep the picture within {max_pixels[0]} x {max_pixels[1]} px "
                      "(--layers A-B picks which copies)")
-    return _build(structure, chosen, lanes_by_family, parts_by_family, notes, cap_w, cap_h,
+    return _build(structure, chosen, lanes_by_family, parts_by_family, notes, keep is None, cap_w, cap_h,
                   header_h, legend_h, max_pixels)
 
 
@@ -692,7 +694,7 @@ def _members_label(names: Sequence[str]) -> str:
 
 
 def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_family, notes: list[str],
-           cap_w: float, cap_h: float, header_h: float, legend_h: float, max_pixels) -> Layout:
+           expanding: bool, cap_w: float, cap_h: float, header_h: float, legend_h: float, max_pixels) -> Layout:
     plan = structure.plan
     header_notes = list(notes)
     # Lines to keep: all that fit under the cap; what follows is elided.
@@ -711,21 +713,17 @@ def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_f
         kept_lines.append(line)
         geometry.append((family, titled, h))
         used += h + _LINE_GAP
-    drawn_sections = {c.section for line in kept_lines for c in line}
 
-    # Where each drawn chunk column is.
+    # Where each drawn segment is.
     boxes: list[Box] = []
     box_of: dict[str, int] = {}  # real segment -> box
     copy_of: dict[str, int] = {}  # real segment -> copy index within its section
     section_of_box: list[int] = []
-    column_of_box: list[int] = []
-    chunk_of_box: list[int] = []
     line_tops, line_lanes, line_family = [], [], []
-    blocks: list[Block] = []
-    block_of_section: dict[int, int] = {}
+    blocks: list[Block] = []  # one per chunk of a collapsed section (a block wider than a line has several)
+    first_block: dict[int, int] = {}  # collapsed section -> its first block
     left = _MARGIN + _LANE_LABEL_W
     y = 0.0  # body-relative; shifted below the header at the end
-    all_chunks: list[_Chunk] = []
     for line_index, (line, (family, titled, h)) in enumerate(zip(kept_lines, geometry)):
         top = y + (_FAMILY_TITLE_H if titled else 0.0)
         lane_ys = tuple(top + _TOP + i * _LANE + _BOX_H / 2 for i in range(len(lanes_by_family[family])))
@@ -733,42 +731,29 @@ def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_f
         line_lanes.append(lane_ys)
         line_family.append(family if titled else "")
         for chunk in line:
-            all_chunks.append(chunk)
-            chunk_id = len(all_chunks) - 1
             section = arr.sections[chunk.section]
-            x0 = left + chunk.x + _SECTION_PAD
             part = section.part
-            label = _copy_label(part.copies) if part.group is not None else None
+            block = None
             if section.collapsed:
-                if chunk.section not in block_of_section:
-                    block_of_section[chunk.section] = len(blocks)
-                    blocks.append(None)  # filled below, once its extent is known
+                block = len(blocks)
+                first_block.setdefault(chunk.section, block)
+                bottom = lane_ys[-1] + _BOX_H / 2
+                blocks.append(Block(_copy_label(part.copies), len(part.copies),
+                                    tuple(_copy_label([c]) for c in part.copies), line_index, left + chunk.x,
+                                    left + chunk.x + chunk.width, top + 0.04, bottom + _BUS_H, bottom + _BUS_H * 0.55))
+            x0 = left + chunk.x + _SECTION_PAD
             for p, segment in enumerate(part.segments):
                 col = section.column[segment.name]
                 if not chunk.first <= col <= chunk.last:
                     continue
                 members = tuple(c[p].name for c in part.copies)
                 lane = section.lanes[structure.lane_key[segment.name]]
-                box = Box(_members_label(members), segment, members, line_index, lane,
-                          x0 + (col - chunk.first) * _COL + _BOX_W / 2, lane_ys[lane],
-                          block_of_section.get(chunk.section))
                 for k, name in enumerate(members):
                     box_of[name] = len(boxes)
                     copy_of[name] = k
-                boxes.append(box)
+                boxes.append(Box(_members_label(members), segment, members, line_index, lane,
+                                 x0 + (col - chunk.first) * _COL + _BOX_W / 2, lane_ys[lane], block))
                 section_of_box.append(chunk.section)
-                column_of_box.append(col)
-                chunk_of_box.append(chunk_id)
-            if section.collapsed:
-                index = block_of_section[chunk.section]
-                x_left, x_right = left + chunk.x, left + chunk.x + chunk.width
-                bus = lane_ys[-1] + _BOX_H / 2 + _BUS_H * 0.55
-                previous = blocks[index]
-                if previous is None:
-                    numbers = [str(n) for n in part.numbers]
-                    blocks[index] = Block(label, len(part.copies), tuple(_copy_label([c]) for c in part.copies) if
-                                          numbers else (), line_index, x_left, x_right, top + 0.04,
-                                          lane_ys[-1] + _BOX_H / 2 + _BUS_H, bus)
         y += h + _LINE_GAP
 
     # Elided: everything in sections not drawn, as one marker after the last drawn chunk.
@@ -785,18 +770,16 @@ def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_f
         header_notes.append(f"{plural(len(missing), 'segment')} ({missing[0].name} .. {missing[-1].name}) not drawn: "
                             f"the picture would pass {max_pixels[0]} x {max_pixels[1]} px; "
                             "graphflow show --format dot has every segment")
-    for index, section in enumerate(arr.sections):
-        if index in drawn_sections and section.collapsed:
-            block = blocks[block_of_section[index]]
-            hint = "" if notes else "; --expand or --layers N-M draws them apart"
-            header_notes.append(f"{block.label}: {block.count} copies of one for_each block, drawn once "
-                                f"(×{block.count}){hint}")
+    hint = "" if expanding else "; --expand or --layers N-M draws them apart"
+    for index in first_block.values():
+        block = blocks[index]
+        header_notes.append(f"{block.label}: {block.count} copies of one for_each block, drawn once "
+                            f"(×{block.count}){hint}")
     differing = _differing_notes(parts_by_family)
     header_notes.extend(differing)
 
-    edges = _edges(structure, boxes, box_of, copy_of, section_of_box, column_of_box, chunk_of_box, all_chunks,
-                   elided, missing)
-    regions = _region_boxes(structure, boxes, box_of, chunk_of_box, column_of_box, line_lanes)
+    edges = _edges(structure, boxes, box_of, copy_of, section_of_box, missing)
+    regions = _region_boxes(structure, boxes, box_of, line_lanes)
     syncs = _syncs(structure, boxes, box_of, regions, lanes_by_family)
 
     width = max(arr.width, 6.0)
@@ -858,8 +841,7 @@ def _differing_notes(parts_by_family) -> list[str]:
     return notes
 
 
-def _edges(structure: _Structure, boxes, box_of, copy_of, section_of_box, column_of_box, chunk_of_box, chunks,
-           elided, missing) -> list[Edge]:
+def _edges(structure: _Structure, boxes, box_of, copy_of, section_of_box, missing) -> list[Edge]:
     """Every DAG edge and every event wait, mapped onto the drawn boxes and merged."""
     missing_names = {s.name for s in missing}
     marker = len(boxes)  # the elided marker's index, when there is one
@@ -875,7 +857,8 @@ def _edges(structure: _Structure, boxes, box_of, copy_of, section_of_box, column
         offset = 0
         if sa == marker or sb == marker:
             route = "connector"
-        elif section_of_box[sa] == section_of_box[sb] and copy_of[a] != copy_of[b]:
+        elif section_of_box[sa] == section_of_box[sb] and copy_of[a] != copy_of[b] and \
+                boxes[sa].block == boxes[sb].block:
             route, offset = "carried", copy_of[b] - copy_of[a]
         elif boxes[sa].line == boxes[sb].line and boxes[sa].x < boxes[sb].x:
             route = "direct"
@@ -920,7 +903,7 @@ def _drawn_regions(structure: _Structure, box_of) -> list[CaptureRegion]:
     return out
 
 
-def _region_boxes(structure: _Structure, boxes, box_of, chunk_of_box, column_of_box, line_lanes) -> list[RegionBox]:
+def _region_boxes(structure: _Structure, boxes, box_of, line_lanes) -> list[RegionBox]:
     one_family = len({r.family for r in structure.regions}) <= 1
     pieces: dict[tuple, dict] = {}
 
@@ -1260,9 +1243,8 @@ class _Painter:
             color = styles[style][1]
             self.ax.add_collection(PatchCollection([Polygon(t) for t in triangles], facecolor=color,
                                                    edgecolor="none", zorder=2.6))
-        for block in self.p.blocks:
-            carried = [e for e in self.p.edges if e.route == "carried" and boxes[e.source].block is not None
-                       and self.p.blocks[boxes[e.source].block] is block]
+        for index, block in enumerate(self.p.blocks):
+            carried = [e for e in self.p.edges if e.route == "carried" and boxes[e.source].block == index]
             if carried:
                 buffers = [g.label for g in group_by_template(
                     [_Named(n) for n in dict.fromkeys(b for e in carried for b in (*e.buffers, *e.overwrites))],

@@ -164,6 +164,10 @@ class TestRegions:
         assert picture.full_outline
         assert {r.mode for r in picture.regions} == {Mode.PIECEWISE, Mode.FULL}
 
+    def test_a_mode_the_plan_does_not_capture_says_so(self):
+        picture = layout(plan("toy"), mode=Mode.FULL)
+        assert picture.notes[0] == "the plan does not capture FULL: the boxes show how FULL would group the step"
+
     def test_mode_full_orders_the_step_as_one_graph(self):
         p = plan("toy_full")
         piecewise, full = layout(p), layout(p, mode=Mode.FULL)

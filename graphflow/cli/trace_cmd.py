@@ -58,16 +58,26 @@ def _files(arguments: list[str]) -> list[Path]:
     return files
 
 
-def run_diff(args: argparse.Namespace) -> int:
+def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[dict]]] | None:
+    """The TRACE arguments' files and their events, or None having said why (exit 2)."""
     # Imported here: every ``graphflow`` command builds this parser.
-    from graphflow.trace import TraceReadError, comparable, describe, diff_traces, read_trace
+    from graphflow.trace import TraceReadError, read_trace
 
     try:
         files = _files(args.traces)
-        traces = [read_trace(f) for f in files]
+        return files, [read_trace(f) for f in files]
     except TraceReadError as e:
-        print(f"graphflow trace diff: {e}", file=sys.stderr)
+        print(f"graphflow trace {action}: {e}", file=sys.stderr)
+        return None
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    from graphflow.trace import comparable, describe, diff_traces
+
+    read = _read(args, "diff")
+    if read is None:
         return 2
+    files, traces = read
     if len(traces) < 2:
         print("graphflow trace diff: give at least two traces (one per rank) or a directory of them", file=sys.stderr)
         return 2
@@ -104,14 +114,11 @@ def run_export(args: argparse.Namespace) -> int:
     import json
 
     from graphflow.chrome_trace import chrome_trace
-    from graphflow.trace import TraceReadError, read_trace
 
-    try:
-        files = _files(args.traces)
-        traces = [read_trace(f) for f in files]
-    except TraceReadError as e:
-        print(f"graphflow trace export: {e}", file=sys.stderr)
+    read = _read(args, "export")
+    if read is None:
         return 2
+    files, traces = read
     document = chrome_trace(traces, files)
     text = json.dumps(document, separators=(",", ":"), default=str)
     if args.output is None:
