@@ -1,21 +1,17 @@
-"""Views of a plan for people: a text summary, Graphviz DOT, and a picture.
+"""Views of a plan for people: a text summary and Graphviz DOT (the picture is ``graphflow.picture``).
 
 A 61-layer plan has hundreds of segments and buffers, so every view groups what a
 template repeated (``q0`` .. ``q60`` becomes one row ``q{0..60}``) and states counts
 instead of listing everything. The summary is built as data (``Summary``) and then
 written as plain text or as rich tables, so tests read the same numbers a terminal
-shows. The picture needs matplotlib (the ``draw`` extra), imported only by ``draw``,
-through its object API (no pyplot, no global backend switch). This module imports no
-torch.
+shows. This module imports neither torch nor matplotlib.
 """
 
 from __future__ import annotations
 
-import enum
-import math
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -24,16 +20,13 @@ from graphflow.plan import Buffer, Mode, Plan, Segment
 
 __all__ = [
     "Group",
-    "ImageFormat",
     "Section",
     "Summary",
     "Table",
     "compact_sizes",
-    "draw",
     "format_bytes",
     "format_summary",
     "group_by_template",
-    "layout_rows",
     "plural",
     "shown_mode",
     "summarize",
@@ -186,7 +179,7 @@ def _shape(buffer: Buffer) -> str:
 
 def _kind_counts(segments: Iterable[Segment]) -> str:
     counts = Counter(s.kind.value for s in segments)
-    return ", ".join(f"{counts[k]} {k}" for k in ("graph", "eager") if counts[k])
+    return ", ".join(f"{counts[k]:,} {k}" for k in ("graph", "eager") if counts[k])
 
 
 def _region_line(region) -> str:
@@ -488,182 +481,3 @@ def _node(segment: Segment, colors: dict[str, str]) -> str:
     else:
         style = f'shape=octagon, style=filled, fillcolor="{_lighten(_EAGER, 0.35)}", color="{_EAGER}"'
     return f"{_q(segment.name)} [label={label}, {style}, tooltip={_q(segment.call)}];"
-
-
-# -- picture -----------------------------------------------------------------------------
-
-
-class ImageFormat(enum.Enum):
-    PNG = "png"
-    SVG = "svg"
-
-
-#: Layout in inches: box size, gaps, and how many rows a column of the picture holds.
-_BOX_W, _BOX_H = 1.5, 0.5
-_GAP_X, _GAP_Y = 0.9, 0.35
-_ROW_LABEL_W = 0.7
-_MAX_ROW = 8
-_ROWS_PER_COLUMN = 16
-
-
-@attrs.frozen
-class _Row:
-    label: str
-    segments: tuple[Segment, ...]
-
-
-def layout_rows(plan: Plan) -> list[_Row]:
-    """Split the step into rows a person reads like lines of text.
-
-    Consecutive segments whose names carry the same numbers (``L3.pre``, ``L3.attn``,
-    ``L3.post``) form one row: one row per template block. Rows longer than
-    ``_MAX_ROW`` wrap.
-    """
-    rows: list[_Row] = []
-    current: list[Segment] = []
-    current_key: tuple | None = None
-    for segment in plan.segments:
-        key = tuple(_DIGITS.findall(segment.name))
-        if current and key != current_key:
-            rows.extend(_wrap(current, current_key))
-            current = []
-        current.append(segment)
-        current_key = key
-    if current:
-        rows.extend(_wrap(current, current_key))
-    return rows
-
-
-def _wrap(segments: list[Segment], key: tuple | None) -> list[_Row]:
-    prefixes = {re.match(r"\D*\d+", s.name).group(0) for s in segments} if key else set()
-    label = prefixes.pop() if len(prefixes) == 1 else "/".join(key or ())
-    return [_Row(label, tuple(segments[i:i + _MAX_ROW])) for i in range(0, len(segments), _MAX_ROW)]
-
-
-def draw(plan: Plan, path: str, image_format: ImageFormat) -> None:
-    """Draw the plan's step as a PNG or SVG picture at ``path``.
-
-    One row per template block, step order left to right then top to bottom (many
-    rows wrap into several columns); graph segments are boxes colored by family, eager
-    breaks red diamonds, PIECEWISE regions (FULL ones for a FULL-only plan) light
-    rounded rectangles behind their segments, labeled ``R<index>`` on every piece (a region that goes on to the next
-    row ends in ``→``). Arrows join neighbours in a row that the DAG connects, labeled
-    ``buffer@version`` while the plan is small enough to read them; ``graphflow show
-    --format dot`` has every edge. Shapes go into one collection per kind, so a
-    61-layer plan draws in about a second.
-    """
-    from matplotlib.collections import LineCollection, PatchCollection
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import FancyBboxPatch, Patch, Polygon
-
-    rows = layout_rows(plan)
-    n_columns = max(1, math.ceil(len(rows) / _ROWS_PER_COLUMN))
-    rows_per_column = max(1, math.ceil(len(rows) / n_columns))
-    row_len = max((len(r.segments) for r in rows), default=1)
-    column_w = _ROW_LABEL_W + row_len * _BOX_W + (row_len - 1) * _GAP_X + 0.5
-    width = max(8.0, n_columns * column_w + 0.4)
-    header_h, legend_h = 1.0, 0.5
-    rows_bottom = header_h + rows_per_column * (_BOX_H + _GAP_Y)
-    height = rows_bottom + legend_h
-    labelled = len(rows) <= _ROWS_PER_COLUMN
-
-    fig = Figure(figsize=(width, height), dpi=100)
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.set_xlim(0, width)
-    ax.set_ylim(height, 0)
-    ax.axis("off")
-
-    colors = _family_colors(plan)
-    dag = plan.dag()
-    mode = shown_mode(plan)
-    regions = plan.regions(mode)
-    region_of = {name: (r.family, r.index) for r in regions for name in r.segments}
-    region_last = {r.segments[-1] for r in regions}
-    one_family = len({r.family for r in regions}) <= 1
-
-    sizes = list(plan.capture.all_sizes)
-    modes = ", ".join(f"{m.value} x {len(sizes)}" for m in plan.capture.modes)
-    ax.text(0.2, 0.3, plan.name, fontsize=14, fontweight="bold", va="center")
-    ax.text(0.2, 0.58, f"{len(plan.segments)} segments ({_kind_counts(plan.segments)}), "
-            f"{plural(len(regions), mode.value + ' region')}, {plural(len(plan.buffers), 'buffer')}, "
-            f"{plural(len(plan.channels), 'channel')}", fontsize=9, va="center", color="#333333")
-    ax.text(0.2, 0.78, f"descriptors: {modes} ({plan.capture.size_symbol} = {compact_sizes(sizes)})",
-            fontsize=9, va="center", color="#333333")
-
-    region_patches, boxes, box_colors, diamonds = [], [], [], []
-    arrows: dict[bool, list] = {False: [], True: []}  # dashed -> shaft segments
-    heads: list[tuple[float, float]] = []
-    for index, row in enumerate(rows):
-        column, slot = divmod(index, rows_per_column)
-        x0 = 0.2 + column * column_w
-        y = header_h + slot * (_BOX_H + _GAP_Y) + _GAP_Y / 2 + _BOX_H / 2
-        ax.text(x0 + _ROW_LABEL_W - 0.15, y, row.label, ha="right", va="center", fontsize=8, color="#666666")
-        xs = [x0 + _ROW_LABEL_W + i * (_BOX_W + _GAP_X) for i in range(len(row.segments))]
-        for key, first, last in _region_pieces(row, region_of):
-            left, right = xs[first] - 0.1, xs[last] + _BOX_W + 0.1
-            region_patches.append(FancyBboxPatch((left, y - _BOX_H / 2 - 0.1), right - left, _BOX_H + 0.2,
-                                                 boxstyle="round,pad=0,rounding_size=0.1"))
-            name = f"R{key[1]}" if one_family else f"{key[0]} R{key[1]}"
-            goes_on = row.segments[last].name not in region_last
-            ax.text(left + 0.04, y - _BOX_H / 2 - 0.09, name + (" →" if goes_on else ""),
-                    fontsize=5.5, color="#8A6D1A", va="top", zorder=2)
-        for k, segment in enumerate(row.segments):
-            cx = xs[k] + _BOX_W / 2
-            if segment.is_graph:
-                boxes.append(FancyBboxPatch((xs[k], y - _BOX_H / 2), _BOX_W, _BOX_H,
-                                            boxstyle="round,pad=0,rounding_size=0.08"))
-                box_colors.append(colors[segment.family])
-            else:
-                hw, hh = _BOX_W / 2, _BOX_H / 2 + 0.05
-                diamonds.append(Polygon([(cx - hw, y), (cx, y - hh), (cx + hw, y), (cx, y + hh)], closed=True))
-            text = segment.name if not segment.channels else f"{segment.name}\n⇄ {', '.join(segment.channels)}"
-            ax.text(cx, y, text, ha="center", va="center", fontsize=7.5 if not segment.channels else 6.5, zorder=4)
-            if k and dag.has_edge(row.segments[k - 1].name, segment.name):
-                data = dag.edges[row.segments[k - 1].name, segment.name]["buffers"]
-                start, end = xs[k - 1] + _BOX_W + 0.02, xs[k] - 0.06
-                arrows[all(kind != "raw" for _, _, kind in data)].append([(start, y), (end, y)])
-                heads.append((end, y))
-                label = _edge_label(data)
-                if labelled and label:
-                    label = label if len(label) <= 18 else label[:16] + "…"
-                    ax.text((start + end) / 2, y - 0.06, label, ha="center", va="bottom", fontsize=5.5,
-                            color="#444444", zorder=4)
-
-    ax.add_collection(PatchCollection(region_patches, facecolor=_REGION_FILL, edgecolor=_REGION_EDGE,
-                                      linewidth=0.8, zorder=1))
-    ax.add_collection(PatchCollection(boxes, facecolor=[_lighten(c) for c in box_colors], edgecolor=box_colors,
-                                      linewidth=1.2, zorder=3))
-    ax.add_collection(PatchCollection(diamonds, facecolor=_lighten(_EAGER, 0.45), edgecolor=_EAGER,
-                                      linewidth=1.2, zorder=3))
-    for dashed, segments in arrows.items():
-        ax.add_collection(LineCollection(segments, colors="#555555", linewidths=0.9,
-                                         linestyles="--" if dashed else "-", zorder=2))
-    if heads:
-        ax.plot(*zip(*heads), linestyle="", marker=">", markersize=4, color="#555555", zorder=2)
-
-    handles = [Patch(facecolor=_lighten(c), edgecolor=c, label=f"graph segment ({f})") for f, c in colors.items()
-               if any(s.family == f and s.is_graph for s in plan.segments)]
-    if diamonds:
-        handles.append(Line2D([], [], marker="D", linestyle="", markersize=8, markerfacecolor=_lighten(_EAGER, 0.45),
-                              markeredgecolor=_EAGER, label="eager break"))
-    if region_patches:
-        handles.append(Patch(facecolor=_REGION_FILL, edgecolor=_REGION_EDGE, label=f"{mode.value} region = one graph"))
-    handles.append(Line2D([], [], color="#555555", marker=">", markersize=4, label="dataflow (buffer@version)"))
-    handles.append(Line2D([], [], color="#555555", linestyle="--", label="in-place order (write after read)"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.15 / width, 1 - (rows_bottom + 0.05) / height),
-              ncol=min(len(handles), max(1, int(width // 2.6))), fontsize=8, frameon=False)
-    fig.savefig(path, format=image_format.value)
-
-
-def _region_pieces(row: _Row, region_of: dict) -> Iterator[tuple[tuple[str, int], int, int]]:
-    """Each region's run of segments in this row: (region key, first, last index)."""
-    i = 0
-    while i < len(row.segments):
-        key = region_of.get(row.segments[i].name)
-        j = i
-        while key is not None and j + 1 < len(row.segments) and region_of.get(row.segments[j + 1].name) == key:
-            j += 1
-        if key is not None:
-            yield key, i, j
-        i = j + 1

@@ -299,6 +299,37 @@ class TestShowPicture:
         assert main(["show", "clean.yaml", "-o", "no/such/dir/plan.png"]) == 2
         assert capsys.readouterr().err.startswith("graphflow: no/such/dir/plan.png: cannot write: ")
 
+    def test_the_picture_says_where_it_went_and_what_it_collapsed(self, plans, capsys):
+        from PIL import Image
+
+        assert main(["show", "clean.yaml", "--format", "picture"]) == 0
+        first, note = capsys.readouterr().out.splitlines()
+        width, height = Image.open(plans / "dsv4-mini-decode.png").size
+        assert first.startswith(f"wrote dsv4-mini-decode.png ({width} x {height} px, ")
+        assert note == "  L{0..3}: 4 copies of one for_each block, drawn once (×4); --expand or --layers N-M draws them apart"
+
+    def test_a_picture_larger_than_a_screen_is_svg(self, plans, capsys):
+        plan = ROOT / "plans" / "dsv4_61l_decode.yaml"
+        assert main(["show", str(plan), "--format", "picture", "--expand", "-o", "layers"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("wrote layers.svg (")
+        assert "of 61 copies drawn apart" in out
+        assert ET.parse(plans / "layers.svg").getroot().tag == "{http://www.w3.org/2000/svg}svg"
+
+    def test_layers_are_drawn_apart(self, plans, capsys):
+        assert main(["show", "clean.yaml", "-o", "plan.svg", "--layers", "1-2"]) == 0
+        out = capsys.readouterr().out
+        assert "  L0: " not in out and "L{0..3}" not in out
+        assert "L1.attn" in (plans / "plan.svg").read_text()
+
+    def test_malformed_layers_exit_2(self, plans, capsys):
+        assert main(["show", "clean.yaml", "-o", "plan.svg", "--layers", "3-1"]) == 2
+        assert capsys.readouterr().err == "graphflow: --layers '3-1': range 3-1 runs backwards\n"
+
+    def test_picture_options_need_a_picture(self, plans, capsys):
+        assert main(["show", "clean.yaml", "--expand"]) == 2
+        assert "add --format png, svg or picture" in capsys.readouterr().err
+
 
 class TestRules:
     def test_lists_every_rule(self, capsys):

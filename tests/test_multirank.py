@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from graphflow.chrome_trace import chrome_trace
 from graphflow.cli import main
-from graphflow.trace import comparable, diff_traces, read_trace
+from graphflow.trace import comparable, describe, diff_traces, read_trace
 from graphflow.plan import WarmupPolicy
 from graphflow.validate import validate
 from multirank_model import BARRIER_TIMEOUT_S, SCENARIOS, SIZES, family_plan, run_workers, step_plan
@@ -74,6 +75,21 @@ class TestPlaceholderWarmupDiverges:
         n = _first_difference(out)
         assert lines[0] == f"traces differ at event {n}: rank 0 differs from rank 1, rank 2"
         assert f">    {n}  rank 0  #{n} descriptor_end phase=warmup descriptor=FULL(B=67)" in lines
+
+
+    def test_the_exported_timeline_marks_rank_0_on_the_event_trace_diff_names(self, run):
+        out, _ = run
+        traces = _traces(out, "seed-placeholder")
+        n = _first_difference(out)
+        document = chrome_trace(traces)
+        marks = {e["pid"]: e for e in document["traceEvents"] if e.get("cat") == "divergence" and e["s"] == "t"}
+        assert (marks[0]["name"], marks[0]["args"]["n"]) == ("first divergence", n)
+        assert marks[0]["args"]["this rank"] == describe(traces[0][n])
+        start = min(e["ts"] for t in traces for e in t)
+        for rank in range(WORLD):
+            assert marks[rank]["ts"] == pytest.approx((traces[rank][n]["ts"] - start) * 1e6, abs=0.01)
+        names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"] if e["name"] == "process_name"}
+        assert names == {0: f"rank 0 — diverged at event #{n}", 1: "rank 1", 2: "rank 2"}
 
 
 class TestRealWarmupAgrees:

@@ -1,4 +1,4 @@
-"""The pure views of a plan in ``graphflow.render``: summary, DOT and picture."""
+"""The pure views of a plan in ``graphflow.render``: summary and DOT (the picture: test_picture.py)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ from graphflow.plan import (
 )
 from graphflow.loader import load_plan
 from graphflow.render import (
-    ImageFormat,
     compact_sizes,
-    draw,
     format_bytes,
     format_summary,
     group_by_template,
-    layout_rows,
     shown_mode,
     summarize,
     to_dot,
@@ -302,47 +299,6 @@ class TestShownMode:
 
     def test_full_for_a_full_only_plan(self):
         assert shown_mode(split_plan(modes=(Mode.FULL,))) is Mode.FULL
-
-
-class TestLayoutRows:
-    def test_one_row_per_layer_with_untemplated_segments_apart(self):
-        rows = layout_rows(split_plan(layers=3))
-        assert [(r.label, [s.name for s in r.segments]) for r in rows] == [
-            ("L0", ["L0.pre", "L0.attn", "L0.post"]),
-            ("L1", ["L1.pre", "L1.attn", "L1.post"]),
-            ("L2", ["L2.pre", "L2.attn", "L2.post"]),
-            ("", ["head"]),
-        ]
-
-    def test_long_rows_wrap(self):
-        plan = Plan(name="flat", segments=[Segment(f"s{c}", GRAPH, "f", stream="s") for c in "abcdefghijk"])
-        assert [len(r.segments) for r in layout_rows(plan)] == [8, 3]
-
-
-class TestDraw:
-    def test_png_is_written(self, tmp_path):
-        path = tmp_path / "plan.png"
-        draw(split_plan(layers=4), str(path), ImageFormat.PNG)
-        data = path.read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n"
-        assert len(data) > 10_000
-
-    def test_svg_has_an_svg_root_with_segment_names(self, tmp_path):
-        import xml.etree.ElementTree as ET
-
-        path = tmp_path / "plan.svg"
-        draw(split_plan(layers=2), str(path), ImageFormat.SVG)
-        root = ET.parse(path).getroot()
-        assert root.tag == "{http://www.w3.org/2000/svg}svg"
-        assert float(root.get("width").removesuffix("pt")) > 300
-
-    def test_61_layers_are_drawn_in_columns(self, tmp_path):
-        from PIL import Image
-
-        path = tmp_path / "big.png"
-        draw(split_plan(layers=61), str(path), ImageFormat.PNG)
-        width, height = Image.open(path).size
-        assert width > height  # wrapped into columns instead of one very tall strip
 
 
 class TestStreamsSection:

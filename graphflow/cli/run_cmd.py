@@ -56,6 +56,9 @@ def register(subparsers) -> None:
     parser.add_argument("--trace", metavar="DIR",
                         help="write this rank's capture trace to DIR/rank0.jsonl (for 'graphflow trace diff'; "
                              "GRAPHFLOW_TRACE=DIR does the same)")
+    parser.add_argument("--report", metavar="FILE",
+                        help="write per-descriptor warmup/capture/verify time and pool memory to FILE: "
+                             ".json for scripts, .png or .svg as bars (graphflow.report)")
     parser.set_defaults(func=run)
 
 
@@ -72,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         _trace_dir(args.trace)
     listeners = [] if args.quiet or args.json else [ProgressDisplay()]
+    report = _report_listener(args.report, plan, options) if args.report else None
+    if report is not None:
+        listeners.append(report)
     session = Session(plan, options, listeners=listeners, trace=args.trace)
     try:
         started = time.perf_counter()
@@ -90,8 +96,14 @@ def run(args: argparse.Namespace) -> int:
         captured_s = time.perf_counter() - started
         timings = _time_steps(engine, args.steps)
         document = _document(source, engine, timings, captured_s, time.perf_counter() - began)
-    finally:
+    except BaseException:
         _close(session)
+        if report is not None:  # also after a rolled-back capture: it shows how far it got
+            _write_report(report, args.report, failed=True)
+        raise
+    _close(session)
+    if report is not None:
+        _write_report(report, args.report)
     if session.tracer is not None:
         document["trace"] = str(session.tracer.path)
     if args.json:
@@ -101,6 +113,35 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_report(document)
     return 0
+
+
+def _report_listener(path: str, plan, options):
+    """The capture report's listener; a FILE it cannot write is a bad argument (exit 2)."""
+    from graphflow.engine import make_backend
+    from graphflow.report import CaptureReport, report_format
+
+    try:
+        report_format(path)
+    except ValueError as err:
+        raise CommandError(f"--report {err}") from err
+    return CaptureReport(plan.name, make_backend(options.backend).name)
+
+
+def _write_report(report, path: str, *, failed: bool = False) -> None:
+    """Write the report; a path that cannot be written is a bad argument (exit 2), said
+    beside the capture's own error when the capture failed too."""
+    from graphflow.report import write_report
+
+    if not report.started:
+        return
+    try:
+        write_report(report.document(), path)
+    except OSError as err:
+        message = f"--report {path}: cannot write: {err.strerror or err}"
+        if failed:
+            print(f"graphflow: {message}", file=sys.stderr)
+            return
+        raise CommandError(message) from err
 
 
 def _options(args: argparse.Namespace):

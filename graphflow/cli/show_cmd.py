@@ -2,16 +2,20 @@
 
 ``text`` prints rich tables on a terminal and plain text otherwise (pipes, files);
 ``dot`` prints Graphviz DOT; ``png`` and ``svg`` draw the step with matplotlib into
-the file ``-o`` names. The format defaults to the ``-o`` file's extension, else text.
-``graphflow.render`` is imported when the command runs: every ``graphflow`` command
-builds this parser, and ``graphflow validate`` should not pay for it.
+the file ``-o`` names; ``picture`` picks PNG for a picture a screen shows at full size
+and SVG for a larger one, into ``-o FILE`` (the suffix added) or ``<plan name>.png|svg``.
+The format defaults to the ``-o`` file's extension, else text. ``graphflow.render`` and
+``graphflow.picture`` are imported when the command runs: every ``graphflow`` command
+builds this parser, and ``graphflow validate`` should not pay for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sys
+import time
 from pathlib import Path
 
 from graphflow.errors import PlanError
@@ -19,7 +23,8 @@ from graphflow.cli.source import add_plan_source_arguments, plan_source
 
 __all__ = ["register"]
 
-_FORMATS = ("text", "dot", "png", "svg")
+_FORMATS = ("text", "dot", "png", "svg", "picture")
+_PICTURES = ("png", "svg", "picture")
 
 
 def register(subparsers) -> None:
@@ -27,11 +32,21 @@ def register(subparsers) -> None:
         "show",
         help="summarize a plan, or write its DAG as DOT or a PNG/SVG picture",
         description="Show a capture plan: a text summary (default), Graphviz DOT, or a PNG/SVG picture "
-                    "(needs matplotlib: pip install 'graphflow[draw]').",
+                    "(needs matplotlib: pip install 'graphflow[draw]'). The picture draws copies of a "
+                    "for_each block once; --expand or --layers draws them apart.",
     )
     add_plan_source_arguments(parser)
-    parser.add_argument("--format", choices=_FORMATS, help="output format (default: from -o's extension, else text)")
+    parser.add_argument("--format", choices=_FORMATS,
+                        help="output format (default: from -o's extension, else text); picture: PNG when it fits "
+                             "a screen, else SVG")
     parser.add_argument("-o", "--output", metavar="FILE", help="write to FILE (required for png and svg)")
+    parser.add_argument("--expand", action="store_true",
+                        help="picture: draw every copy of each for_each block (as many as the size cap allows)")
+    parser.add_argument("--layers", metavar="N[-M],...",
+                        help="picture: draw these copies apart (numbered as in their names, e.g. 0-3 or 30,40-42)")
+    parser.add_argument("--mode", choices=("piecewise", "full"),
+                        help="picture: whose regions to box and order the step by (default: PIECEWISE unless the "
+                             "plan captures FULL only)")
     parser.set_defaults(func=run)
 
 
@@ -48,31 +63,72 @@ def run(args: argparse.Namespace) -> int:
         if not args.output:
             print(f"graphflow: show --format {fmt} needs -o FILE", file=sys.stderr)
             return 2
-        if importlib.util.find_spec("matplotlib") is None:
-            print(f"graphflow: show --format {fmt} needs matplotlib: pip install 'graphflow[draw]'", file=sys.stderr)
+    if fmt in _PICTURES and importlib.util.find_spec("matplotlib") is None:
+        print(f"graphflow: show --format {fmt} needs matplotlib: pip install 'graphflow[draw]'", file=sys.stderr)
+        return 2
+    if fmt not in _PICTURES and (args.expand or args.layers or args.mode):
+        print("graphflow: --expand, --layers and --mode shape the picture: add --format png, svg or picture",
+              file=sys.stderr)
+        return 2
+    layers = None
+    if args.layers:
+        from graphflow.picture import parse_layers
+
+        try:
+            layers = parse_layers(args.layers)
+        except ValueError as err:
+            print(f"graphflow: {err}", file=sys.stderr)
             return 2
     try:
         plan = plan_source(args)
     except PlanError as err:
         print(f"graphflow: {err}", file=sys.stderr)
         return 2
-    from graphflow.render import ImageFormat, draw, format_summary, summarize, to_dot, to_rich
+    if fmt in _PICTURES:
+        return _picture(args, plan, fmt, layers)
+    from graphflow.render import format_summary, summarize, to_dot, to_rich
 
     if fmt == "text" and args.output is None and sys.stdout.isatty():
         from rich.console import Console
 
         Console().print(to_rich(summarize(plan)))
         return 0
-    text = None if fmt in ("png", "svg") else to_dot(plan) if fmt == "dot" else format_summary(summarize(plan))
+    text = to_dot(plan) if fmt == "dot" else format_summary(summarize(plan))
     if args.output is None:
         sys.stdout.write(text)
         return 0
     try:
-        if text is None:
-            draw(plan, args.output, ImageFormat(fmt))
-        else:
-            Path(args.output).write_text(text)
+        Path(args.output).write_text(text)
     except OSError as err:
         print(f"graphflow: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _picture(args: argparse.Namespace, plan, fmt: str, layers) -> int:
+    from graphflow.picture import SCREEN_PIXELS, Expand, ImageFormat, draw, layout
+    from graphflow.plan import Mode
+
+    start = time.perf_counter()
+    mode = Mode(args.mode.upper()) if args.mode else None
+    picture = layout(plan, mode=mode, expand=Expand.ALL if args.expand else Expand.NONE, layers=layers)
+    width, height = picture.pixels
+    path = args.output
+    if fmt == "picture":
+        named = Path(path).suffix.lower().lstrip(".") if path else ""
+        if named in ("png", "svg"):
+            fmt = named
+        else:
+            fmt = "png" if width <= SCREEN_PIXELS[0] and height <= SCREEN_PIXELS[1] else "svg"
+            stem = path or re.sub(r"[^\w-]+", "_", plan.name)
+            path = f"{stem}.{fmt}"
+    try:
+        draw(picture, path, ImageFormat(fmt))
+    except OSError as err:
+        print(f"graphflow: {path}: cannot write: {err.strerror or err}", file=sys.stderr)
+        return 2
+    size = f"{width} x {height} px" if fmt == "png" else f"{width * 0.72:.0f} x {height * 0.72:.0f} pt"
+    print(f"wrote {path} ({size}, {time.perf_counter() - start:.1f} s)")
+    for note in picture.notes:
+        print(f"  {note}")
     return 0

@@ -4,6 +4,12 @@ Each TRACE is a rank's JSON-lines file or a directory of them (``GRAPHFLOW_TRACE
 writes ``DIR/rank{N}.jsonl``). Fields that legitimately differ between ranks (rank,
 timestamps, a p2p peer) are ignored. Exit status: 0 the traces agree, 1 they differ, 2
 a trace could not be read.
+
+``graphflow trace export --format chrome TRACE... [-o FILE]``: the traces as one Chrome
+trace (``graphflow.chrome_trace``) for Perfetto (https://ui.perfetto.dev, "Open trace
+file") or chrome://tracing: one track per rank, phases and descriptors as spans,
+collectives as instants, the first divergence marked. Exit status: 0 written, 2 a trace
+could not be read or the file could not be written.
 """
 
 from __future__ import annotations
@@ -25,6 +31,15 @@ def register(subparsers) -> None:
     diff.add_argument("traces", nargs="+", metavar="TRACE", help="a rank's .jsonl trace, or a directory of them")
     diff.add_argument("--context", type=int, default=3, metavar="N", help="events shown before the difference (3)")
     diff.set_defaults(func=run_diff)
+    export = actions.add_parser("export", help="write the traces as a timeline for Perfetto or chrome://tracing",
+                                description="Write per-rank traces as one Chrome trace (the JSON Perfetto and "
+                                            "chrome://tracing open): one track per rank, phases and descriptors as "
+                                            "spans, collectives as instants, the first divergence marked.")
+    export.add_argument("traces", nargs="+", metavar="TRACE", help="a rank's .jsonl trace, or a directory of them")
+    export.add_argument("--format", choices=("chrome",), default="chrome",
+                        help="chrome: the Trace Event Format's JSON object (default)")
+    export.add_argument("-o", "--output", metavar="FILE", help="write to FILE (default: standard output)")
+    export.set_defaults(func=run_export)
 
 
 def _files(arguments: list[str]) -> list[Path]:
@@ -43,16 +58,26 @@ def _files(arguments: list[str]) -> list[Path]:
     return files
 
 
-def run_diff(args: argparse.Namespace) -> int:
+def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[dict]]] | None:
+    """The TRACE arguments' files and their events, or None having said why (exit 2)."""
     # Imported here: every ``graphflow`` command builds this parser.
-    from graphflow.trace import TraceReadError, comparable, describe, diff_traces, read_trace
+    from graphflow.trace import TraceReadError, read_trace
 
     try:
         files = _files(args.traces)
-        traces = [read_trace(f) for f in files]
+        return files, [read_trace(f) for f in files]
     except TraceReadError as e:
-        print(f"graphflow trace diff: {e}", file=sys.stderr)
+        print(f"graphflow trace {action}: {e}", file=sys.stderr)
+        return None
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    from graphflow.trace import comparable, describe, diff_traces
+
+    read = _read(args, "diff")
+    if read is None:
         return 2
+    files, traces = read
     if len(traces) < 2:
         print("graphflow trace diff: give at least two traces (one per rank) or a directory of them", file=sys.stderr)
         return 2
@@ -83,6 +108,34 @@ def run_diff(args: argparse.Namespace) -> int:
             print(f"{mark} {i:>6}  {label:<7} {describe(event)}")
             mark = " "
     return 1
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import json
+
+    from graphflow.chrome_trace import chrome_trace
+
+    read = _read(args, "export")
+    if read is None:
+        return 2
+    files, traces = read
+    document = chrome_trace(traces, files)
+    text = json.dumps(document, separators=(",", ":"), default=str)
+    if args.output is None:
+        sys.stdout.write(text + "\n")
+        return 0
+    try:
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+    except OSError as e:
+        print(f"graphflow trace export: {args.output}: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
+    events = sum(len(t) for t in traces)
+    divergence = document["otherData"].get("first_divergence")
+    where = ("" if divergence is None else
+             f"; ranks diverge at event {divergence['event']} ({', '.join(f'rank {r}' for r in divergence['ranks'])})")
+    print(f"wrote {args.output}: {len(traces)} rank(s), {events} events{where}")
+    print("open it at https://ui.perfetto.dev (Open trace file) or in chrome://tracing (Load)")
+    return 0
 
 
 def _label(path: Path, trace: list[dict]) -> str:

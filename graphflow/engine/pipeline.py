@@ -101,6 +101,9 @@ def run_pipeline(plan: Plan, options: RunOptions = RunOptions(), *, backend: Bac
     ``ValueError`` for sizes the plan does not have, ``CaptureError`` from the cause of
     any failure after that; ``KeyboardInterrupt`` is re-raised as is, after rollback.
     """
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"backend= takes a Backend instance (got {backend!r}): name a kind with "
+                        "RunOptions(backend='cpu'|'cuda'|'auto') instead")
     report = validate(plan, disable=options.skip_rules)
     if not report.ok:
         raise InvalidPlanError(report)
