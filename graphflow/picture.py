@@ -23,16 +23,14 @@ matplotlib at import time.
 from __future__ import annotations
 
 import enum
-import importlib.util
 import math
 import re
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import attrs
 
+from graphflow.engine import schedule
 from graphflow.plan import CaptureRegion, Mode, Plan, Segment
 from graphflow.render import (
     _EAGER,
@@ -253,26 +251,6 @@ def parse_layers(text: str) -> frozenset[int]:
 # -- the plan's structure: lanes, units, dependencies, repeated blocks ---------------------
 
 
-def _schedule_module():
-    """``graphflow.engine.schedule``, loaded without the engine package when it is not loaded yet.
-
-    The schedule is torch-free, but ``graphflow.engine``'s ``__init__`` imports torch
-    (about a second, and absent where only the ``draw`` extra is installed); the picture
-    needs only the schedule, so it loads that file on its own, under a private name.
-    """
-    loaded = sys.modules.get("graphflow.engine.schedule")
-    if loaded is not None:
-        return loaded
-    name = "graphflow._picture_schedule"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "engine" / "schedule.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _lane_key(plan: Plan, segment: Segment) -> str:
     """The stream a segment runs on, as the engine picks it: its own, else one per device."""
     return segment.stream if segment.stream is not None else f"engine:{plan.segment_device(segment)}"
@@ -290,7 +268,6 @@ class _Structure:
         self.lane_key = {s.name: _lane_key(plan, s) for s in plan.segments}
         self.position = {s.name: i for i, s in enumerate(plan.segments)}
         self.dag = plan.dag()
-        schedule = _schedule_module()
         self._schedule = schedule
         # What orders placement: the DAG's edges and the engine's (write-after-write, aliases).
         self.preds: dict[str, set[str]] = defaultdict(set)

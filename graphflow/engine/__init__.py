@@ -5,17 +5,28 @@ and raises); ``graphflow.engine.pipeline`` holds the lifecycle, step by step. Ea
 is a module of its own: ``allocate``, ``warmup`` (warmup and prewarm), ``capture``,
 ``verify``, and ``engine`` (commit and the committed ``Engine``). ``execute`` runs
 segments over their streams for all of them; ``backend`` captures and replays one
-region; ``rollback`` is the undo stack; ``locus`` says where the pipeline is.
+region; ``rollback`` is the undo stack; ``schedule`` derives fork/join from the plan.
+
+The names below load on first use: ``schedule`` and ``rollback`` import no torch, so a
+picture of a plan (``graphflow.picture``) can use the engine's schedule without it.
 """
 
-from graphflow.engine.backend import Backend, BackendKind, CpuBackend, CudaBackend, Graph, make_backend
-from graphflow.engine.engine import Engine, Outcome, PhaseResult, PipelineReport
-from graphflow.engine.options import RunOptions
-from graphflow.engine.pipeline import run_pipeline
-from graphflow.engine.rollback import UndoError, UndoStack
-from graphflow.engine.verify import VerifyResult
+import importlib
 
-__all__ = [
-    "Backend", "BackendKind", "CpuBackend", "CudaBackend", "Engine", "Graph", "Outcome", "PhaseResult",
-    "PipelineReport", "RunOptions", "UndoError", "UndoStack", "VerifyResult", "make_backend", "run_pipeline",
-]
+#: Public names and the module each lives in.
+_NAMES = {
+    "Backend": "backend", "BackendKind": "backend", "CpuBackend": "backend", "CudaBackend": "backend",
+    "Graph": "backend", "make_backend": "backend",
+    "Engine": "engine", "Outcome": "engine", "PhaseResult": "engine", "PipelineReport": "engine",
+    "RunOptions": "options", "run_pipeline": "pipeline", "UndoError": "rollback", "UndoStack": "rollback",
+    "VerifyResult": "verify",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'graphflow.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"graphflow.engine.{module}"), name)

@@ -36,12 +36,12 @@ def _sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
 
 
 def _rule_codes(codes: Iterable[str]) -> frozenset[str]:
-    from graphflow.validate import RULES
+    from graphflow.validate import RULES, unknown_codes
 
     codes = frozenset(codes)
     unknown = codes - {rule.code for rule in RULES}
     if unknown:
-        raise ValueError(f"unknown rule code(s) {', '.join(sorted(unknown))}: `graphflow rules` lists them")
+        raise ValueError(unknown_codes(unknown))
     return codes
 
 
