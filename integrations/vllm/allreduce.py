@@ -67,8 +67,7 @@ def traced_custom_all_reduce(original: Callable, active: Callable[[], Any]) -> C
             return original(self, input)
         session = state.session
         family = session.site.family
-        counter = getattr(self, "_graphflow_calls", 0)
-        self._graphflow_calls = counter + 1
+        counter = session.count_call(self)
         capturing = stream_capturing()
         if self.disabled or not self.should_custom_ar(input):
             path = "declined"

@@ -4,9 +4,10 @@ vLLM has no capture callback, so the plugin wraps methods (``vllm-plugin.md`` gi
 file:line of each in the installed package):
 
 * model runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``): ``capture_model``
-  and ``profile_cudagraph_memory`` (a session each; capture as a transaction),
-  ``_warmup_and_capture`` (the descriptor), ``_dummy_run`` (warmup or capture run: the
-  phase boundaries); the drafters' ``dummy_run`` (family ``drafter``);
+  and ``profile_cudagraph_memory`` (a session each; capture as a transaction); for the
+  session, on the runner *instance* (so a fork's subclass that overrides them is
+  covered too), ``_warmup_and_capture`` (the descriptor) and ``_dummy_run`` (warmup or
+  capture run: the phase boundaries); the drafters' ``dummy_run`` (family ``drafter``);
 * model runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``): ``capture_model``
   (``profile_only`` is V2's profiling), ``CudaGraphManager.capture`` (its
   ``create_forward_fn``: descriptor, phase, family);
@@ -31,7 +32,7 @@ from graphflow.integrations.vllm.descriptors import VllmDescriptor, descriptor_f
 from graphflow.integrations.vllm.transaction import CaptureTransaction
 from graphflow.plan import Mode
 
-__all__ = ["Patches", "install_hooks", "transaction_for"]
+__all__ = ["Patches", "install_hooks", "runner_hooks", "transaction_for"]
 
 _MISSING = object()
 
@@ -74,8 +75,6 @@ def install_hooks(patches: Patches, plugin: Any) -> None:
     runner1 = v1.GPUModelRunner
     patches.replace(runner1, "capture_model", lambda f: _session(plugin, f, "capture"))
     patches.replace(runner1, "profile_cudagraph_memory", lambda f: _session(plugin, f, "profile"))
-    patches.replace(runner1, "_warmup_and_capture", lambda f: _v1_descriptor(plugin, f))
-    patches.replace(runner1, "_dummy_run", lambda f: _v1_phase(plugin, f))
     for proposer in _proposers():
         patches.replace(proposer, "dummy_run", lambda f: _family(plugin, f, "drafter"))
     patches.replace(v2.GPUModelRunner, "capture_model", lambda f: _session(plugin, f, "capture"))
@@ -105,31 +104,36 @@ def _session(plugin: Any, original: Callable, kind: str) -> Callable:
     return run
 
 
-def _v1_descriptor(plugin: Any, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def warmup_and_capture(self, desc, cudagraph_runtime_mode, *args, **kwargs):
-        state = plugin.active()
-        if state is None:
-            return original(self, desc, cudagraph_runtime_mode, *args, **kwargs)
-        q = getattr(self.cudagraph_dispatcher, "uniform_decode_query_len", 1)
+@contextlib.contextmanager
+def runner_hooks(runner: Any, plugin: Any) -> Iterator[None]:
+    """For one session, V1's descriptor and phase hooks on the runner instance itself."""
+    if not hasattr(runner, "cudagraph_dispatcher"):
+        yield
+        return
+    bound = {"_warmup_and_capture": runner._warmup_and_capture, "_dummy_run": runner._dummy_run}
+    q = getattr(runner.cudagraph_dispatcher, "uniform_decode_query_len", 1)
+
+    def warmup_and_capture(desc, cudagraph_runtime_mode, *args, **kwargs):
         descriptor = descriptor_from_vllm("target", cudagraph_runtime_mode, desc, uniform_query_len=q)
-        with state.at_descriptor(descriptor):
-            return original(self, desc, cudagraph_runtime_mode, *args, **kwargs)
+        with plugin.at_descriptor(descriptor):
+            return bound["_warmup_and_capture"](desc, cudagraph_runtime_mode, *args, **kwargs)
 
-    return warmup_and_capture
+    def dummy_run(*args, **kwargs):
+        if plugin.session.site.descriptor is None:
+            return bound["_dummy_run"](*args, **kwargs)
+        with plugin.phase("capture" if kwargs.get("is_graph_capturing") else "warmup"):
+            return bound["_dummy_run"](*args, **kwargs)
 
-
-def _v1_phase(plugin: Any, original: Callable) -> Callable:
-    @functools.wraps(original)
-    def dummy_run(self, *args, **kwargs):
-        state = plugin.active()
-        if state is None or state.session.site.descriptor is None:
-            return original(self, *args, **kwargs)
-        phase = "capture" if kwargs.get("is_graph_capturing") else "warmup"
-        with state.phase(phase):
-            return original(self, *args, **kwargs)
-
-    return dummy_run
+    shadowed = {name: runner.__dict__[name] for name in bound if name in runner.__dict__}
+    runner._warmup_and_capture, runner._dummy_run = warmup_and_capture, dummy_run
+    try:
+        yield
+    finally:
+        for name in bound:
+            if name in shadowed:
+                setattr(runner, name, shadowed[name])
+            else:
+                delattr(runner, name)
 
 
 def _family(plugin: Any, original: Callable, family: str) -> Callable:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -46,6 +47,10 @@ log = logging.getLogger("graphflow.vllm")
 _SHOWN_PER_CODE = 5
 
 _PLUGIN: Plugin | None = None
+
+#: Sessions opened in this process, for store namespaces: every rank opens them in the same
+#: order, and a namespace is never reused, even by a plugin registered again.
+_SESSIONS = itertools.count(1)
 
 
 def register() -> None:
@@ -96,7 +101,6 @@ class Plugin:
         self.session: CaptureSession | None = None
         self.plans: list[VllmPlan] = []
         self._log: TraceLog | None = None
-        self._sessions = 0
         self._validated = False
         self._prepared: set[tuple] = set()
         self._failed_at: tuple | None = None
@@ -108,6 +112,8 @@ class Plugin:
 
     def uninstall(self) -> None:
         self.patches.undo()
+        if self._log is not None and self._log.sink is not None:
+            self._log.sink.close()
 
     def active(self) -> Plugin | None:
         """Self while a session is open (the hooks' test), else None."""
@@ -120,7 +126,7 @@ class Plugin:
         import torch.distributed as dist
 
         from graphflow.integrations.vllm.engine import plan_from_engine
-        from graphflow.integrations.vllm.hooks import transaction_for
+        from graphflow.integrations.vllm.hooks import runner_hooks, transaction_for
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         if hasattr(runner, "_maybe_init_encoder_cudagraph_manager") and not profile:
@@ -139,7 +145,8 @@ class Plugin:
         start = time.perf_counter()
         self.session, self._failed_at = session, None
         try:
-            with session.at(phase=what):
+            with session.at(phase="profile_cudagraph_memory" if profile else "capture_model"), \
+                    runner_hooks(runner, self):
                 session.boundary("phase_begin", graphs=len(plan.descriptors), plan=_digest(plan))
                 result = capture()
                 session.boundary("phase_end")
@@ -191,9 +198,8 @@ class Plugin:
         if self._log is None:
             tracer = Tracer(self.settings.trace_dir, rank) if self.settings.trace_dir else None
             self._log = TraceLog(rank, tracer)
-        self._sessions += 1
         return CaptureSession(rank=rank, world=world, store=store, log=self._log, timeout_s=self.settings.timeout_s,
-                              namespace=f"graphflow-vllm/{self._sessions}", agree_calls=self.settings.agree_calls)
+                              namespace=f"graphflow-vllm/{next(_SESSIONS)}", agree_calls=self.settings.agree_calls)
 
     def _failed(self, error: BaseException, undo_error, where: tuple, rank: int, what: str, plan: VllmPlan) -> Any:
         family, mode, descriptor, phase = where

@@ -71,6 +71,7 @@ class CaptureSession:
         self._namespace = namespace
         self._barriers: dict[str, StoreBarrier] = {}
         self._scopes: dict[str, tuple[int, ...]] = {_WORLD: self.world}
+        self._calls: dict[int, int] = {}
         self.failed: str | None = None
 
     # -- scopes and barriers ---------------------------------------------------------------
@@ -116,6 +117,13 @@ class CaptureSession:
         for scope in list(self._scopes):
             self._arrive(scope, label if scope == _WORLD else f"{label} [{scope}]")
         return record
+
+    def count_call(self, communicator: Any) -> int:
+        """The communicator's call counter in this session (0, 1, 2, ...): the same on every
+        rank that made the same calls, whatever the communicator did before."""
+        counter = self._calls.get(id(communicator), 0)
+        self._calls[id(communicator)] = counter + 1
+        return counter
 
     def record_call(self, scope: str, fields: Mapping[str, Any]) -> dict:
         """One collective call, in ``scope`` (and the world's, when they are the same ranks)."""
