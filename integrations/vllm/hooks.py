@@ -154,7 +154,7 @@ def _v2_manager(plugin: Any, original: Callable) -> Callable:
         state = plugin.active()
         if state is None:
             return original(self, create_forward_fn, *args, **kwargs)
-        family = "target" if type(self).__name__ == "ModelCudaGraphManager" else "drafter"
+        family = "target" if id(self) in state.target_managers else "drafter"
 
         def create(desc, warmup: bool):
             forward = create_forward_fn(desc, warmup)
@@ -189,7 +189,8 @@ def _encoder_budget(plugin: Any, original: Callable) -> Callable:
 def transaction_for(runner: Any) -> CaptureTransaction:
     """The undo steps of one ``capture_model`` call of ``runner`` (V1 or V2).
 
-    Registered now, run newest first on rollback: capturing flag off, every wrapper's
+    Registered now, run newest first on rollback: capturing flag off (V1; V2's as it
+    was), every wrapper's
     graphs and the managers' graphs cleared, V1 dispatcher keys cleared (drafter's too),
     pools and counters back, the collector re-enabled and unfrozen, and finally the
     device's cached memory handed back.
@@ -236,7 +237,13 @@ def transaction_for(runner: Any) -> CaptureTransaction:
             encoder.clear()
 
     txn.on_rollback("wrapper and encoder graphs", clear_graphs)
-    txn.on_rollback("capturing flag off", lambda: monitor.set_cudagraph_capturing_enabled(False))
+    if runner_kind(runner) == "v1":
+        # V1 turns the flag on for its capture and off after it: off is its state afterwards.
+        txn.on_rollback("capturing flag off", lambda: monitor.set_cudagraph_capturing_enabled(False))
+    else:
+        # V2 never touches it (its wrappers capture while it is on, as at import): as it was.
+        txn.keep("capturing flag as before", lambda: monitor.cudagraph_capturing_enabled,
+                 monitor.set_cudagraph_capturing_enabled)
     return txn
 
 

@@ -104,6 +104,8 @@ class Plugin:
         self._validated = False
         self._prepared: set[tuple] = set()
         self._failed_at: tuple | None = None
+        #: V2: the id of the runner's own graph manager (the target); the speculator's are drafters.
+        self.target_managers: set[int] = set()
 
     def install(self) -> None:
         from graphflow.integrations.vllm.hooks import install_hooks
@@ -144,6 +146,7 @@ class Plugin:
         txn = None if profile else transaction_for(runner)
         start = time.perf_counter()
         self.session, self._failed_at = session, None
+        self.target_managers = {id(runner.cudagraph_manager)} if hasattr(runner, "cudagraph_manager") else set()
         try:
             with session.at(phase="profile_cudagraph_memory" if profile else "capture_model"), \
                     runner_hooks(runner, self):

@@ -187,3 +187,75 @@ def standin_runner_cls():
                 return mode, desc, self.full(self.inputs[:desc.num_tokens])
 
     return StandInRunner
+
+
+def standin_v2_runner_cls():
+    """vLLM's model runner V2 with its GPU work replaced.
+
+    Its ``capture_model`` is vLLM's, and so is the capture loop of its graph manager
+    (``CudaGraphManager.capture``: warmup, then PIECEWISE through the wrappers or FULL in
+    ``torch.cuda.graph``, the ``graphs`` dict, the counters); what the manager's model
+    subclass prepares on the GPU (inputs, attention metadata) is replaced by running
+    ``TinyMoE`` in vLLM's forward context.
+    """
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.worker.gpu import cudagraph_utils
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    class StandInModelCudaGraphManager(cudagraph_utils.CudaGraphManager):
+        def capture(self, model, *args, **kwargs):
+            runner = model
+
+            def create_forward_fn(desc, warmup):
+                def forward(cg_mode):
+                    failing = runner.fail_at == (desc.cg_mode.name, desc.num_tokens) and not warmup or (
+                        runner.fail_at == (desc.cg_mode.name, desc.num_tokens) and cg_mode == CUDAGraphMode.PIECEWISE)
+                    runner.tiny.fail = RuntimeError("CUDA error: out of memory (stand-in capture failure)") \
+                        if failing else None
+                    runner.runs.append((cg_mode.name, desc))
+                    batch = BatchDescriptor(num_tokens=desc.num_tokens) if cg_mode == CUDAGraphMode.PIECEWISE else None
+                    with set_forward_context(None, runner.vllm_config, num_tokens=desc.num_tokens,
+                                             cudagraph_runtime_mode=cg_mode, batch_descriptor=batch):
+                        if cg_mode == CUDAGraphMode.PIECEWISE:
+                            return runner.piecewise(runner.inputs[:desc.num_tokens])
+                        return runner.tiny(runner.inputs[:desc.num_tokens])
+
+                return forward
+
+            super().capture(create_forward_fn)
+
+    class StandInV2Runner(GPUModelRunner):
+        def __init__(self, vllm_config, *, model: TinyMoE):
+            self.vllm_config = vllm_config
+            self.compilation_config = vllm_config.compilation_config
+            self.lora_config = None
+            self.device = torch.device("cuda:0")
+            self.model_state = types.SimpleNamespace(supports_mm_inputs=False,
+                                                     capture_inner_cudagraphs=lambda *a, **k: None)
+            self.pcp_manager = None
+            self.input_buffers = self.intermediate_tensors = self.block_tables = None
+            self.attn_groups, self.kv_cache_config = [], None
+            self.use_aux_hidden_state_outputs = False
+            self.speculator = self.adaptive_verification = None
+            self.kv_connector = types.SimpleNamespace(reset_capture_state=lambda: None)
+            self.tiny = model
+            self.piecewise = CUDAGraphWrapper(_Piece(model), vllm_config, CUDAGraphMode.PIECEWISE)
+            self.inputs = torch.randn(vllm_config.scheduler_config.max_num_batched_tokens, HIDDEN,
+                                      generator=torch.Generator().manual_seed(3))
+            self.fail_at: tuple[str, int] | None = None
+            self.runs: list = []
+            init_workspace_manager(torch.device("cpu"))
+            q = vllm_config.uniform_decode_query_len
+            mode = vllm_config.compilation_config.resolve_cudagraph_mode_and_sizes(
+                AttentionCGSupport.ALWAYS, "StandIn", q, use_v2_model_runner=True)
+            self.cudagraph_manager = StandInModelCudaGraphManager(vllm_config, self.device, mode, q)
+
+        @property
+        def model(self):
+            return self
+
+    return StandInV2Runner

@@ -129,3 +129,61 @@ def test_a_keyboard_interrupt_rolls_back_and_stays_an_interrupt(runner, plugin):
     with pytest.raises(KeyboardInterrupt):
         runner.capture_model()
     assert state(runner)["keys"] == 0 and state(runner)["flag"] is False
+
+
+@pytest.fixture
+def runner_v2(vllm_world, cpu_cuda):
+    from vllm.compilation import monitor
+    from vllm.config import set_current_vllm_config
+
+    monitor.set_cudagraph_capturing_enabled(True)  # as in a fresh process: V2 never turns it on itself
+    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
+    with set_current_vllm_config(config):
+        yield harness.standin_v2_runner_cls()(config, model=harness.TinyMoE())
+
+
+def test_v2_alone_keeps_the_graphs_captured_before_a_failure(runner_v2):
+    runner_v2.fail_at = ("FULL", 2)
+    with pytest.raises(RuntimeError, match="stand-in capture failure"):
+        runner_v2.capture_model()
+    assert len(runner_v2.cudagraph_manager.graphs) == 1 and runner_v2.piecewise.concrete_cudagraph_entries
+
+
+@pytest.mark.parametrize("fail_at", [ORDER[0], ORDER[4], ORDER[-1]], ids=["first", "middle", "last"])
+def test_v2_a_failure_at_any_descriptor_rolls_everything_back(runner_v2, plugin, fail_at):
+    from vllm.compilation import monitor
+    from vllm.compilation.counter import compilation_counter
+
+    plugin()
+    before = (compilation_counter.num_cudagraph_captured, compilation_counter.num_gpu_runner_capture_triggers)
+    runner_v2.fail_at = fail_at
+    with pytest.raises(CaptureError) as info:
+        runner_v2.capture_model()
+    assert f"target {fail_at[0]}(tokens={fail_at[1]}" in info.value.message and info.value.rank == 0
+    manager = runner_v2.cudagraph_manager
+    assert manager.graphs == {} and manager._graphs_captured is False
+    assert not runner_v2.piecewise.concrete_cudagraph_entries and monitor.cudagraph_capturing_enabled is True
+    assert (gc.isenabled(), gc.get_freeze_count()) == (True, 0)
+    assert (compilation_counter.num_cudagraph_captured, compilation_counter.num_gpu_runner_capture_triggers) == before
+    for tokens in (1, 2, 4, 8):
+        assert manager.dispatch(tokens, tokens, 1, 0).cg_mode.name == "NONE"
+
+
+def test_v2_a_capture_that_succeeds_keeps_its_graphs_and_traces_both_phases(runner_v2, plugin, tmp_path,
+                                                                          monkeypatch):
+    from graphflow.integrations.vllm import plugin as module
+    from graphflow.trace import read_trace
+
+    monkeypatch.setenv("GRAPHFLOW_TRACE", str(tmp_path))
+    plugin()
+    runner_v2.capture_model()
+    module.unregister()  # closes the trace
+    manager = runner_v2.cudagraph_manager
+    assert len(manager.graphs) == 3 and manager._graphs_captured
+    assert manager.dispatch(2, 2, 1, 0).cg_mode.name == "FULL"
+    events = read_trace(tmp_path / "rank0.jsonl")
+    phases = [(e["event"], e["phase"], e["descriptor"]) for e in events if e["event"].startswith("phase")]
+    assert phases[:3] == [("phase_begin", "capture_model", None),
+                          ("phase_begin", "warmup", "target PIECEWISE(tokens=8)"),
+                          ("phase_end", "warmup", "target PIECEWISE(tokens=8)")]
+    assert ("phase_end", "capture", "target FULL(tokens=1, reqs=1, q=1)") in phases
