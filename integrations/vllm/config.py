@@ -206,7 +206,9 @@ class _Inputs:
         """``VllmConfig._set_cudagraph_sizes`` (without dynamic speculative decoding)."""
         maximum = self.maximum
         decode_sizes: list[int] = []
-        if maximum is None:
+        if maximum is None and self.sizes is not None:
+            maximum = max(self.sizes)  # explicit sizes: vLLM's maximum is their largest
+        elif maximum is None:
             if self.max_num_seqs is None:
                 raise PlanError("neither cudagraph_capture_sizes nor max_cudagraph_capture_size is set: give one, "
                                 "or pass max_num_seqs so the maximum is derived as vLLM does",
