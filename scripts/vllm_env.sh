@@ -2,7 +2,7 @@
 # The vLLM test environment: a virtual environment of its own, because vllm 0.33.0 pins
 # torch 2.14.0 (9.4 GB, about 5 minutes to install) and the main suite runs on another torch.
 #
-#   bash scripts/vllm_env.sh                      # build it (once), then run tests/vllm
+#   bash scripts/vllm_env.sh                      # build it (once), then run tests/vllm_plugin
 #   bash scripts/vllm_env.sh CMD ARGS...          # build it (once), then run CMD inside it
 #
 # Where: $GRAPHFLOW_VLLM_VENV, else .vllm-venv/ in the checkout (git-ignored). A finished
@@ -31,7 +31,7 @@ fi
 
 cd "$root"
 if [[ $# -eq 0 ]]; then
-    set -- python -m pytest -q -p no:cacheprovider tests/vllm
+    set -- python -m pytest -q -p no:cacheprovider tests/vllm_plugin
 fi
 echo "+ $* (in $venv)"
 PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv" exec "$@"

@@ -1,5 +1,5 @@
 """vLLM's capture rules applied to config inputs, without vLLM (the real-vLLM comparison of
-these predictions is tests/vllm/test_descriptors.py)."""
+these predictions is tests/vllm_plugin/test_descriptors.py)."""
 
 import enum
 import subprocess

@@ -1,7 +1,7 @@
 """The plugin's vLLM-free parts: the capture transaction and the per-rank session.
 
 Ranks are threads sharing one in-memory c10d ``HashStore`` (the session only uses the
-store); the plugin's hooks against real vLLM are tests/vllm.
+store); the plugin's hooks against real vLLM are tests/vllm_plugin.
 """
 
 import gc

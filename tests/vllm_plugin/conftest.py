@@ -13,7 +13,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-if importlib.util.find_spec("vllm") is not None:
+_spec = importlib.util.find_spec("vllm")
+if _spec is not None and _spec.origin is not None:  # the package, not a folder named vllm on the path
     sys.path.insert(0, HERE)
     import standins
 
