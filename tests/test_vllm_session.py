@@ -5,7 +5,6 @@ store); the plugin's hooks against real vLLM are tests/vllm_plugin.
 """
 
 import gc
-import threading
 import weakref
 
 import pytest
@@ -19,6 +18,7 @@ from graphflow.integrations.vllm.descriptors import VllmDescriptor  # noqa: E402
 from graphflow.integrations.vllm.session import CaptureSession  # noqa: E402
 from graphflow.integrations.vllm.transaction import CaptureTransaction  # noqa: E402
 from graphflow.plan import Mode  # noqa: E402
+from rank_threads import run_threads  # noqa: E402
 
 
 class Dispatcher:
@@ -90,23 +90,12 @@ class TestTransaction:
 
 
 def run_ranks(body, world=3, timeout_s=5.0):
-    store, results = dist.HashStore(), {}
+    store = dist.HashStore()
 
-    def target(rank):
-        session = CaptureSession(rank=rank, world=range(world), store=store, timeout_s=timeout_s, namespace="t")
-        try:
-            body(rank, session)
-            results[rank] = None
-        except BaseException as e:  # handed to the test
-            results[rank] = e
+    def rank_body(rank):
+        body(rank, CaptureSession(rank=rank, world=range(world), store=store, timeout_s=timeout_s, namespace="t"))
 
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * 4)
-    assert not any(t.is_alive() for t in threads), "a barrier hung"
-    return results
+    return run_threads(world, rank_body, timeout_s=timeout_s)
 
 
 DESC = VllmDescriptor("target", Mode.FULL, 4, 4, 1)

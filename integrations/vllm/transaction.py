@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from graphflow.engine.rollback import UndoError, UndoStack
@@ -123,8 +123,6 @@ class CaptureTransaction:
             _release_frames(error)
         return self._undo.unwind()
 
-    def describe(self) -> Mapping[str, Any]:
-        return {"name": self.name, "steps": tuple(self.steps), "finished": self._finished}
 
 
 def _release_frames(error: BaseException) -> None:
