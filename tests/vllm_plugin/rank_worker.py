@@ -32,7 +32,9 @@ def main() -> None:
 
     results = []
     for index, (model, policy, trace) in enumerate(scenarios):
-        os.environ.update(GRAPHFLOW_VLLM="1", GRAPHFLOW_VLLM_WARMUP=policy, GRAPHFLOW_TRACE=trace)
+        os.environ.update(GRAPHFLOW_VLLM="1", GRAPHFLOW_VLLM_WARMUP=policy, GRAPHFLOW_TRACE=trace,
+                          GRAPHFLOW_VLLM_PREPARE="standins:prepare_hook" if policy == "prepare" else "")
+        standins.PREPARED.clear()
         if index == 0:
             load_general_plugins()  # vLLM's own loader (its engine and workers call it): vllm.general_plugins
         else:
@@ -60,6 +62,7 @@ def main() -> None:
                 result.update(outcome="error", message="".join(traceback.format_exception(e)))
         result["seconds"] = time.monotonic() - start
         result["routes"] = runner.tiny.routes[:4]
+        result["prepared"] = list(standins.PREPARED)
         results.append(result)
     with open(out, "w") as f:
         json.dump(results, f, default=str)

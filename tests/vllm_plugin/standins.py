@@ -240,6 +240,15 @@ class FreedBlocks:
             yield self
 
 
+# -- a prepare hook (GRAPHFLOW_VLLM_PREPARE=standins:prepare_hook) --------------------------------
+PREPARED: list[tuple[list[int], str]] = []
+
+
+def prepare_hook(communicator: Any, tensor: Any) -> None:
+    """Records what the ``prepare`` policy asked to prewarm, as a JIT all-reduce would compile it."""
+    PREPARED.append((list(tensor.shape), str(tensor.dtype)))
+
+
 # -- the custom all-reduce and its communicator, over gloo ---------------------------------------
 @functools.cache
 def _custom_allreduce_cls():

@@ -101,6 +101,13 @@ def test_real_or_prepare_warmups_agree_and_capture(runs, policy):
     assert paths == {"eager_warmup" if policy == "real" else "prepare", "captured"}
     ends = [e for e in traces[0] if e["event"] == "phase_end" and e["phase"] == "capture"]
     assert len(ends) == 7  # every descriptor captured: PIECEWISE 8, 4, 2, 1, FULL 4, 2, 1
+    warmed = {(tuple(e["shape"]), e["dtype"]) for e in traces[0] if e.get("path") == "prepare"}
+    for r in results:
+        prepared = [(tuple(shape), dtype.removeprefix("torch.")) for shape, dtype in r["prepared"]]
+        if policy == "prepare":  # every shape the warmup met, prepared once, before capture launched it
+            assert sorted(prepared) == sorted(warmed) and len(set(prepared)) == len(prepared)
+        else:
+            assert prepared == []
 
 
 def test_an_moe_model_with_a_placeholder_is_refused_before_capture_on_every_rank(runs):
