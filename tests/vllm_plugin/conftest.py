@@ -31,16 +31,6 @@ def cpu_cuda():
 
 
 @pytest.fixture(scope="session")
-def port():
-    """A free TCP port on 127.0.0.1 for a test's process group."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
 def vllm_world():
     """vLLM's distributed state for this process: a world of one rank over gloo."""
     import socket

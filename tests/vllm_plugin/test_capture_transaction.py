@@ -117,10 +117,9 @@ def test_a_capture_that_succeeds_is_committed_and_logged(runner, plugin, cpu_cud
 def test_a_keyboard_interrupt_rolls_back_and_stays_an_interrupt(runner, plugin):
     plugin()
     runner.fail_at = ORDER[1]
-    runner.tiny  # the interrupt arrives inside capture, like Ctrl-C during a long capture
     original = runner.tiny.forward
 
-    def interrupted(x):
+    def interrupted(x):  # Ctrl-C during a long capture: it arrives inside the graph capture
         if runner.tiny.fail is not None:
             raise KeyboardInterrupt
         return original(x)
