@@ -7,7 +7,6 @@ store API, so this is the same code path as over a TCPStore between processes
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from graphflow.barrier import StoreBarrier
 from graphflow.errors import DivergenceError
 from graphflow.trace import TraceLog
+from rank_threads import run_threads
 
 
 def _log(rank, events):
@@ -27,23 +27,11 @@ def _log(rank, events):
 
 def _run_ranks(store, world, body, *, timeout_s=5.0, namespace="t"):
     """Run ``body(rank, barrier)`` on one thread per rank; return each rank's exception or None."""
-    results: dict[int, BaseException | None] = {}
 
-    def target(rank):
-        barrier = StoreBarrier(store, rank, range(world), timeout_s=timeout_s, namespace=namespace)
-        try:
-            body(rank, barrier)
-            results[rank] = None
-        except BaseException as e:  # handed to the test
-            results[rank] = e
+    def rank_body(rank):
+        body(rank, StoreBarrier(store, rank, range(world), timeout_s=timeout_s, namespace=namespace))
 
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * 4)
-    assert not any(t.is_alive() for t in threads), "a barrier hung"
-    return results
+    return run_threads(world, rank_body, timeout_s=timeout_s)
 
 
 EVENTS = [{"event": "phase_begin", "phase": "warmup"}, {"event": "collective", "channel": "tp_ar", "shape": [2, 4]}]

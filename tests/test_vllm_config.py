@@ -1,6 +1,5 @@
-"""vLLM's compilation config mapped onto a plan's capture settings (no vLLM needed)."""
-
-from __future__ import annotations
+"""vLLM's capture rules applied to config inputs, without vLLM (the real-vLLM comparison of
+these predictions is tests/vllm_plugin/test_descriptors.py)."""
 
 import enum
 import subprocess
@@ -8,21 +7,29 @@ import sys
 import types
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from graphflow.errors import PlanError
 from graphflow.integrations.vllm import VLLM_MODES, plan_from_vllm_config
-from graphflow.plan import CaptureSettings, Mode, Plan, Segment, SegmentKind
+from graphflow.plan import CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
+from graphflow.validate import validate
 
 PLAN = Plan(
     "decode",
-    segments=[Segment("step", SegmentKind.GRAPH, "forward")],
+    streams=[Stream("s0", "cuda:0")],
+    segments=[Segment("step", SegmentKind.GRAPH, "forward", stream="s0")],
     capture=CaptureSettings(modes=(Mode.PIECEWISE,), sizes=(1, 2), size_symbol="N", warmup_iters=3, atol=0.5),
 )
 VLLM_DEFAULT_512 = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 
-def mapped(config, **kwargs) -> CaptureSettings:
-    return plan_from_vllm_config(config, model_plan=PLAN, **kwargs).capture
+def planned(config, **kwargs):
+    return plan_from_vllm_config(config, model_plan=PLAN, **kwargs)
+
+
+def sizes(plan, mode):
+    return tuple(sorted({d.num_tokens for d in plan.descriptors if d.mode is mode}))
 
 
 class TestModes:
@@ -33,31 +40,48 @@ class TestModes:
         ("FULL_AND_PIECEWISE", (Mode.PIECEWISE, Mode.FULL)),
         ("full_and_piecewise", (Mode.PIECEWISE, Mode.FULL)),
     ])
-    def test_each_mode_captures_what_vllm_captures_for_a_decode_step(self, mode, modes):
-        capture = mapped({"cudagraph_mode": mode, "cudagraph_capture_sizes": [4, 1]})
-        assert (capture.modes, capture.sizes) == (modes, (1, 4))
+    def test_each_mode_captures_what_vllm_captures(self, mode, modes):
+        plan = planned({"cudagraph_mode": mode, "cudagraph_capture_sizes": [4, 1], "max_num_seqs": 4})
+        assert plan.plan.capture.modes == modes and plan.cudagraph_mode == mode.upper()
 
-    def test_none_captures_nothing(self):
-        capture = mapped({"cudagraph_mode": "NONE", "cudagraph_capture_sizes": [4, 1]})
-        assert (capture.modes, capture.sizes) == ((), ())
+    @pytest.mark.parametrize("config", [{"cudagraph_mode": "NONE"}, {"enforce_eager": True}, {"optimization_level": 0},
+                                        {"compilation_mode": "NONE", "cudagraph_mode": "PIECEWISE"}])
+    def test_what_captures_nothing(self, config):
+        plan = planned({**config, "max_num_seqs": 8, "cudagraph_capture_sizes": [4, 1]})
+        assert plan.descriptors == () and plan.plan.capture.modes == ()
 
-    def test_unset_mode_is_vllms_default_full_and_piecewise(self):
-        assert mapped({"cudagraph_capture_sizes": [8]}).modes == (Mode.PIECEWISE, Mode.FULL)
+    def test_an_unset_mode_follows_the_optimization_level(self):
+        assert planned({"max_num_seqs": 8}).cudagraph_mode == "FULL_AND_PIECEWISE"
+        assert planned({"max_num_seqs": 8, "optimization_level": "-O1"}).cudagraph_mode == "PIECEWISE"
+        assert planned({"max_num_seqs": 8, "optimization_level": 3}).cudagraph_mode == "FULL_AND_PIECEWISE"
+
+    def test_without_vllm_compile_the_piecewise_half_is_dropped(self):
+        assert planned({"max_num_seqs": 8, "compilation_mode": 0}).cudagraph_mode == "FULL_DECODE_ONLY"
+
+    def test_pooling_and_encoder_decoder_models(self):
+        assert planned({"max_num_seqs": 8, "pooling": True}).cudagraph_mode == "PIECEWISE"
+        assert planned({"max_num_seqs": 8, "encoder_decoder": True}).cudagraph_mode == "FULL_DECODE_ONLY"
+
+    def test_attention_support_downgrades_as_vllm_does(self):
+        full = {"cudagraph_mode": "FULL", "max_num_seqs": 8}
+        assert planned(full, attention_support="UNIFORM_BATCH").cudagraph_mode == "FULL_AND_PIECEWISE"
+        spec = {"max_num_seqs": 8, "num_speculative_tokens": 2}
+        assert planned(spec, attention_support="UNIFORM_SINGLE_TOKEN_DECODE").cudagraph_mode == "PIECEWISE"
+        with pytest.raises(PlanError, match="does not support"):
+            planned(full, attention_support="NEVER")
 
     def test_a_cudagraph_mode_enum_member_is_read_by_name(self):
         class CUDAGraphMode(enum.Enum):
-            NONE = 0
-            PIECEWISE = 1
-            FULL = 2
             FULL_DECODE_ONLY = (2, 0)
 
-        capture = mapped({"cudagraph_mode": CUDAGraphMode.FULL_DECODE_ONLY, "cudagraph_capture_sizes": [2]})
-        assert capture.modes == (Mode.FULL,)
+        plan = planned({"cudagraph_mode": CUDAGraphMode.FULL_DECODE_ONLY, "cudagraph_capture_sizes": [2],
+                        "max_num_seqs": 2})
+        assert plan.plan.capture.modes == (Mode.FULL,)
 
     @pytest.mark.parametrize("mode", ["FULL_AND_EAGER", "", 3])
     def test_unknown_modes_are_rejected_listing_the_known_ones(self, mode):
         with pytest.raises(PlanError) as info:
-            mapped({"cudagraph_mode": mode, "cudagraph_capture_sizes": [1]})
+            planned({"cudagraph_mode": mode, "cudagraph_capture_sizes": [1]})
         assert info.value.element == "cudagraph_mode"
         assert info.value.message == (f"unknown vLLM cudagraph_mode {mode!r}: expected one of NONE, PIECEWISE, "
                                       "FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE")
@@ -65,82 +89,106 @@ class TestModes:
     def test_the_table_covers_every_vllm_mode(self):
         assert list(VLLM_MODES) == ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
+    def test_unknown_settings_are_named(self):
+        with pytest.raises(PlanError, match="unknown vLLM setting.*max_num_seq\\b"):
+            planned({"max_num_seq": 8})
+
 
 class TestSizes:
-    def test_explicit_sizes_are_deduplicated_and_sorted(self):
-        assert mapped({"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [16, 1, 8, 1]}).sizes == (1, 8, 16)
+    def test_the_default_at_256_sequences_is_51_piecewise_and_35_full(self):
+        plan = planned({"max_num_seqs": 256, "max_num_batched_tokens": 8192})
+        assert plan.counts() == {("target", "PIECEWISE"): 51, ("target", "FULL"): 35}
+        assert sizes(plan, Mode.PIECEWISE) == VLLM_DEFAULT_512
+        assert sizes(plan, Mode.FULL) == tuple(s for s in VLLM_DEFAULT_512 if s <= 256)
+        assert plan.plan.capture.sizes_for(Mode.FULL)[-1] == 256 and plan.plan.capture.all_sizes[-1] == 512
+        assert validate(plan.plan).ok
 
-    def test_maximum_alone_gives_vllms_default_list_cut_at_it(self):
-        assert mapped({"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}).sizes == VLLM_DEFAULT_512
-        assert mapped({"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 20}).sizes == (1, 2, 4, 8, 16)
-        assert mapped({"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 300}).sizes[-3:] == (256, 272, 288)
+    def test_full_decode_graphs_fix_requests_and_query_length(self):
+        plan = planned({"max_num_seqs": 4, "max_num_batched_tokens": 64})
+        full = [d for d in plan.descriptors if d.mode is Mode.FULL]
+        assert [(d.num_tokens, d.num_reqs, d.uniform_query_len) for d in full] == [(4, 4, 1), (2, 2, 1), (1, 1, 1)]
+        assert str(full[0]) == "target FULL(tokens=4, reqs=4, q=1)"
 
-    def test_the_512_size_default_has_51_sizes(self):
-        # 3 + 31 multiples of 8 below 256 + 17 multiples of 16 from 256 (older vLLM stepped by 8: 67 sizes)
-        assert len(mapped({"cudagraph_mode": "PIECEWISE", "max_cudagraph_capture_size": 512}).sizes) == 51
+    def test_max_num_seqs_is_appended_when_it_fits(self):
+        assert 300 in sizes(planned({"max_num_seqs": 300, "max_num_batched_tokens": 8192}), Mode.PIECEWISE)
 
-    def test_maximum_derived_from_max_num_seqs_and_speculative_tokens(self):
-        capture = mapped({"cudagraph_mode": "FULL"}, max_num_seqs=16, num_speculative_tokens=1)
-        assert capture.sizes == (1, 2, 4, *range(8, 65, 8))  # min(16 * 2 * 2, 512) = 64
-        assert mapped({"cudagraph_mode": "FULL"}, max_num_seqs=1024).sizes == VLLM_DEFAULT_512
+    def test_max_num_batched_tokens_cuts_and_is_appended(self):
+        plan = planned({"max_num_seqs": 64, "max_num_batched_tokens": 100})
+        assert sizes(plan, Mode.PIECEWISE) == (1, 2, 4, *range(8, 97, 8), 100)
 
-    def test_max_num_batched_tokens_drops_larger_sizes(self):
-        capture = mapped({"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 64, 128]}, max_num_batched_tokens=100)
-        assert capture.sizes == (1, 64)
-        capture = mapped({"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 512}, max_num_batched_tokens=16)
-        assert capture.sizes == (1, 2, 4, 8, 16)
+    def test_speculation_appends_uniform_decode_sizes_and_v1_rounds_them(self):
+        inputs = {"max_num_seqs": 8, "max_num_batched_tokens": 2048, "num_speculative_tokens": 2}
+        v2 = planned(inputs, runner="v2")
+        assert sizes(v2, Mode.PIECEWISE) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48)
+        assert sizes(planned(inputs, runner="v1"), Mode.PIECEWISE) == (3, 6, 9, 12, 18, 24, 33, 42, 48)
+        assert all(d.uniform_query_len == 3 and d.num_tokens <= 24 for d in v2.descriptors if d.mode is Mode.FULL)
+
+    def test_interactivity_captures_every_small_size(self):
+        plan = planned({"max_num_seqs": 16, "max_num_batched_tokens": 2048, "performance_mode": "interactivity"})
+        assert sizes(plan, Mode.PIECEWISE) == tuple(range(1, 33))
+
+    def test_blackwell_raises_the_default_maximum(self):
+        plan = planned({"max_num_seqs": 1024, "max_num_batched_tokens": 8192, "device_capability": 100})
+        assert sizes(plan, Mode.PIECEWISE)[-1] == 1024
 
     def test_inconsistent_maximum_is_refused_as_vllm_does(self):
         with pytest.raises(PlanError) as info:
-            mapped({"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 16})
-        assert (info.value.element, info.value.message) == (
-            "max_cudagraph_capture_size",
-            "max_cudagraph_capture_size (16) must equal the largest of cudagraph_capture_sizes (8), as vLLM requires")
-
-    def test_consistent_maximum_is_accepted(self):
-        config = {"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [8, 1], "max_cudagraph_capture_size": 8}
-        assert mapped(config).sizes == (1, 8)
-
-    def test_without_sizes_maximum_or_max_num_seqs_it_says_what_to_give(self):
-        with pytest.raises(PlanError) as info:
-            mapped({"cudagraph_mode": "PIECEWISE"})
-        assert info.value.element == "cudagraph_capture_sizes"
-        assert "pass max_num_seqs" in info.value.message
+            planned({"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 8],
+                     "max_cudagraph_capture_size": 16})
+        assert info.value.element == "max_cudagraph_capture_size"
 
     @pytest.mark.parametrize("config, element", [
+        ({"cudagraph_mode": "PIECEWISE"}, "cudagraph_capture_sizes"),
+        ({"cudagraph_capture_sizes": [4]}, "max_num_seqs"),
         ({"cudagraph_capture_sizes": []}, "cudagraph_capture_sizes"),
         ({"cudagraph_capture_sizes": "1,2"}, "cudagraph_capture_sizes"),
         ({"cudagraph_capture_sizes": [1, 0]}, "cudagraph_capture_sizes"),
         ({"cudagraph_capture_sizes": [1, True]}, "cudagraph_capture_sizes"),
         ({"max_cudagraph_capture_size": 0}, "max_cudagraph_capture_size"),
+        ({"optimization_level": 7, "max_num_seqs": 8}, "optimization_level"),
     ])
-    def test_bad_sizes_are_rejected(self, config, element):
+    def test_bad_inputs_name_their_setting(self, config, element):
         with pytest.raises(PlanError) as info:
-            mapped({"cudagraph_mode": "FULL", **config})
+            planned(config)
         assert info.value.element == element
+
+    @given(seqs=st.integers(1, 600), spec=st.integers(0, 4), tokens=st.integers(1, 16384),
+           runner=st.sampled_from(["v1", "v2"]))
+    def test_full_decode_graphs_stay_within_q_times_max_num_seqs(self, seqs, spec, tokens, runner):
+        if tokens < seqs:
+            return
+        try:
+            plan = planned({"max_num_seqs": seqs, "num_speculative_tokens": spec, "max_num_batched_tokens": tokens},
+                           runner=runner)
+        except PlanError as e:  # vLLM refuses these too: V1 rounds every size past the maximum
+            assert runner == "v1" and "rounding to a multiple" in e.message
+            return
+        q = 1 + spec
+        piecewise = set(sizes(plan, Mode.PIECEWISE))
+        assert piecewise and max(piecewise) <= tokens
+        for d in plan.descriptors:
+            if d.mode is Mode.FULL:
+                assert q <= d.num_tokens <= q * seqs and d.num_reqs <= seqs and d.uniform_query_len == q
+                assert d.num_tokens % q == 0 or runner == "v1"
+        assert validate(plan.plan).ok
 
 
 class TestPlan:
     def test_only_modes_and_sizes_change(self):
-        plan = plan_from_vllm_config({"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [4]}, model_plan=PLAN)
-        assert plan.capture == CaptureSettings((Mode.FULL,), (4,), "N", 3, 0.5, 0.0, 60.0)
+        plan = planned({"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [4]}).plan
+        assert plan.capture == CaptureSettings((Mode.PIECEWISE,), (4,), "N", 3, 0.5, 0.0, 60.0)
         assert plan.segments == PLAN.segments and plan.name == PLAN.name
-        assert PLAN.capture.sizes == (1, 2)
 
-    def test_reads_a_compilation_config_object(self):
-        config = types.SimpleNamespace(cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=[2, 1],
-                                       max_cudagraph_capture_size=2)
-        assert mapped(config).sizes == (1, 2)
-
-    def test_reads_a_vllm_config_object_with_its_scheduler_and_speculative_configs(self):
+    def test_reads_a_vllm_config_object_as_resolved(self):
         config = types.SimpleNamespace(
-            compilation_config=types.SimpleNamespace(cudagraph_mode="FULL_DECODE_ONLY", cudagraph_capture_sizes=None,
-                                                     max_cudagraph_capture_size=None),
-            scheduler_config=types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=8192),
-            speculative_config=types.SimpleNamespace(num_speculative_tokens=3),
-        )
-        capture = mapped(config)
-        assert (capture.modes, capture.sizes) == ((Mode.FULL,), (1, 2, 4, 8, 16, 24, 32))  # min(4 * 4 * 2, 512)
+            compilation_config=types.SimpleNamespace(cudagraph_mode="FULL_AND_PIECEWISE",
+                                                     cudagraph_capture_sizes=[1, 2, 4, 8],
+                                                     max_cudagraph_capture_size=8, mode=3),
+            scheduler_config=types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64),
+            num_speculative_tokens=0, use_v2_model_runner=False)
+        plan = planned(config, attention_support="ALWAYS")
+        assert plan.runner == "v1" and plan.summary() == "target PIECEWISE=4 (largest 8), target FULL=3 (largest 4)"
+        assert plan.unknowns and not any("attention backends" in u for u in plan.unknowns)
 
     def test_importing_the_integration_imports_neither_vllm_nor_torch(self):
         code = ("import sys, graphflow.integrations.vllm; "

@@ -1,0 +1,153 @@
+"""The plan of a running vLLM engine, read off its resolved objects.
+
+By the time a worker captures, vLLM has settled everything a config alone cannot tell:
+the attention backends' FULL-graph support, the speculative rounding, LoRA cases,
+micro-batching twins. Its capture descriptors are the truth; this module reads them:
+
+* model runner V1: ``runner.cudagraph_dispatcher.get_capture_descs()`` (the target) and
+  ``runner.drafter.cudagraph_dispatcher`` (the drafter), ``runner.encoder_cudagraph_manager``;
+* model runner V2: ``runner.cudagraph_manager._capture_descs`` (the target), every
+  ``CudaGraphManager`` the speculator holds (the drafter), the encoder runner's manager.
+
+No vLLM import: the objects are read by attribute, so the same code reads the real
+engine and a test's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+
+from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan, capture_order, descriptor_from_vllm, \
+    sizes_by_mode
+from graphflow.integrations.vllm.schematic import FamilyFacts, family_facts, schematic_plan
+from graphflow.plan import CaptureSettings, WarmupPolicy
+
+__all__ = ["engine_descriptors", "graph_managers", "plan_from_engine", "runner_kind"]
+
+
+def runner_kind(runner: Any) -> str:
+    """``"v1"`` for ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, ``"v2"`` for
+    ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``."""
+    if hasattr(runner, "cudagraph_dispatcher"):
+        return "v1"
+    if hasattr(runner, "cudagraph_manager"):
+        return "v2"
+    raise TypeError(f"{type(runner).__qualname__} is not a vLLM GPU model runner (it has neither a "
+                    "cudagraph_dispatcher nor a cudagraph_manager)")
+
+
+def engine_descriptors(runner: Any) -> tuple[VllmDescriptor, ...]:
+    """Every graph ``runner`` will capture, all families, in capture order."""
+    found: dict[VllmDescriptor, None] = {}
+    for family, mode, desc, q in _raw_descriptors(runner):
+        found[descriptor_from_vllm(family, mode, desc, uniform_query_len=q)] = None
+    return capture_order(found)
+
+
+def _raw_descriptors(runner: Any) -> Iterator[tuple[str, Any, Any, int]]:
+    if runner_kind(runner) == "v1":
+        dispatchers = [("target", runner.cudagraph_dispatcher),
+                       ("drafter", getattr(getattr(runner, "drafter", None), "cudagraph_dispatcher", None))]
+        for family, dispatcher in dispatchers:
+            if dispatcher is None:
+                continue
+            q = getattr(dispatcher, "uniform_decode_query_len", 1)
+            for mode, descs in dispatcher.get_capture_descs():
+                for desc in descs:
+                    yield family, mode, desc, q
+        encoder = getattr(runner, "encoder_cudagraph_manager", None)
+    else:
+        for family, manager in graph_managers(runner):
+            for mode, descs in getattr(manager, "_capture_descs", {}).items():
+                for desc in descs:
+                    yield family, mode, desc, 1
+        encoder_runner = getattr(getattr(runner, "model_state", None), "encoder_runner", None)
+        encoder = getattr(encoder_runner, "cudagraph_manager", None)
+    if encoder is not None:
+        for budgets in getattr(encoder, "path_token_budgets", {"default": getattr(encoder, "token_budgets", [])}).values():
+            for budget in budgets:
+                if budget:
+                    yield "encoder", "FULL", _Budget(int(budget)), 1
+
+
+@attrs.frozen
+class _Budget:
+    """An encoder graph's key: its token budget (the encoder captures one FULL graph per budget)."""
+
+    num_tokens: int
+
+
+def graph_managers(runner: Any) -> Iterator[tuple[str, Any]]:
+    """V2's ``CudaGraphManager``s: the runner's (target), then the speculator's (drafter)."""
+    if runner.cudagraph_manager is not None:
+        yield "target", runner.cudagraph_manager
+    speculator = getattr(runner, "speculator", None)
+    if speculator is not None:
+        for value in vars(speculator).values():
+            if hasattr(value, "_capture_descs") and hasattr(value, "graphs"):
+                yield "drafter", value
+
+
+def plan_from_engine(
+    runner: Any,
+    *,
+    warmup: Mapping[str, WarmupPolicy] | None = None,
+    data_dependent: Mapping[str, bool] | None = None,
+    barrier_timeout_s: float = 60.0,
+) -> VllmPlan:
+    """The plan of what ``runner`` (a vLLM GPU model runner, V1 or V2) will capture.
+
+    Families and their facts come from the post-init ``VllmConfig`` (the target's and
+    the drafter's Hugging Face configs, the TP size), the descriptors from the runner's
+    own dispatcher or managers. ``warmup`` gives each family's custom all-reduce warmup
+    policy (default ``placeholder``, vLLM's). ``data_dependent`` overrides, per family,
+    whether its MLPs route tokens by value (default: read off the HF config's expert
+    count).
+    """
+    config = runner.vllm_config
+    descriptors = engine_descriptors(runner)
+    families = list(_families(config, descriptors))
+    overrides = dict(data_dependent or {})
+    families = [attrs.evolve(f, routed_layers=range(f.layers) if overrides[f.name] else ())
+                if f.name in overrides else f for f in families]
+    sizes = sizes_by_mode(descriptors)
+    warmups = max(int(getattr(config.compilation_config, "cudagraph_num_of_warmups", 1) or 0), 0)
+    capture = CaptureSettings(modes=tuple(sizes), sizes=(), mode_sizes=sizes, warmup_iters=warmups,
+                              barrier_timeout_s=barrier_timeout_s) if sizes else \
+        CaptureSettings(modes=(), sizes=(), warmup_iters=warmups, barrier_timeout_s=barrier_timeout_s)
+    device = getattr(runner, "device", None)
+    index = getattr(device, "index", None) or 0
+    plan = schematic_plan(_model_name(config), families, tp_size=config.parallel_config.tensor_parallel_size,
+                          device=f"cuda:{index}", warmup=warmup, capture=capture)
+    mode = getattr(config.compilation_config.cudagraph_mode, "name", str(config.compilation_config.cudagraph_mode))
+    return VllmPlan(plan, descriptors, mode, runner_kind(runner), 1 + int(getattr(config, "num_speculative_tokens", 0)))
+
+
+def _families(config: Any, descriptors: tuple[VllmDescriptor, ...]) -> Iterator[FamilyFacts]:
+    present = {d.family for d in descriptors} | {"target"}
+    model = config.model_config
+    dtype = getattr(model, "dtype", None)
+    yield family_facts("target", getattr(model, "hf_text_config", None) or model.hf_config, dtype=dtype)
+    draft = getattr(getattr(config, "speculative_config", None), "draft_model_config", None)
+    if "drafter" in present and draft is not None:
+        yield family_facts("drafter", getattr(draft, "hf_text_config", None) or draft.hf_config, dtype=dtype)
+    elif "drafter" in present:
+        yield FamilyFacts("drafter", 1, _hidden(model))
+    if "encoder" in present:
+        vision = getattr(model.hf_config, "vision_config", None)
+        yield family_facts("encoder", vision, dtype=dtype) if vision is not None else \
+            FamilyFacts("encoder", 1, _hidden(model))
+
+
+def _hidden(model: Any) -> int:
+    config = getattr(model, "hf_text_config", None) or model.hf_config
+    return int(getattr(config, "hidden_size", 1) or 1)
+
+
+def _model_name(config: Any) -> str:
+    model = str(getattr(config.model_config, "served_model_name", None) or config.model_config.model)
+    return f"vllm:{model.rstrip('/').rsplit('/', 1)[-1]}"
+

@@ -1,0 +1,59 @@
+"""The vLLM tests: the real vllm 0.33.0 package on CPUs, in the venv of scripts/vllm_env.sh.
+
+Where vLLM is not installed (the main test venv) every module here skips itself. Where it
+is, the GPU stand-ins of ``standins.py`` are set up before anything imports vLLM's
+platform, and the helpers of this folder are importable by name.
+"""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+_spec = importlib.util.find_spec("vllm")
+if _spec is not None and _spec.origin is not None:  # the package, not a folder named vllm on the path
+    sys.path.insert(0, HERE)
+    import standins
+
+    standins.setup()
+
+
+@pytest.fixture
+def cpu_cuda():
+    """torch.cuda streams, capture state and graphs on the CPU (standins.CpuCuda)."""
+    import standins
+
+    with standins.CpuCuda().installed() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="session")
+def vllm_world():
+    """vLLM's distributed state for this process: a world of one rank over gloo."""
+    import socket
+
+    import harness
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    harness.init_distributed(harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64), port=port)
+
+
+@pytest.fixture
+def plugin(monkeypatch):
+    """graphflow's plugin, registered with the test's GRAPHFLOW_VLLM_* settings; unregistered after."""
+    from graphflow.integrations.vllm import plugin as module
+
+    def register(**env):
+        monkeypatch.setenv("GRAPHFLOW_VLLM", "1")
+        for name, value in env.items():
+            monkeypatch.setenv(f"GRAPHFLOW_VLLM_{name.upper()}", str(value))
+        module.register()
+        return module.registered()
+
+    yield register
+    module.unregister()
