@@ -276,9 +276,9 @@ def _mode_summary(engine) -> dict:
     return {
         "graphs": report.graphs,
         "descriptors": len(report.descriptors),
-        "warmup_s": report.phase(Phase.WARMUP).duration,
-        "capture_s": report.phase(Phase.CAPTURE).duration,
-        "verify_s": report.phase(Phase.VERIFY).duration,
+        "warmup_s": report.phase(Phase.WARMUP).seconds,
+        "capture_s": report.phase(Phase.CAPTURE).seconds,
+        "verify_s": report.phase(Phase.VERIFY).seconds,
         "pool_bytes": report.pool_bytes,
         "bit_exact": all(v.bit_exact for v in report.verify),
     }

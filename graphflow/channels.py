@@ -388,6 +388,9 @@ class ChannelRuntime:
     ``capture.barrier_timeout_s``.
     """
 
+    #: The engine's locus names the running segment: no event per segment call needed.
+    segment_events = False
+
     def __init__(self, plan: Plan, *, rank: int = 0, world_size: int = 1, families: Iterable[str] | None = None,
                  group_factory: Callable[[str], GroupBinding] | None = None, registry: ChannelRegistry | None = None,
                  store=None, tracer: Tracer | None | bool = None, timeout_s: float | None = None,

@@ -410,6 +410,9 @@ class JitRegistry:
     specializations across processes.
     """
 
+    #: As a listener it needs the pipeline's begin and end only.
+    segment_events = False
+
     def __init__(self, *, cache_dir: str | os.PathLike | None = None):
         cache_dir = cache_dir if cache_dir is not None else os.environ.get("GRAPHFLOW_JIT_CACHE")
         self.cache_dir = pathlib.Path(cache_dir) if cache_dir else None

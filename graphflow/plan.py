@@ -342,7 +342,7 @@ class CaptureSettings:
     sizes: tuple[int, ...] = field(_SIZES, default=(1,))
     size_symbol: str = field(_SYMBOL, default="B", doc="the shape symbol the sizes bind")
     #: At least one: without a warmup, lazy allocations and JIT launches happen inside capture.
-    warmup_iters: int = field(Integer(minimum=1), default=2)
+    warmup_iters: int = field(Integer(minimum=1), default=1)
     atol: float = field(Number(minimum=0.0), default=0.0, key="verify.atol")
     rtol: float = field(Number(minimum=0.0), default=0.0, key="verify.rtol")
     #: Above zero: a zero timeout turns every barrier into a divergence.

@@ -47,6 +47,9 @@ _MAX_ROWS = 60
 class CaptureReport:
     """A pipeline listener collecting per-descriptor times and pool sizes (see the module docstring)."""
 
+    #: It reads descriptor and phase events only (``graphflow.engine.context``).
+    segment_events = False
+
     def __init__(self, plan: str, backend: str | None = None):
         self.plan = plan
         self.backend = backend
@@ -67,7 +70,12 @@ class CaptureReport:
             if event.phase is Phase.CAPTURE:
                 row["pool_bytes"] = event.pool_bytes
         elif kind is EventKind.PHASE_END and event.phase is not None:
-            self.phases.append({"phase": event.phase.value, "seconds": event.elapsed_s})
+            # A phase runs once per descriptor (warmup, capture, verify): one row, summed.
+            row = next((p for p in self.phases if p["phase"] == event.phase.value), None)
+            if row is None:
+                self.phases.append({"phase": event.phase.value, "seconds": event.elapsed_s})
+            else:
+                row["seconds"] += event.elapsed_s
         elif kind is EventKind.PIPELINE_END:
             self.ok = True
         elif kind is EventKind.ROLLBACK:

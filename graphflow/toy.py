@@ -81,7 +81,7 @@ def build_toy(layers: int = 2, hidden: int = 32, vocab: int = 64, seed: int = 0,
 
 def toy_plan(layers: int = 3, *, hidden: int = 32, vocab: int = 64, sizes: Sequence[int] = (1, 2, 4, 8),
              modes: Sequence[Mode] = (Mode.PIECEWISE,), full: bool = False, device: str = "cuda:0",
-             prewarm: Sequence[Prewarm] = (), warmup_iters: int = 2, atol: float = 0.0, rtol: float = 0.0) -> Plan:
+             prewarm: Sequence[Prewarm] = (), warmup_iters: int = 1, atol: float = 0.0, rtol: float = 0.0) -> Plan:
     """The toy plan built in Python (what ``plans/toy.yaml`` says, for ``layers`` layers).
 
     ``full`` makes each layer's mix the capturable ``blend``, so FULL capture is allowed.

@@ -52,13 +52,13 @@ def sources_hash() -> str:
 
 
 def refresh_report() -> None:
-    from graphflow.engine import run_pipeline
+    from graphflow.engine import RunOptions, run_pipeline
     from graphflow.loader import load_plan
     from graphflow.report import CaptureReport, write_report
 
     plan = load_plan(ROOT / "plans" / "toy.yaml")
     report = CaptureReport(plan.name, "cpu")
-    with run_pipeline(plan, backend="cpu", listeners=[report]):
+    with run_pipeline(plan, RunOptions(backend="cpu"), listeners=[report]):
         pass
     write_report(report.document(), REPORT)
 

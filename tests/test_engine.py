@@ -311,15 +311,17 @@ class TestVerify:
             assert all(r.bit_exact and r.max_abs_diff == 0.0 for r in results)
             assert results[0].buffers == ("h0", "m0", "h1", "m1", "h2", "m2", "x", "logits")
 
-    def test_eager_and_replay_start_from_the_same_random_inputs(self):
+    def test_the_replay_starts_from_the_inputs_of_the_last_warmup_run_its_reference(self):
         plan, model, rig = rigged(layers=1, sizes=(2,))
         seen = []
         pre = model.layers[0].pre
         model.layers[0].pre = lambda x, h: (seen.append((rig.phase, x.clone())), pre(x, h))
         with run(plan, model, rig):
             pass
+        warm = [x for phase, x in seen if phase is Phase.WARMUP]
         verify = [x for phase, x in seen if phase is Phase.VERIFY]
-        assert len(verify) == 2 and torch.equal(verify[0], verify[1])
+        assert len(warm) == plan.capture.warmup_iters and len(verify) == 1, "verify reruns nothing eagerly"
+        assert torch.equal(warm[-1], verify[0])
         assert verify[0].abs().sum() > 0, "inputs were filled randomly"
 
     def test_int_inputs_are_drawn_from_values(self):
@@ -359,21 +361,22 @@ class TestVerify:
         with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[rig, Snapshot()]):
             pass
         assert torch.equal(seen[EventKind.PHASE_BEGIN], seen[EventKind.PHASE_END])
-        eager, replay = seen[Phase.VERIFY]
-        assert torch.equal(eager, replay) and not torch.equal(eager, seen[EventKind.PHASE_END])
+        (replay,) = seen[Phase.VERIFY]
+        eager = seen[Phase.WARMUP][-1]  # the reference: warmup's last run
+        assert torch.equal(eager, replay) and not torch.equal(replay, seen[EventKind.PHASE_END])
 
     def test_mismatch_fails_naming_descriptor_buffer_and_segment(self):
         plan, model, rig = rigged()
-        rig.drift.add("L1.post")
+        rig.drift.add("L1.pre")
         backend = RecordingBackend()
         with pytest.raises(CaptureError) as info:
             run(plan, model, rig, backend=backend)
         error = info.value
-        # L1.post adds a different constant to x in each run; h2 = pre(x) normalizes it away,
-        # so the first buffer in final-write order that differs is x itself.
-        assert (error.phase, error.descriptor, error.segment) == ("verify", Descriptor(P, 8), "L2.post")
-        assert error.message.startswith("graph replay of PIECEWISE(B=8) differs from eager in buffer 'x' (last "
-                                        "written by L2.post; it or an earlier segment diverged): 256 of 256 elements, "
+        # L1.pre adds a constant to h1 in the replay only; everything after it differs too,
+        # and the first buffer in final-write order that differs is h1 (h0, m0 are equal).
+        assert (error.phase, error.descriptor, error.segment) == ("verify", Descriptor(P, 8), "L1.pre")
+        assert error.message.startswith("graph replay of PIECEWISE(B=8) differs from eager in buffer 'h1' (last "
+                                        "written by L1.pre; it or an earlier segment diverged): 256 of 256 elements, "
                                         "max |diff| ")
         assert error.hint.startswith("replay differs from eager")
         assert_rolled_back(backend, rig)
@@ -468,8 +471,8 @@ class TestSegmentEvents:
         assert log == [
             *bracketed(Phase.WARMUP, *step),
             *bracketed(Phase.CAPTURE, "L0.pre", "L0.post", "head"),  # the eager mix is not run in capture
-            *bracketed(Phase.VERIFY, *step),  # the eager step
-            # the replay: regions run as one call each; the eager break between them is bracketed
+            # verify's reference is warmup's run; the replay: regions run as one call each, the
+            # eager break between them is bracketed
             (Phase.VERIFY, "call", "L0.pre"), *bracketed(Phase.VERIFY, "L0.mix"),
             (Phase.VERIFY, "call", "L0.post"), (Phase.VERIFY, "call", "head"),
         ]
@@ -502,7 +505,8 @@ class TestSegmentEvents:
         assert built == []
         with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[Rig()]):
             pass
-        assert built.count(EventKind.SEGMENT_BEGIN) == built.count(EventKind.SEGMENT_END) == 4 + 3 + 4 + 1
+        # warmup's 4 segments, capture's 3 graph segments, the replay's eager break
+        assert built.count(EventKind.SEGMENT_BEGIN) == built.count(EventKind.SEGMENT_END) == 4 + 3 + 1
 
     def test_a_failing_segment_has_no_end_and_the_rollback_names_it(self):
         plan, model, rig = rigged(layers=1, sizes=(2,), rig=Rig(faults=_fault(Phase.CAPTURE, "L0.post")))
@@ -556,11 +560,11 @@ class TestChannels:
             session.capture(self.Model(session.handles))
         calls = [(e["phase"], e["descriptor"], e["segment"]) for e in read_trace(tmp_path / "rank0.jsonl")
                  if e["event"] == "collective"]
-        named = [(phase, d, s) for phase, d, s in calls if phase != "verify"]
-        assert named == [(phase, f"PIECEWISE(B={size})", s) for phase in ("warmup", "capture")
-                         for size in (2, 1) for s in ("a", "b")]
-        # verify: the eager step is named; the CPU backend's replay of the region is one call
-        assert [s for phase, _, s in calls if phase == "verify"] == ["a", "b", None, None] * 2
+        # each descriptor in turn: warmup, capture, then verify's replay, which the CPU
+        # backend runs as one call for the region (so the plan cannot name the segment)
+        assert calls == [(phase, f"PIECEWISE(B={size})", s) for size in (2, 1)
+                         for phase, s in (("warmup", "a"), ("warmup", "b"), ("capture", "a"), ("capture", "b"),
+                                          ("verify", None), ("verify", None))]
 
     def test_a_prepare_hook_declared_in_the_plan_resolves_on_the_built_model(self, monkeypatch):
         """Warmup calls the channel's prewarm hook (bound from the factory's model), never the wire."""

@@ -63,7 +63,7 @@ class TestPlaceholderWarmupDiverges:
     def test_ranks_agreed_through_all_piecewise_descriptors_first(self, run):
         out, _ = run
         traces, n = _traces(out, "seed-placeholder"), _first_difference(out)
-        ends = [e["descriptor"] for e in traces[0][:n] if e["event"] == "descriptor_end"]
+        ends = [e["descriptor"] for e in traces[0][:n] if e["event"] == "descriptor_end" and e["phase"] == "warmup"]
         assert ends == [f"PIECEWISE(B={s})" for s in sorted(SIZES, reverse=True)]
         assert (traces[0][n - 1]["channel"], traces[0][n - 1]["path"]) == ("tp_ar", "placeholder")
         assert traces[0][n - 1]["descriptor"] == "FULL(B=67)"

@@ -267,9 +267,12 @@ class TestTrace:
         assert list(built[0]) == ["tp_ar"]  # the factory got the runtime's handles
         calls = [(e["phase"], e["descriptor"], e["segment"], e["path"])
                  for e in read_trace(tmp_path / "t" / "rank0.jsonl") if e["event"] == "collective"]
-        assert calls[:8] == [(phase, f"PIECEWISE(B={size})", segment, path) for phase, path in (
-            ("warmup", "eager_warmup"), ("capture", "captured")) for size in (2, 1) for segment in ("scale", "shift")]
-        assert {c[0] for c in calls[8:]} == {"verify"}
+        # per descriptor: warmup and capture name the segment; the replay in verify is one call
+        # per region on the CPU backend, so which segment called cannot be told
+        assert [c for c in calls if c[0] != "verify"] == [
+            (phase, f"PIECEWISE(B={size})", segment, path) for size in (2, 1)
+            for phase, path in (("warmup", "eager_warmup"), ("capture", "captured")) for segment in ("scale", "shift")]
+        assert {(c[0], c[3]) for c in calls if c[0] == "verify"} == {("verify", "outside_capture")}
 
     def test_without_the_flag_a_channel_plan_honours_graphflow_trace(self, capsys, tmp_path, channel_plan,
                                                                       monkeypatch):

@@ -249,7 +249,7 @@ def _document(path: str, engine, timings: dict, captured_s: float, total_s: floa
         "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,
         "graphs": report.graphs, "pool_bytes": report.pool_bytes, "buffer_bytes": report.buffer_bytes,
         "capture_s": captured_s, "total_s": total_s,
-        "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.duration} for r in report.phases],
+        "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
         "descriptors": descriptors, "result": result,
     }
 

@@ -19,6 +19,7 @@ from graphflow.engine.binding import build_model, resolve
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
+from graphflow.engine.options import Watch
 from graphflow.engine.schedule import Schedule, build_schedule, dependencies
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
@@ -134,7 +135,7 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
     largest = max((d.size for d in ctx.descriptors), default=max(plan.max_size, 1))
     buffers = StaticBuffers(plan, largest, lambda n: devices[n])
     stack.push("free the static buffers", buffers.clear)
-    if ctx.options.detectors:
+    if ctx.options.detectors is not Watch.OFF:
         owned.detectors = _detectors(ctx, buffers, model)
     return Allocation(devices, baseline, streams, pools, schedules, buffers, owned)
 

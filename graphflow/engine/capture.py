@@ -1,17 +1,17 @@
-"""The capture phase: each region of each descriptor recorded as one graph.
+"""The capture phase: each region of a descriptor recorded as one graph.
 
-PIECEWISE then FULL descriptors, largest first (a smaller graph then reuses the larger
-ones' pool blocks), with the garbage collector frozen: a collection during capture
-scans only what capture creates. A region is captured on its origin stream (its first
-segment's), its side streams forked from it and joined back, into its device's shared
-pool, every graph segment call under the detectors' watch. The result is each
-descriptor's step program: graph replays and bound eager breaks, in order, which the
-runtime calls as bare callables.
+Captures run PIECEWISE then FULL, largest first (a smaller graph then reuses the larger
+ones' pool blocks), with the garbage collector frozen from the first capture on: a
+collection during capture scans only what capture creates. A region is captured on its
+origin stream (its first segment's), its side streams forked from it and joined back,
+into its device's shared pool. The result is each descriptor's step program: graph
+replays and bound eager breaks, in order, which the runtime calls as bare callables.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 
 import attrs
 import torch
@@ -25,56 +25,73 @@ from graphflow.events import EventKind, Phase
 from graphflow.jit import registry as jit_registry
 from graphflow.plan import CaptureRegion, Descriptor, Segment
 
-__all__ = ["Captured", "capture"]
+__all__ = ["Captured", "capture", "open_capture"]
+
+#: How often the pool's size (an allocator snapshot) is read for progress events, at most.
+POOL_READ_INTERVAL_S = 1.0
 
 
-@attrs.frozen(eq=False)
+@attrs.define(eq=False)
 class Captured:
-    """Each descriptor's step program, the graphs behind them, and the time each took."""
+    """The step programs captured so far, the graphs behind them, and the pool's size.
 
-    programs: dict[Descriptor, tuple[Call, ...]]
-    graphs: list[Graph]
-    times: tuple[DescriptorTime, ...]
-    pool_bytes: int | None
+    ``close()`` ends the capture settings ``open_capture`` made (frozen gc, JIT
+    tripwires); rollback undoes them as well if it comes first.
+    """
+
+    programs: dict[Descriptor, tuple[Call, ...]] = attrs.field(factory=dict)
+    graphs: list[Graph] = attrs.field(factory=list)
+    pool_bytes: int | None = None
+    _pool_read_at: float = 0.0
+    _undos: tuple = ()
+    _ctx: Context | None = None
+
+    def close(self) -> None:
+        for undo in self._undos:
+            self._ctx.stack.run_now(undo)
+        self._undos = ()
 
 
-def capture(ctx: Context, alloc: Allocation) -> Captured:
+def open_capture(ctx: Context) -> Captured:
+    """Freeze the collector and install the JIT tripwires for the captures to come."""
     gc.collect()
     # Everything alive now leaves the collector's generations: a collection during capture
     # scans only what capture creates, and stays short.
     gc.freeze()
     unfreeze = ctx.stack.push("unfreeze the garbage collector", gc.unfreeze)
     # A JIT compile or module load while a stream captures becomes a named CaptureError
-    # (graphflow.jit); the tripwires cost one check outside a capture and go when it ends.
+    # (graphflow.jit); the tripwires cost one check outside a capture and go at the end.
     tripwires = jit_registry.tripwires()
     tripwires.install()
     untrip = ctx.stack.push("remove the JIT tripwires", tripwires.remove)
-    programs: dict[Descriptor, tuple[Call, ...]] = {}
-    graphs: list[Graph] = []
-    times = []
-    ctx.stack.push("drop the step programs", programs.clear)
-    pool_bytes = None
-    runner = watched(ctx, alloc, Phase.CAPTURE, capturing=True)
-    for index, descriptor in enumerate(ctx.descriptors, 1):
-        with ctx.descriptor(descriptor, index) as block:
-            views = alloc.buffers.views(descriptor.size)
-            program: list[Call] = []
-            for item in step_items(ctx, descriptor.mode):
-                if isinstance(item, Segment):
-                    program.append(bind(item, alloc.fns[item.name], views))
-                    continue
-                region, segments = item
-                graph = _capture_region(ctx, alloc, index, region, segments, views, runner)
-                graphs.append(graph)
-                program.append(graph.replay)
-            programs[descriptor] = tuple(program)
-            # The pool's size costs an allocator snapshot: only worth it when someone listens.
-            if ctx.listeners:
-                pool_bytes = block.pool_bytes = alloc.pool_bytes(ctx)
-        times.append(DescriptorTime(Phase.CAPTURE, descriptor, block.seconds, block.pool_bytes))
-    ctx.stack.run_now(untrip)
-    ctx.stack.run_now(unfreeze)
-    return Captured(programs, graphs, tuple(times), pool_bytes)
+    captured = Captured(undos=(untrip, unfreeze), ctx=ctx)
+    ctx.stack.push("drop the step programs", captured.programs.clear)
+    return captured
+
+
+def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int
+            ) -> DescriptorTime:
+    """Capture one descriptor's regions; its program goes into ``captured.programs``."""
+    runner = watched(ctx, alloc, Phase.CAPTURE, capturing=True, descriptor=descriptor)
+    with ctx.descriptor(descriptor, index) as block:
+        views = alloc.buffers.views(descriptor.size)
+        program: list[Call] = []
+        for item in step_items(ctx, descriptor.mode):
+            if isinstance(item, Segment):
+                program.append(bind(item, alloc.fns[item.name], views))
+                continue
+            region, segments = item
+            graph = _capture_region(ctx, alloc, index, region, segments, views, runner)
+            captured.graphs.append(graph)
+            program.append(graph.replay)
+        captured.programs[descriptor] = tuple(program)
+        # The pool's size costs an allocator snapshot: read it for listeners, not too often.
+        now = time.perf_counter()
+        if ctx.listeners and (now - captured._pool_read_at >= POOL_READ_INTERVAL_S or index == len(ctx.descriptors)):
+            captured.pool_bytes = alloc.pool_bytes(ctx)
+            captured._pool_read_at = now
+        block.pool_bytes = captured.pool_bytes
+    return DescriptorTime(Phase.CAPTURE, descriptor, block.seconds, block.pool_bytes)
 
 
 def _capture_region(ctx: Context, alloc: Allocation, index: int, region: CaptureRegion,

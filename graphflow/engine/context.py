@@ -8,12 +8,13 @@ the listeners, the one rollback stack and the locus (where the pipeline is).
 
 from __future__ import annotations
 
+import functools
 import time
 import attrs
 
 from graphflow.engine.backend import Backend
 from graphflow.locus import Locus
-from graphflow.engine.options import RunOptions
+from graphflow.engine.options import RunOptions, Watch
 from graphflow.engine.rollback import UndoStack
 from graphflow.events import Event, EventKind, Listener
 from graphflow.plan import Descriptor, Plan, Segment
@@ -26,7 +27,8 @@ class Context:
     """One pipeline run's fixed environment (see the module docstring).
 
     ``segments`` are this rank's, in step order; ``descriptors`` the ones to capture.
-    ``segment_events`` is decided once: with no listener, a segment call builds no event.
+    ``segment_events`` is decided once: a segment call builds no event unless some
+    listener wants them (a listener says it does not with ``segment_events = False``).
     """
 
     plan: Plan
@@ -39,7 +41,27 @@ class Context:
     segments: tuple[Segment, ...]
     stack: UndoStack = attrs.field(factory=UndoStack)
     locus: Locus = attrs.field(factory=Locus)
-    segment_events: bool = attrs.field(default=attrs.Factory(lambda self: bool(self.listeners), takes_self=True))
+    segment_events: bool = attrs.field(default=attrs.Factory(
+        lambda self: any(getattr(listener, "segment_events", True) for listener in self.listeners), takes_self=True))
+
+    @functools.cached_property
+    def verify_plan(self):
+        """Which buffers verify snapshots and compares (``graphflow.engine.verify``)."""
+        from graphflow.engine.verify import VerifyPlan
+
+        return VerifyPlan.of(self.plan, self.segments)
+
+    @functools.cached_property
+    def _first_of_mode(self) -> frozenset[Descriptor]:
+        firsts: dict = {}
+        for descriptor in self.descriptors:
+            firsts.setdefault(descriptor.mode, descriptor)
+        return frozenset(firsts.values())
+
+    def watches(self, descriptor: Descriptor) -> bool:
+        """Whether the detectors watch this descriptor's warmup and capture."""
+        scope = self.options.detectors
+        return scope is Watch.ALL or (scope is Watch.FIRST and descriptor in self._first_of_mode)
 
     def emit(self, kind: EventKind, **fields) -> None:
         """Tell every listener; ``phase``, ``descriptor``, ``region`` and ``segment`` come

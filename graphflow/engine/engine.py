@@ -36,17 +36,13 @@ class Outcome(enum.Enum):
 
 @attrs.frozen
 class PhaseResult:
-    """One phase's outcome and timing (pytest's ``CallInfo``)."""
+    """One phase's outcome and its seconds, summed over the descriptors it ran for
+    (pytest's ``CallInfo``)."""
 
     phase: Phase
     outcome: Outcome
-    start: float
-    stop: float
+    seconds: float
     error: BaseException | None = attrs.field(default=None, eq=False)
-
-    @property
-    def duration(self) -> float:
-        return self.stop - self.start
 
 
 @attrs.frozen

@@ -59,15 +59,15 @@ import torch
 
 from graphflow.engine.allocate import allocate
 from graphflow.engine.backend import Backend, make_backend
-from graphflow.engine.capture import capture
+from graphflow.engine.capture import capture, open_capture
 from graphflow.engine.context import Context
 from graphflow.engine.engine import Engine, Outcome, PhaseResult, commit
 from graphflow.locus import Where
 from graphflow.engine.options import RunOptions
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
-from graphflow.engine.verify import verify
-from graphflow.engine.warmup import prewarm, warmup
+from graphflow.engine.verify import VerifyResult, verify
+from graphflow.engine.warmup import DescriptorTime, prewarm, warmup
 from graphflow.errors import CaptureError, InvalidPlanError
 from graphflow.events import Event, EventKind, Listener, Phase
 from graphflow.jit import registry as jit_registry
@@ -132,23 +132,49 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
     jit_registry.attach(ctx.locus)
     ctx.stack.push("detach the JIT registry", functools.partial(jit_registry.detach, ctx.locus))
     ctx.emit(EventKind.PIPELINE_BEGIN, total=len(ctx.descriptors))
+    times: list[DescriptorTime] = []
+    verified: list[VerifyResult] = []
+    prewarmed = False
     with torch.no_grad():
         alloc = _phase(ctx, results, Phase.ALLOCATE, lambda: allocate(ctx, model, channels))
-        warm_times = _phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc))
-        prewarmed = _phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
-        captured = _phase(ctx, results, Phase.CAPTURE, lambda: capture(ctx, alloc), pool=lambda c: c.pool_bytes)
-        pool = lambda _: captured.pool_bytes  # noqa: E731 - the later phases' end events carry the pool
-        checked = _phase(ctx, results, Phase.VERIFY,
-                         lambda: verify(ctx, alloc, captured) if ctx.options.verify else False, pool=pool)
-        verified, verify_times = checked if checked is not False else ((), ())
-        times = (*warm_times, *captured.times, *verify_times)
-        engine = _phase(ctx, results, Phase.COMMIT, lambda: commit(ctx, alloc, captured, verified, times),
-                        pool=pool)
-    engine.report = attrs.evolve(engine.report, phases=tuple(results),
+        captured = None
+        pool = lambda _: captured.pool_bytes if captured is not None else None  # noqa: E731 - end events' pool
+        for index, descriptor in enumerate(ctx.descriptors, 1):
+            warmed = _phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, descriptor, index), pool=pool)
+            times.append(warmed.time)
+            if captured is None:
+                prewarmed = _phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
+                captured = open_capture(ctx)
+            times.append(_phase(ctx, results, Phase.CAPTURE,
+                                lambda: capture(ctx, alloc, captured, descriptor, index), pool=pool))
+            if ctx.options.verify:
+                result, took = _phase(ctx, results, Phase.VERIFY,
+                                      lambda: verify(ctx, alloc, captured.programs[descriptor], descriptor, index,
+                                                     warmed), pool=pool)
+                verified.append(result)
+                times.append(took)
+            warmed = None  # its snapshots go before the next descriptor's are taken
+        if captured is None:
+            captured = open_capture(ctx)
+        captured.close()
+        engine = _phase(ctx, results, Phase.COMMIT,
+                        lambda: commit(ctx, alloc, captured, tuple(verified), tuple(times)), pool=pool)
+    engine.report = attrs.evolve(engine.report, phases=_summary(results),
                                  prewarm=prewarmed if prewarmed is not False else None)
     jit_registry.detach(ctx.locus)
     ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=captured.pool_bytes)
     return engine
+
+
+def _summary(results: list[PhaseResult]) -> tuple[PhaseResult, ...]:
+    """One result per phase, in lifecycle order: a phase that ran per descriptor adds up
+    its seconds; one that never ran (verify turned off, no descriptor) was skipped."""
+    summary = []
+    for phase in (Phase.ALLOCATE, Phase.WARMUP, Phase.PREWARM, Phase.CAPTURE, Phase.VERIFY, Phase.COMMIT):
+        ran = [r for r in results if r.phase is phase]
+        outcome = Outcome.PASSED if any(r.outcome is Outcome.PASSED for r in ran) else Outcome.SKIPPED
+        summary.append(PhaseResult(phase, outcome, sum(r.seconds for r in ran)))
+    return tuple(summary)
 
 
 def _select(plan: Plan, sizes: Sequence[int] | None) -> tuple[Descriptor, ...]:
@@ -164,7 +190,8 @@ def _select(plan: Plan, sizes: Sequence[int] | None) -> tuple[Descriptor, ...]:
 
 def _phase(ctx: Context, results: list[PhaseResult], phase: Phase, body: Callable[[], object],
            pool: Callable[[object], int | None] = lambda _: None):
-    """One phase in its block between PHASE_BEGIN and PHASE_END, recorded in ``results``.
+    """One phase (or one descriptor's part of it) in its block between PHASE_BEGIN and
+    PHASE_END, recorded in ``results``.
 
     A body that returns False was skipped (nothing to do, or turned off); ``pool``
     gives the END event's pool size from the body's result.
@@ -177,10 +204,10 @@ def _phase(ctx: Context, results: list[PhaseResult], phase: Phase, body: Callabl
             ctx.emit(EventKind.PHASE_END, elapsed_s=time.perf_counter() - start, total=len(ctx.descriptors),
                      pool_bytes=pool(value))
     except BaseException as exc:
-        results.append(PhaseResult(phase, Outcome.FAILED, start, time.perf_counter(), exc))
+        results.append(PhaseResult(phase, Outcome.FAILED, time.perf_counter() - start, exc))
         raise
-    results.append(PhaseResult(phase, Outcome.SKIPPED if value is False else Outcome.PASSED, start,
-                               time.perf_counter()))
+    results.append(PhaseResult(phase, Outcome.SKIPPED if value is False else Outcome.PASSED,
+                               time.perf_counter() - start))
     return value
 
 

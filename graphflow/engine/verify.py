@@ -1,11 +1,14 @@
 """The verify phase: graph replay against the eager step, on the same inputs and state.
 
-Per descriptor: keep the state buffers; fill the inputs randomly (floats standard
-normal, ints uniformly from ``Buffer.values``); snapshot every buffer the step reads;
-run the eager step; restore the snapshot; run the captured step program; compare every
-buffer the step writes, bit for bit unless the plan declares tolerances; put the state
-back. Buffers are compared in the order of their last write, so a mismatch names the
-first buffer to differ and the segment that last wrote it.
+The eager reference is the descriptor's warmup (``graphflow.engine.warmup.Warmed``): it
+ran on verify's random inputs and kept the buffers it started from and the buffers it
+wrote. Verify keeps the state buffers as it finds them, puts the start back, runs the
+captured step program, compares every buffer the step writes — bit for bit unless the
+plan declares tolerances — and puts the state back. One exception: when a channel the
+step uses does not communicate in warmup (``prepare``, ``placeholder``), warmup's outputs
+are not the step's, so verify runs the eager step itself first, as its reference. Buffers are compared in the order
+of their last write, so a mismatch names the first buffer to differ and the segment
+that last wrote it.
 """
 
 from __future__ import annotations
@@ -14,15 +17,15 @@ import attrs
 import torch
 
 from graphflow.engine.allocate import Allocation, step_items
-from graphflow.engine.capture import Captured
+from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
 from graphflow.engine.execute import call_segment, run_eager
-from graphflow.engine.warmup import DescriptorTime, eager_step
+from graphflow.engine.warmup import DescriptorTime, Warmed, eager_step, fill_inputs
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
-from graphflow.plan import BufferRole, Descriptor, Plan, Segment
+from graphflow.plan import BufferRole, Descriptor, Plan, Segment, WarmupPolicy
 
-__all__ = ["VerifyResult", "verify"]
+__all__ = ["VerifyPlan", "VerifyResult", "verify"]
 
 #: What to do when replay differs from eager.
 HINT = ("replay differs from eager: look for data-dependent control flow or an undeclared buffer in the region; "
@@ -39,57 +42,68 @@ class VerifyResult:
     bit_exact: bool
 
 
-def verify(ctx: Context, alloc: Allocation, captured: Captured) -> tuple[tuple[VerifyResult, ...],
-                                                                           tuple[DescriptorTime, ...]]:
-    plan = ctx.plan
-    last_writer = {w: s.name for s in ctx.segments for w in s.writes}
-    position = {s.name: i for i, s in enumerate(ctx.segments)}
-    written = tuple(sorted(last_writer, key=lambda b: position[last_writer[b]]))  # in order of final write
-    read = tuple(dict.fromkeys(r for s in ctx.segments for r in s.reads))
-    state = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE)
-    schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
-    results, times = [], []
-    for index, descriptor in enumerate(ctx.descriptors, 1):
-        with ctx.descriptor(descriptor, index) as block:
-            views = alloc.buffers.views(descriptor.size)
-            kept = {n: views[n].clone() for n in state}
-            _fill_inputs(plan, views, descriptor.size, ctx.options.seed)
-            start = {n: views[n].clone() for n in dict.fromkeys((*read, *state))}
-            run_eager(ctx.backend, schedule, eager_step(ctx, alloc, descriptor.size),
-                      lambda segment, call: call_segment(ctx, segment, call))
-            alloc.synchronize(ctx)
-            expected = {n: views[n].clone() for n in written}
-            _restore(views, start)
-            # The program holds bare callables; the step's items, listed again, say which
-            # are eager breaks (a graph replay runs no Python to bracket).
-            for item, call in zip(step_items(ctx, descriptor.mode), captured.programs[descriptor], strict=True):
-                if isinstance(item, Segment):
-                    call_segment(ctx, item, call)
-                else:
-                    call()
-            alloc.synchronize(ctx)
-            results.append(_compare(plan, descriptor, views, expected, last_writer))
-            _restore(views, kept)
-            block.pool_bytes = captured.pool_bytes
-        times.append(DescriptorTime(Phase.VERIFY, descriptor, block.seconds))
-    return tuple(results), tuple(times)
+@attrs.frozen
+class VerifyPlan:
+    """Which buffers verify snapshots and compares, worked out once per run from the step.
+
+    ``start``: what the step reads and the state it keeps (put back before the replay);
+    ``written``: what it writes, in the order of each buffer's last write, with the
+    segment that last writes each in ``last_writer``; ``state``: the state buffers.
+    ``reuses_warmup``: whether warmup's run is the reference (every channel the step
+    uses communicates in warmup).
+    """
+
+    start: tuple[str, ...]
+    written: tuple[str, ...]
+    state: tuple[str, ...]
+    last_writer: dict[str, str] = attrs.field(eq=False)
+    reuses_warmup: bool = True
+
+    @classmethod
+    def of(cls, plan: Plan, segments: tuple[Segment, ...]) -> VerifyPlan:
+        last_writer = {w: s.name for s in segments for w in s.writes}
+        position = {s.name: i for i, s in enumerate(segments)}
+        written = tuple(sorted(last_writer, key=lambda b: position[last_writer[b]]))
+        read = tuple(dict.fromkeys(r for s in segments for r in s.reads))
+        state = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE)
+        silent = {c.name for c in plan.channels if c.warmup is not WarmupPolicy.REAL}
+        reuses = not any(silent.intersection(s.channels) for s in segments)
+        return cls(tuple(dict.fromkeys((*read, *state))), written, state, last_writer, reuses)
 
 
-def _fill_inputs(plan: Plan, views: dict[str, torch.Tensor], size: int, seed: int) -> None:
-    for buffer in plan.buffers:
-        if buffer.role is not BufferRole.INPUT:
-            continue
-        view = views[buffer.name]
-        generator = torch.Generator(device=view.device).manual_seed(seed * 1_000_003 + size)
-        if buffer.values is not None:
-            low, high = buffer.values
-            if _is_float(buffer.dtype):
-                fresh = torch.rand(view.shape, generator=generator, device=view.device) * (high - low) + low
+def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descriptor: Descriptor, index: int,
+           warmed: Warmed) -> tuple[VerifyResult, DescriptorTime]:
+    """Replay one descriptor from its warmup's start and compare with what warmup wrote."""
+    plan, needs = ctx.plan, ctx.verify_plan
+    with ctx.descriptor(descriptor, index) as block:
+        views = alloc.buffers.views(descriptor.size)
+        kept = {n: views[n].clone() for n in needs.state}
+        if not needs.reuses_warmup:
+            warmed = _reference(ctx, alloc, descriptor, warmed)
+        _restore(views, warmed.start)
+        # The program holds bare callables; the step's items, listed again, say which
+        # are eager breaks (a graph replay runs no Python to bracket).
+        for item, call in zip(step_items(ctx, descriptor.mode), program, strict=True):
+            if isinstance(item, Segment):
+                call_segment(ctx, item, call)
             else:
-                fresh = torch.randint(int(low), int(high), view.shape, generator=generator, device=view.device)
-        else:
-            fresh = torch.randn(view.shape, generator=generator, device=view.device)
-        view.copy_(fresh.to(view.dtype))
+                call()
+        alloc.synchronize(ctx)
+        result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer)
+        _restore(views, kept)
+    return result, DescriptorTime(Phase.VERIFY, descriptor, block.seconds)
+
+
+def _reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, warmed: Warmed) -> Warmed:
+    """The eager step run here, from warmup's inputs, with every collective communicating."""
+    views = alloc.buffers.views(descriptor.size)
+    needs = ctx.verify_plan
+    fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=True)
+    start = {n: views[n].clone() for n in needs.start}
+    run_eager(ctx.backend, alloc.schedules[tuple(s.name for s in ctx.segments)],
+              eager_step(ctx, alloc, descriptor.size), lambda segment, call: call_segment(ctx, segment, call))
+    alloc.synchronize(ctx)
+    return attrs.evolve(warmed, start=start, expected={n: views[n].clone() for n in needs.written})
 
 
 def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
@@ -114,10 +128,6 @@ def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor],
                 f"elements, max |diff| {diff:.3g} (allowed atol={atol}, rtol={rtol})",
                 segment=last_writer[name], hint=HINT)
     return VerifyResult(descriptor, tuple(expected), worst, bit_exact)
-
-
-def _is_float(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
 
 
 def _comparable(t: torch.Tensor) -> torch.Tensor:

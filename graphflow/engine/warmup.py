@@ -1,10 +1,16 @@
-"""The warmup and prewarm phases: every kernel launched eagerly before any capture.
+"""The warmup and prewarm phases: every kernel launched eagerly before it is captured.
 
-Warmup runs the whole step eagerly per descriptor, on the streams and schedule capture
+Warmup runs one descriptor's whole step eagerly, on the streams and schedule capture
 will use, so lazy initialization (cuBLAS's per-stream workspaces, allocator growth, a JIT
-kernel's first launch) happens outside capture; the detectors watch every graph
-segment call. Prewarm then runs the plan's prewarm hooks: specializations warmup could
-not reach (a collective whose warmup does not communicate), with no communication.
+kernel's first launch) happens outside capture; the detectors watch its graph segment
+calls. Its inputs are verify's random inputs, and when the run verifies it keeps what
+verify needs (``Warmed``): the buffers the step started from and the buffers it wrote.
+Verify then replays the graph from the same start and compares, so the eager reference
+is computed once, here, instead of a second time in verify.
+
+Prewarm, after the first descriptor's warmup, compiles and launches what warmup cannot
+reach (the JIT registry's declared specializations, the plan's prewarm hooks) on every
+device's capture stream, with no communication.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import attrs
+import torch
 
 from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Call
@@ -19,9 +26,10 @@ from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, call_segment, run_eager
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
-from graphflow.plan import Descriptor, Segment
+from graphflow.plan import BufferRole, Descriptor, Plan, Segment
 
-__all__ = ["DescriptorTime", "check_findings", "eager_step", "prewarm", "warmup", "watched"]
+__all__ = ["DescriptorTime", "Warmed", "capture_streams", "check_findings", "eager_step", "fill_inputs", "prewarm",
+           "warmup", "watched"]
 
 
 @attrs.frozen
@@ -34,21 +42,33 @@ class DescriptorTime:
     pool_bytes: int | None = None
 
 
+@attrs.frozen(eq=False)
+class Warmed:
+    """One descriptor's warmup: its time, and for verify (when the run verifies) the
+    read and state buffers before the last warm run (``start``) and every buffer the
+    step wrote after it (``expected``, in the order of each buffer's last write)."""
+
+    time: DescriptorTime
+    start: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    expected: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+
 def eager_step(ctx: Context, alloc: Allocation, size: int) -> tuple[tuple[Segment, Call], ...]:
     """This rank's whole step at one size, as (segment, bound call) pairs."""
     views = alloc.buffers.views(size)
     return tuple((s, bind(s, alloc.fns[s.name], views)) for s in ctx.segments)
 
 
-def watched(ctx: Context, alloc: Allocation, phase: Phase, *, capturing: bool):
-    """A segment runner that puts each graph segment call under the detectors' watch
-    (eager breaks may sync: that is their job)."""
-    detectors = alloc.detectors
+def watched(ctx: Context, alloc: Allocation, phase: Phase, *, capturing: bool, descriptor: Descriptor):
+    """A segment runner that puts each graph segment call under the detectors' watch when
+    the run watches this descriptor (eager breaks may sync: that is their job)."""
+    detectors = alloc.detectors if ctx.watches(descriptor) else None
+    if detectors is None:
+        return lambda segment, call: call_segment(ctx, segment, call)
 
     def run(segment: Segment, call: Call) -> None:
-        watch = None
-        if detectors is not None and segment.is_graph:
-            watch = detectors.watch(segment.name, phase, capturing, alloc.device_of(ctx, segment))
+        watch = detectors.watch(segment.name, phase, capturing, alloc.device_of(ctx, segment)) if segment.is_graph \
+            else None
         call_segment(ctx, segment, call, watch)
 
     return run
@@ -65,20 +85,50 @@ def check_findings(alloc: Allocation) -> None:
                            hint="fix the segment or make it eager; silence one check with --disable-check NAME")
 
 
-def warmup(ctx: Context, alloc: Allocation) -> tuple[DescriptorTime, ...]:
-    """Per descriptor, largest first: the step eagerly ``warmup_iters`` times."""
-    times = []
-    runner = watched(ctx, alloc, Phase.WARMUP, capturing=False)
+def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) -> Warmed:
+    """One descriptor: the step eagerly ``warmup_iters`` times on verify's inputs."""
+    runner = watched(ctx, alloc, Phase.WARMUP, capturing=False, descriptor=descriptor)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
-    for index, descriptor in enumerate(ctx.descriptors, 1):
-        with ctx.descriptor(descriptor, index) as block:
-            step = eager_step(ctx, alloc, descriptor.size)
-            for _ in range(ctx.plan.capture.warmup_iters):
-                run_eager(ctx.backend, schedule, step, runner)
-            alloc.synchronize(ctx)
-            check_findings(alloc)
-        times.append(DescriptorTime(Phase.WARMUP, descriptor, block.seconds))
-    return tuple(times)
+    keep = ctx.options.verify and ctx.verify_plan.reuses_warmup
+    start: dict[str, torch.Tensor] = {}
+    expected: dict[str, torch.Tensor] = {}
+    with ctx.descriptor(descriptor, index) as block:
+        views = alloc.buffers.views(descriptor.size)
+        fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=ctx.options.verify)
+        step = eager_step(ctx, alloc, descriptor.size)
+        iters = ctx.plan.capture.warmup_iters
+        for i in range(iters):
+            if keep and i == iters - 1:
+                start = {n: views[n].clone() for n in ctx.verify_plan.start}
+            run_eager(ctx.backend, schedule, step, runner)
+        alloc.synchronize(ctx)
+        check_findings(alloc)
+        if keep:
+            expected = {n: views[n].clone() for n in ctx.verify_plan.written}
+    return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected)
+
+
+def fill_inputs(plan: Plan, views: dict[str, torch.Tensor], size: int, seed: int, *, strict: bool) -> None:
+    """Fill the input buffers at ``size`` with seeded random values: floats standard
+    normal (or uniform in ``values``), ints uniform in ``values``. ``strict=False``
+    leaves an integer input that declares no values as it is."""
+    for buffer in plan.buffers:
+        if buffer.role is not BufferRole.INPUT:
+            continue
+        floating = buffer.dtype.startswith(("float", "bfloat"))
+        if buffer.values is None and not floating and not strict:
+            continue
+        view = views[buffer.name]
+        generator = torch.Generator(device=view.device).manual_seed(seed * 1_000_003 + size)
+        if buffer.values is not None:
+            low, high = buffer.values
+            if floating:
+                fresh = torch.rand(view.shape, generator=generator, device=view.device) * (high - low) + low
+            else:
+                fresh = torch.randint(int(low), int(high), view.shape, generator=generator, device=view.device)
+        else:
+            fresh = torch.randn(view.shape, generator=generator, device=view.device)
+        view.copy_(fresh.to(view.dtype))
 
 
 def prewarm(ctx: Context, alloc: Allocation):

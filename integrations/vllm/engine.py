@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from graphflow.errors import PlanError
 from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan, capture_order, descriptor_from_vllm, \
     sizes_by_mode
 from graphflow.integrations.vllm.schematic import FamilyFacts, family_facts, schematic_plan
@@ -115,9 +116,14 @@ def plan_from_engine(
                 if f.name in overrides else f for f in families]
     sizes = sizes_by_mode(descriptors)
     warmups = max(int(getattr(config.compilation_config, "cudagraph_num_of_warmups", 1) or 0), 0)
+    if sizes and warmups < 1:
+        raise PlanError("vLLM would capture with no warmup run before each graph "
+                        "(compilation_config.cudagraph_num_of_warmups = 0): lazy initialization and JIT kernels "
+                        "would first run inside capture — set cudagraph_num_of_warmups to 1 or more",
+                        element="compilation_config.cudagraph_num_of_warmups")
     capture = CaptureSettings(modes=tuple(sizes), sizes=(), mode_sizes=sizes, warmup_iters=warmups,
                               barrier_timeout_s=barrier_timeout_s) if sizes else \
-        CaptureSettings(modes=(), sizes=(), warmup_iters=warmups, barrier_timeout_s=barrier_timeout_s)
+        CaptureSettings(modes=(), sizes=(), barrier_timeout_s=barrier_timeout_s)
     device = getattr(runner, "device", None)
     index = getattr(device, "index", None) or 0
     plan = schematic_plan(_model_name(config), families, tp_size=config.parallel_config.tensor_parallel_size,

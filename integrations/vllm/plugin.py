@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from graphflow.errors import CaptureError, DivergenceError
+from graphflow.errors import CaptureError, DivergenceError, PlanError
 from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan
 from graphflow.integrations.vllm.session import CaptureSession
 from graphflow.integrations.vllm.settings import PluginSettings
@@ -133,8 +133,12 @@ class Plugin:
         rank = dist.get_rank() if dist.is_initialized() else 0
         if hasattr(runner, "_maybe_init_encoder_cudagraph_manager") and not profile:
             runner._maybe_init_encoder_cudagraph_manager()  # V1 makes it at capture start; read its budgets
-        plan = plan_from_engine(runner, warmup=self.settings.warmup, data_dependent=self.settings.routed,
-                                barrier_timeout_s=self.settings.timeout_s)
+        try:
+            plan = plan_from_engine(runner, warmup=self.settings.warmup, data_dependent=self.settings.routed,
+                                    barrier_timeout_s=self.settings.timeout_s)
+        except PlanError as error:
+            raise CaptureError(f"graphflow refused to capture: {error}", phase="validate", rank=rank,
+                               hint="fix the vLLM setting it names") from error
         if not plan.descriptors:
             return capture()
         self.plans.append(plan)

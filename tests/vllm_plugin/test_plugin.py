@@ -84,6 +84,6 @@ def test_validation_errors_refuse_capture_before_any_graph(vllm_world, cpu_cuda,
     with set_current_vllm_config(config):
         runner = harness.standin_runner_cls()(config, model=harness.TinyMoE())
         config.compilation_config.cudagraph_num_of_warmups = 0  # vLLM sets 1 after init; a fork may not
-        with pytest.raises(CaptureError, match="GF606") as info:
+        with pytest.raises(CaptureError, match="cudagraph_num_of_warmups = 0") as info:
             runner.capture_model()
     assert info.value.phase == "validate" and cpu_cuda.captures == 0 and runner.runs == []
