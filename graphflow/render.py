@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -128,6 +128,20 @@ def group_by_template(items: Sequence[Any], key: Callable[[Any], object] = lambd
         groups.append((position[id(members[0])], Group(label, tuple(members))))
     groups.sort(key=lambda pair: pair[0])
     return [group for _, group in groups]
+
+
+@attrs.frozen
+class _Named:
+    name: str
+
+
+def heaviest(sizes: Mapping[str, int], n: int = 3) -> str:
+    """The ``n`` heaviest of some buffers' byte counts, grouped by template the way
+    ``graphflow show`` groups them: ``kv_cache{0..60} (7.6 GiB in 61 buffers), ...``."""
+    groups = group_by_template([_Named(name) for name in sizes])
+    weighed = sorted(((sum(sizes[m.name] for m in g.members), g) for g in groups), key=lambda item: -item[0])
+    return ", ".join(f"{g.label} ({format_bytes(total)}{f' in {len(g.members)} buffers' if len(g.members) > 1 else ''})"
+                     for total, g in weighed[:n])
 
 
 # -- summary as data ----------------------------------------------------------------

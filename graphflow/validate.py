@@ -42,7 +42,7 @@ from graphflow.plan import (
     WarmupPolicy,
     dim_symbols,
 )
-from graphflow.render import format_bytes, group_by_template
+from graphflow.render import format_bytes, heaviest
 
 __all__ = ["Diagnostic", "Finding", "MEMORY_CEILING", "RETIRED", "Report", "Rule", "RULES", "Severity",
            "rules_markdown", "unknown_codes", "validate"]
@@ -784,11 +784,7 @@ def _over(plan: Plan, limit: int) -> Iterator[tuple[str, int, str]]:
         total = sum(sizes.values())
         if not _GPU.fullmatch(device) or total <= limit:
             continue
-        groups = group_by_template([plan.buffer(name) for name in sizes])
-        weighed = sorted(((sum(sizes[b.name] for b in g.members), g) for g in groups), key=lambda item: -item[0])
-        shown = ", ".join(f"{g.label} ({format_bytes(n)}{f' in {len(g.members)} buffers' if len(g.members) > 1 else ''})"
-                          for n, g in weighed[:3])
-        yield device, total, f"the largest: {shown}"
+        yield device, total, f"the largest: {heaviest(sizes)}"
 
 
 def _amount(total: int) -> str:

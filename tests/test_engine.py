@@ -809,3 +809,83 @@ def test_plan_with_no_graph_segments_is_fine():
     plan = Plan(name="empty", capture=toy_plan(1).capture)
     with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=object()) as engine:
         assert engine.report.graphs == 0
+
+
+class TestMemoryBeforeCapture:
+    """The static buffers and verify's copies are checked against free memory before any
+    buffer exists; the pool is estimated after a mode's two largest captures."""
+
+    class Tight(RecordingBackend):
+        def __init__(self, free=None, pools=None):
+            super().__init__()
+            self.free, self.pools_after = free, pools  # graphs captured -> pool bytes
+
+        def free_memory(self, device):
+            return self.free
+
+        def pool_bytes(self, pool):
+            return None if self.pools_after is None else self.pools_after.get(len(self.graphs))
+
+    def test_a_plan_that_does_not_fit_fails_in_allocate_naming_the_shortfall_and_the_largest_buffers(self):
+        plan, model, rig = rigged(sizes=(1, 2, 4, 8))
+        backend = self.Tight(free=1000)
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, backend=backend)
+        error = info.value
+        assert error.phase == "allocate" and backend.graphs == []
+        assert error.message.startswith("the plan needs ")
+        assert " short. The largest buffers: " in error.message and "h{0..2}" in error.message
+        assert "--no-verify" in error.hint
+
+    def test_without_verify_the_copies_are_not_counted(self):
+        plan, model, rig = rigged(sizes=(1, 2, 4, 8))
+        buffers = sum(plan.static_memory()["cuda:0"].values())
+        with run(plan, model, rig, backend=self.Tight(free=buffers), verify=False):
+            pass
+        with pytest.raises(CaptureError, match="for verify's copies"):
+            run(plan, model, rig, backend=self.Tight(free=buffers))
+
+    def test_the_pool_is_estimated_after_the_two_largest_and_checked_before_the_rest(self):
+        plan, model, rig = rigged(sizes=(1, 2, 4, 8))
+        # 100 bytes after the first descriptor, 130 after the second: 30 more for each of the
+        # 2 left, so 190 in all; 50 free is not enough for the 60 still to come.
+        big = 10 ** 9
+        pools = {4: 100, 8: 130, 12: 160, 16: 190}  # the toy step has 4 regions
+        backend = self.Tight(free=big, pools=pools)
+        with run(plan, model, rig, backend=backend) as engine:
+            assert engine.report.pool_estimate == {"PIECEWISE": 190}
+        backend = self.Tight(free=big, pools=pools)
+        backend.free_memory = lambda device, calls=[]: big if not calls.append(0) and len(calls) == 1 else 50
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, backend=backend)
+        assert (info.value.phase, info.value.descriptor) == ("capture", Descriptor(P, 4))
+        assert info.value.message.startswith("the capture pool would grow to about 190 B for the 2 PIECEWISE "
+                                             "descriptors left")
+        assert_rolled_back(backend, rig)
+
+
+class TestDetectorScope:
+    """The detectors watch the first descriptor of each mode unless asked for all."""
+
+    def _syncing_at_one_row(self):
+        plan, model, rig = rigged(layers=2, sizes=(2, 1))
+        post = model.layers[1].post
+        model.layers[1].post = lambda m, x: ((float(m.sum().item()) if m.shape[0] == 1 else None), post(m, x))
+        return plan, model, rig
+
+    def test_first_watches_the_largest_descriptor_only(self):
+        plan, model, rig = self._syncing_at_one_row()
+        with run(plan, model, rig, detectors="first"):
+            pass
+
+    def test_all_watches_every_descriptor(self):
+        plan, model, rig = self._syncing_at_one_row()
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, detectors="all")
+        assert (info.value.phase, info.value.descriptor, info.value.segment) == ("warmup", Descriptor(P, 1), "L1.post")
+
+    def test_true_and_false_mean_first_and_off(self):
+        from graphflow.engine.options import Watch
+
+        assert (RunOptions(detectors=True).detectors, RunOptions(detectors=False).detectors) == (Watch.FIRST,
+                                                                                                 Watch.OFF)

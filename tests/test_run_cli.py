@@ -140,17 +140,45 @@ class TestFailure:
 
 class TestProgressDisplay:
     def _events(self):
-        d = Descriptor(Mode.PIECEWISE, 2)
-        return [Event(EventKind.PHASE_BEGIN, phase=Phase.CAPTURE, total=1),
-                Event(EventKind.DESCRIPTOR_END, phase=Phase.CAPTURE, descriptor=d, index=1, total=1, pool_bytes=2048),
-                Event(EventKind.PHASE_END, phase=Phase.CAPTURE, elapsed_s=0.25, total=1, pool_bytes=2048)]
+        """Two descriptors, each warmed, captured (one region each) and verified."""
+        events = [Event(EventKind.PIPELINE_BEGIN, total=2), Event(EventKind.PHASE_BEGIN, phase=Phase.ALLOCATE),
+                  Event(EventKind.PHASE_END, phase=Phase.ALLOCATE, elapsed_s=0.5)]
+        for index, size in enumerate((2, 1), 1):
+            d = Descriptor(Mode.PIECEWISE, size)
+            for phase in (Phase.WARMUP, Phase.CAPTURE, Phase.VERIFY):
+                events.append(Event(EventKind.DESCRIPTOR_BEGIN, phase=phase, descriptor=d, index=index, total=2))
+                if phase is Phase.CAPTURE:
+                    events.append(Event(EventKind.REGION_END, phase=phase, descriptor=d, region="target:a"))
+                events.append(Event(EventKind.DESCRIPTOR_END, phase=phase, descriptor=d, index=index, total=2,
+                                    elapsed_s=0.125, pool_bytes=2048 if phase is Phase.CAPTURE else None))
+        events.append(Event(EventKind.PIPELINE_END, total=2, pool_bytes=2048))
+        return events
 
-    def test_plain_lines_when_not_a_terminal(self):
+    def test_plain_lines_per_descriptor_when_not_a_terminal(self):
         out = io.StringIO()
-        display = ProgressDisplay(file=out, force_terminal=False)
+        display = ProgressDisplay(file=out, force_terminal=False, interval_s=0)
         for event in self._events():
             display.on_event(event)
-        assert out.getvalue() == "capture   done in 0.250 s, pool 2.0 KiB\n"
+        lines = out.getvalue().splitlines()
+        assert lines[:2] == ["allocate: building the model, streams and static buffers", "allocate: done in 0.50 s"]
+        assert re.fullmatch(r"captured 1/2: PIECEWISE\(B=2\), 1 graph, \d+\.\d s, pool 2\.0 KiB", lines[2])
+        assert re.fullmatch(r"captured 2/2: PIECEWISE\(B=1\), 2 graphs, \d+\.\d s, pool 2\.0 KiB", lines[3])
+        assert lines[4] == "captured 2 PIECEWISE descriptors (2 graphs) in 0.8 s, pool 2.0 KiB"
+
+    def test_lines_are_throttled_but_the_last_descriptor_always_says_so(self):
+        out = io.StringIO()
+        display = ProgressDisplay(file=out, force_terminal=False, interval_s=3600)
+        for event in self._events():
+            display.on_event(event)
+        assert [line.split(":")[0] for line in out.getvalue().splitlines()] == [
+            "allocate", "allocate", "captured 1/2", "captured 2/2", "captured 2 PIECEWISE descriptors (2 graphs) in 0.8 s, pool 2.0 KiB"]
+
+    def test_the_cpu_backend_says_regions_and_no_pool(self):
+        out = io.StringIO()
+        display = ProgressDisplay(file=out, force_terminal=False, graphs=False)
+        for event in self._events():
+            display.on_event(event)
+        assert out.getvalue().splitlines()[-1] == "captured 2 PIECEWISE descriptors (2 regions) in 0.8 s"
 
     def test_live_bar_on_a_terminal(self):
         out = io.StringIO()
@@ -158,7 +186,7 @@ class TestProgressDisplay:
         for event in self._events():
             display.on_event(event)
         text = out.getvalue()
-        assert "capture" in text and "1/1" in text and "2.0 KiB" in text
+        assert "capture" in text and "2/2" in text and "2.0 KiB" in text
 
     def test_quiet_draws_nothing(self):
         out = io.StringIO()

@@ -46,7 +46,11 @@ def register(subparsers) -> None:
                         help="auto: cuda when a GPU is present, else cpu (regions replayed eagerly)")
     parser.add_argument("--sizes", metavar="N,N,...", help="capture only these descriptor sizes, e.g. 1,2,4")
     parser.add_argument("--no-verify", action="store_true", help="skip comparing replay with eager")
-    parser.add_argument("--no-detectors", action="store_true", help="do not watch segments for capture hazards")
+    parser.add_argument("--detectors", choices=("first", "all", "off"), default="first",
+                        help="watch graph segments for capture hazards on the first descriptor of each mode "
+                             "(default: a hazard is in the code, not in a size), on all of them, or not at all")
+    parser.add_argument("--no-detectors", action="store_const", const="off", dest="detectors",
+                        help="the same as --detectors off")
     parser.add_argument("--disable-check", action="append", default=[], metavar="NAME",
                         help="turn off one capture-safety check (repeat), e.g. host_sync")
     parser.add_argument("--steps", type=int, default=10, metavar="N",
@@ -71,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
     from graphflow.progress import ProgressDisplay
     from graphflow.session import Session
 
-    _check_backend(options)
+    captures_graphs = _check_backend(options)
     if args.trace is not None:
         _trace_dir(args.trace)
-    listeners = [] if args.quiet or args.json else [ProgressDisplay()]
+    listeners = [] if args.quiet or args.json else [ProgressDisplay(graphs=captures_graphs)]
     report = _report_listener(args.report, plan, options) if args.report else None
     if report is not None:
         listeners.append(report)
@@ -152,15 +156,16 @@ def _options(args: argparse.Namespace):
         checks = [check_named(name) for name in args.disable_check]
     except ValueError as err:
         raise CommandError(f"--disable-check: {err}") from err
-    return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=not args.no_detectors,
+    return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=args.detectors,
                       disabled_checks=checks, sizes=parse_sizes(args.sizes))
 
 
-def _check_backend(options) -> None:
+def _check_backend(options) -> bool:
+    """Whether the backend the options name captures real graphs (it exists, or exit 2)."""
     from graphflow.engine import make_backend
 
     try:
-        make_backend(options.backend)
+        return make_backend(options.backend).captures_graphs
     except ValueError as err:
         raise CommandError(f"--backend {options.backend.value}: {err}") from err
 
@@ -248,6 +253,7 @@ def _document(path: str, engine, timings: dict, captured_s: float, total_s: floa
         "plan": engine.plan.name, "file": path, "ok": True, "backend": report.backend,
         "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,
         "graphs": report.graphs, "pool_bytes": report.pool_bytes, "buffer_bytes": report.buffer_bytes,
+        "pool_estimate": report.pool_estimate,
         "capture_s": captured_s, "total_s": total_s,
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
         "descriptors": descriptors, "result": result,
@@ -284,7 +290,9 @@ def _print_report(document: dict) -> None:
         phases.add_row(phase["phase"], phase["outcome"], f"{phase['seconds']:.3f}")
     console.print(phases)
     line()
-    line((f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}, " if real else "")
+    estimate = "".join(f", {mode} estimated at {format_bytes(size)} after its two largest"
+                       for mode, size in document["pool_estimate"].items())
+    line((f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}{estimate}, " if real else "")
          + f"static buffers {format_bytes(document['buffer_bytes'])}")
     if document.get("trace"):
         line(f"trace {document['trace']}")

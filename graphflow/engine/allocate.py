@@ -19,6 +19,7 @@ from graphflow.engine.binding import build_model, resolve
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
+from graphflow.engine.memory import MemoryNeed, check_fits, memory_need
 from graphflow.engine.options import Watch
 from graphflow.engine.schedule import Schedule, build_schedule, dependencies
 from graphflow.errors import CaptureError
@@ -133,6 +134,7 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
             pools[device] = backend.new_pool(device)
             stack.push(f"release the pool on {device}", functools.partial(_release_pool, backend, pools, device))
     largest = max((d.size for d in ctx.descriptors), default=max(plan.max_size, 1))
+    _check_memory(ctx, devices, largest)
     buffers = StaticBuffers(plan, largest, lambda n: devices[n])
     stack.push("free the static buffers", buffers.clear)
     if ctx.options.detectors is not Watch.OFF:
@@ -163,6 +165,27 @@ def _check_verifiable(ctx: Context) -> None:
                                phase=Phase.ALLOCATE.value,
                                hint="declare 'values: [low, high)' so verify can draw random inputs, "
                                     "or run with --no-verify")
+
+
+def _check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: int) -> None:
+    """The static buffers and verify's copies against each device's free memory, before
+    any buffer is allocated (``graphflow.engine.memory``)."""
+    needs = ctx.verify_plan
+    copied = ()
+    if ctx.options.verify:  # graphflow.engine.verify: the start, the expected, and (some) kept state
+        kept = needs.state if not ctx.backend.captures_graphs else tuple(n for n in needs.state
+                                                                         if n not in needs.written)
+        copied = (*needs.start, *needs.written, *kept)
+    by_device: dict[torch.device, MemoryNeed] = {}
+    for name, need in memory_need(ctx.plan, largest, copied).items():
+        device = devices.get(name)
+        if device is None:
+            continue
+        known = by_device.get(device)
+        by_device[device] = need if known is None else MemoryNeed(
+            str(device), {**known.buffers, **need.buffers}, known.verify + need.verify)
+    for device, need in by_device.items():
+        check_fits(need, ctx.backend.free_memory(device), "the host" if device.type == "cpu" else str(device))
 
 
 def _device_names(ctx: Context) -> tuple[str, ...]:

@@ -135,6 +135,10 @@ class Backend(abc.ABC):
     def memory_allocated(self, device: torch.device) -> int:
         return 0
 
+    def free_memory(self, device: torch.device) -> int | None:
+        """Bytes that can still be allocated on ``device``, when the backend can tell."""
+        return _host_available() if device.type == "cpu" else None
+
     def pool_bytes(self, pool: object) -> int | None:
         """Bytes the pool holds, when the backend can tell."""
         return None
@@ -396,6 +400,13 @@ class CudaBackend(Backend):
     def memory_allocated(self, device: torch.device) -> int:
         return 0 if device.type == "cpu" else torch.cuda.memory_allocated(device)
 
+    def free_memory(self, device: torch.device) -> int | None:
+        if device.type == "cpu":
+            return _host_available()
+        # What the driver has free, plus what torch's cache holds but no tensor uses.
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
     def pool_bytes(self, pool: object) -> int | None:
         segments = torch.cuda.memory_snapshot()
         if segments and "segment_pool_id" not in segments[0]:
@@ -417,6 +428,18 @@ class CudaBackend(Backend):
             return [start.elapsed_time(stop) / 1000.0 for start, stop in events]
 
         return run
+
+
+def _host_available() -> int | None:
+    """The host memory a new allocation can take (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class BackendKind(enum.Enum):

@@ -20,10 +20,13 @@ from graphflow.engine.allocate import Allocation, step_items
 from graphflow.engine.backend import Call, Graph
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, run_scheduled
+from graphflow.engine.memory import pool_estimate
 from graphflow.engine.warmup import DescriptorTime, check_findings, watched
+from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.jit import registry as jit_registry
 from graphflow.plan import CaptureRegion, Descriptor, Segment
+from graphflow.render import format_bytes
 
 __all__ = ["Captured", "capture", "open_capture"]
 
@@ -42,6 +45,9 @@ class Captured:
     programs: dict[Descriptor, tuple[Call, ...]] = attrs.field(factory=dict)
     graphs: list[Graph] = attrs.field(factory=list)
     pool_bytes: int | None = None
+    #: Per mode, the pool once all of its descriptors are captured, estimated after its two largest.
+    pool_estimate: dict[str, int] = attrs.field(factory=dict)
+    _pool_by_mode: dict = attrs.field(factory=dict)  # mode -> pool sizes after its first captures
     _pool_read_at: float = 0.0
     _undos: tuple = ()
     _ctx: Context | None = None
@@ -85,6 +91,7 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
             captured.graphs.append(graph)
             program.append(graph.replay)
         captured.programs[descriptor] = tuple(program)
+        _estimate_pool(ctx, alloc, captured, descriptor)
         # The pool's size costs an allocator snapshot: read it for listeners, not too often.
         now = time.perf_counter()
         if ctx.listeners and (now - captured._pool_read_at >= POOL_READ_INTERVAL_S or index == len(ctx.descriptors)):
@@ -92,6 +99,32 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
             captured._pool_read_at = now
         block.pool_bytes = captured.pool_bytes
     return DescriptorTime(Phase.CAPTURE, descriptor, block.seconds, block.pool_bytes)
+
+
+def _estimate_pool(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor) -> None:
+    """After a mode's two largest descriptors: the pool it will take in all, checked
+    against free memory before the rest are captured (``graphflow.engine.memory``)."""
+    seen = captured._pool_by_mode.setdefault(descriptor.mode, [])
+    if len(seen) >= 2:
+        return
+    pool = alloc.pool_bytes(ctx)
+    if pool is None:  # a backend with no pool to measure
+        return
+    seen.append(pool)
+    captured.pool_bytes = pool
+    left = sum(1 for d in ctx.descriptors if d.mode is descriptor.mode) - len(seen)
+    if len(seen) < 2 or left <= 0:
+        return
+    estimate = pool_estimate(pool, seen[1] - seen[0], left)
+    captured.pool_estimate[descriptor.mode.value] = estimate
+    device = next(iter(alloc.pools), None)
+    free = ctx.backend.free_memory(device) if device is not None else None
+    if free is not None and estimate - pool > free:
+        raise CaptureError(
+            f"the capture pool would grow to about {format_bytes(estimate)} for the {left} {descriptor.mode.value} "
+            f"descriptors left (it holds {format_bytes(pool)} after the two largest, the second adding "
+            f"{format_bytes(seen[1] - seen[0])}), but {format_bytes(free)} is free on {device}",
+            hint="capture fewer sizes (capture.sizes, --sizes), or PIECEWISE only, or free memory for the pool")
 
 
 def _capture_region(ctx: Context, alloc: Allocation, index: int, region: CaptureRegion,

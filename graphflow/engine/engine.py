@@ -66,6 +66,7 @@ class PipelineReport:
     remapped: tuple[tuple[str, str], ...]
     times: tuple[DescriptorTime, ...] = ()
     prewarm: object | None = None  # the JIT registry's PrewarmReport (graphflow.jit), when it prewarmed
+    pool_estimate: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.memory)
 
     def phase(self, phase: Phase) -> PhaseResult:
         return next(r for r in self.phases if r.phase is phase)
@@ -122,7 +123,8 @@ def commit(ctx: Context, alloc: Allocation, captured: Captured, verified: tuple[
         backend=ctx.backend.name, captures_graphs=ctx.backend.captures_graphs, rank=ctx.rank,
         descriptors=ctx.descriptors, graphs=len(captured.graphs), phases=(), verify=verified,
         pool_bytes=alloc.pool_bytes(ctx), buffer_bytes=alloc.buffers.nbytes(),
-        remapped=tuple(sorted(ctx.backend.remapped.items())), times=times)
+        remapped=tuple(sorted(ctx.backend.remapped.items())), times=times,
+        pool_estimate=dict(captured.pool_estimate))
     engine = Engine(ctx.plan, ctx.backend, alloc.model, alloc.buffers, dict(captured.programs),
                     tuple((s, alloc.fns[s.name]) for s in ctx.segments), report, ctx.rank, ctx.stack)
 

@@ -77,7 +77,7 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
     plan, needs = ctx.plan, ctx.verify_plan
     with ctx.descriptor(descriptor, index) as block:
         views = alloc.buffers.views(descriptor.size)
-        kept = {n: views[n].clone() for n in needs.state}
+        kept = _kept_state(ctx, views, warmed)
         if not needs.reuses_warmup:
             warmed = _reference(ctx, alloc, descriptor, warmed)
         _restore(views, warmed.start)
@@ -92,6 +92,19 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
         result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer)
         _restore(views, kept)
     return result, DescriptorTime(Phase.VERIFY, descriptor, block.seconds)
+
+
+def _kept_state(ctx: Context, views: dict[str, torch.Tensor], warmed: Warmed) -> dict[str, torch.Tensor]:
+    """The state to put back after the replay: the state as verify finds it.
+
+    A real capture runs nothing, so that is the state warmup left, which warmup's
+    expected copies already hold; a backend whose capture runs the region (the CPU's)
+    has moved it on, so it is copied here.
+    """
+    state = ctx.verify_plan.state
+    if ctx.backend.captures_graphs and ctx.verify_plan.reuses_warmup:
+        return {n: warmed.expected[n] if n in warmed.expected else views[n].clone() for n in state}
+    return {n: views[n].clone() for n in state}
 
 
 def _reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, warmed: Warmed) -> Warmed:
