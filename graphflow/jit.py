@@ -421,6 +421,7 @@ class JitRegistry:
         self._examples: dict[Specialization, tuple] = {}  # the first call's arguments, described
         self._uses: dict[tuple[str, str], set[tuple[Specialization, torch.device]]] = {}  # this pipeline's
         self._locus = None  # the attached pipeline's (graphflow.locus.Locus)
+        self._thread: int | None = None  # the thread that pipeline runs in
         self._predicate: Callable[[], bool] | None = None  # the installed tripwires' capture predicate
 
     # -- kernels ------------------------------------------------------------------------
@@ -511,7 +512,9 @@ class JitRegistry:
     @property
     def site(self) -> Where:
         """Where the attached pipeline is; nowhere when none is attached."""
-        return self._locus.here if self._locus is not None else _NOWHERE
+        if self._locus is None or threading.get_ident() != self._thread:
+            return _NOWHERE
+        return self._locus.here
 
     def _check_capturable(self, kernel: JitKernel, spec: Specialization, device: torch.device) -> None:
         problem = kernel._problem(spec)
@@ -557,8 +560,11 @@ class JitRegistry:
 
     # -- the pipeline -------------------------------------------------------------------
     def attach(self, locus) -> None:
-        """Follow a pipeline (its ``Locus``) from now on; its uses start empty."""
+        """Follow a pipeline (its ``Locus``) from now on, in the calling thread; its uses
+        start empty. Another thread (a runtime serving beside a background capture) is
+        nowhere in that pipeline."""
         self._locus = locus
+        self._thread = threading.get_ident()
         self._uses = {}
 
     def detach(self, locus=None) -> None:

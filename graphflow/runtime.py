@@ -41,6 +41,7 @@ __all__ = ["FallbackReason", "Runner"]
 class FallbackReason(enum.Enum):
     BATCH_TOO_LARGE = "batch larger than every captured descriptor"
     NOTHING_CAPTURED = "the engine committed no descriptor"
+    NOT_CAPTURED_YET = "no descriptor that holds the batch is captured yet (lazy capture under way)"
 
 
 @attrs.frozen
@@ -67,6 +68,12 @@ class Runner:
             raise ValueError(f"no input buffer has a plain {symbol!r} dimension, so the runner cannot tell a "
                              f"batch's size — give one input a dimension equal to {symbol!r}")
         self._size_of = self.inputs.index(batched[0]), self._dims[batched[0]]
+        self.fallbacks: collections.Counter[FallbackReason] = collections.Counter()
+        self._build()
+
+    def _build(self) -> None:
+        """The program of every batch size, from the engine's captured descriptors."""
+        engine = self.engine
         best: dict[int, Descriptor] = {}
         for descriptor in engine.programs:
             if descriptor.size not in best or descriptor.mode is Mode.FULL:
@@ -76,7 +83,7 @@ class Runner:
         for batch in range(1, len(self._programs)):
             size = next(s for s in sizes if s >= batch)
             self._programs[batch] = self._program(best[size], batch)
-        self.fallbacks: collections.Counter[FallbackReason] = collections.Counter()
+        self._version = engine.version
 
     @property
     def max_size(self) -> int:
@@ -93,6 +100,11 @@ class Runner:
         The outputs are views of static buffers, valid until the next ``run``. Runs
         without autograd, like the pipeline that captured it.
         """
+        if self.engine.lock is not None:
+            return self._run_live(inputs)
+        return self._step(inputs)
+
+    def _step(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         position, dim = self._size_of
         batch = inputs[position].shape[dim]
         if batch >= len(self._programs):
@@ -107,6 +119,17 @@ class Runner:
         for call in program.calls:
             call()
         return program.outputs
+
+    def _run_live(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A lazy engine's step: under its lock (the capture thread runs the model too),
+        with the programs switched in since the last step, asking for this batch's."""
+        engine = self.engine
+        position, dim = self._size_of
+        engine.background.asked(inputs[position].shape[dim])
+        with engine.lock:
+            if engine.version != self._version:
+                self._build()
+            return self._step(inputs)
 
     def _program(self, descriptor: Descriptor, batch: int) -> _Program:
         views = self.engine.buffers.views(descriptor.size)
@@ -127,7 +150,11 @@ class Runner:
 
     def _fallback(self, inputs: tuple[torch.Tensor, ...], batch: int) -> tuple[torch.Tensor, ...]:
         """An eager step for a batch no descriptor holds (slow path, counted)."""
-        self.fallbacks[FallbackReason.NOTHING_CAPTURED if self.max_size == 0 else FallbackReason.BATCH_TOO_LARGE] += 1
+        if self.engine.background is not None and not self.engine.background.done:
+            reason = FallbackReason.NOT_CAPTURED_YET
+        else:
+            reason = FallbackReason.NOTHING_CAPTURED if self.max_size == 0 else FallbackReason.BATCH_TOO_LARGE
+        self.fallbacks[reason] += 1
         buffers = self.engine.buffers
         views: dict[str, torch.Tensor] = {}
         for name in buffers:

@@ -17,7 +17,7 @@ import importlib
 _NAMES = {
     "Backend": "backend", "BackendKind": "backend", "CpuBackend": "backend", "CudaBackend": "backend",
     "Graph": "backend", "make_backend": "backend",
-    "Engine": "engine", "Outcome": "engine", "PhaseResult": "engine", "PipelineReport": "engine",
+    "Engine": "engine", "Outcome": "phase", "PhaseResult": "phase", "PipelineReport": "engine",
     "RunOptions": "options", "run_pipeline": "pipeline", "UndoError": "rollback", "UndoStack": "rollback",
     "VerifyResult": "verify",
 }

@@ -69,6 +69,9 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     #: Whether ``capture`` records a real graph; reports say plainly when it does not.
     captures_graphs: ClassVar[bool]
+    #: ``torch.cuda.graph``'s: "global" refuses unsafe CUDA calls from any thread during a
+    #: capture; "thread_local" only from the capturing one (a lazy engine serves meanwhile).
+    capture_error_mode: str = "global"
 
     def __init__(self) -> None:
         #: Plan device names this backend replaced (``cuda:0 -> cpu``), for the report.
@@ -347,7 +350,7 @@ class CudaBackend(Backend):
         graph = torch.cuda.CUDAGraph(keep_graph=self.debug_graphs)
         before = torch.cuda.current_stream(stream.device)
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode):
                 try:
                     recording()
                 except BaseException:

@@ -7,7 +7,6 @@ engine releases exactly what rollback would have.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 
 import attrs
@@ -19,6 +18,7 @@ from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.capture import Captured
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind
+from graphflow.engine.phase import Outcome, PhaseResult
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.verify import VerifyResult
 from graphflow.engine.warmup import DescriptorTime
@@ -26,23 +26,6 @@ from graphflow.events import Phase
 from graphflow.plan import Descriptor, Plan, Segment
 
 __all__ = ["Engine", "Outcome", "PhaseResult", "PipelineReport", "commit"]
-
-
-class Outcome(enum.Enum):
-    PASSED = "passed"
-    FAILED = "failed"
-    SKIPPED = "skipped"
-
-
-@attrs.frozen
-class PhaseResult:
-    """One phase's outcome and its seconds, summed over the descriptors it ran for
-    (pytest's ``CallInfo``)."""
-
-    phase: Phase
-    outcome: Outcome
-    seconds: float
-    error: BaseException | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
@@ -90,6 +73,11 @@ class Engine:
     report: PipelineReport
     rank: int
     _stack: UndoStack
+    #: Lazy engines only (``RunOptions(lazy=True)``): the capture thread, the lock the
+    #: runtime and that thread take to run the model, and a count of programs switched in.
+    background: object | None = None
+    lock: object | None = None
+    version: int = 0
 
     @property
     def descriptors(self) -> tuple[Descriptor, ...]:
@@ -101,13 +89,21 @@ class Engine:
         return tuple(bind(segment, fn, views) for segment, fn in self.segments)
 
     def close(self) -> None:
-        """Destroy graphs, release pools and buffers, drop the model; raise if an undo failed."""
+        """Destroy graphs, release pools and buffers, drop the model; raise if an undo failed.
+
+        A background capture is stopped first (after the descriptor under way)."""
+        if self.background is not None:
+            self.background.stop()
         self.programs = {}
         self.model = None
         self.segments = ()
         failures = self._stack.unwind()
         if failures is not None:
             raise failures
+
+    def _adopt(self, stack: UndoStack) -> None:
+        """Take over the undos of a descriptor captured in the background."""
+        self._stack.adopt(stack)
 
     def __enter__(self) -> Engine:
         return self

@@ -76,6 +76,8 @@ class RunOptions:
     only these of the plan's descriptor sizes. ``seed``: verify's random inputs, so a
     mismatch can be rerun. ``skip_rules``: validation rule codes not to apply (a plan
     that reproduces a hazard on purpose, as a test of the runtime checks behind it).
+    ``lazy``: commit after the first descriptor's warmup and capture the rest in the
+    background while the engine serves (``graphflow.engine.background``).
     """
 
     backend: BackendKind = attrs.field(default=BackendKind.AUTO, converter=BackendKind)
@@ -85,3 +87,4 @@ class RunOptions:
     sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes)
     seed: int = 0
     skip_rules: frozenset[str] = attrs.field(default=frozenset(), converter=_rule_codes)
+    lazy: bool = False

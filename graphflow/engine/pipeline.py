@@ -50,6 +50,7 @@ KeyboardInterrupt is re-raised itself.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -58,12 +59,14 @@ import attrs
 import torch
 
 from graphflow.engine.allocate import allocate
+from graphflow.engine.background import BackgroundCapture
 from graphflow.engine.backend import Backend, make_backend
 from graphflow.engine.capture import capture, open_capture
 from graphflow.engine.context import Context
-from graphflow.engine.engine import Engine, Outcome, PhaseResult, commit
+from graphflow.engine.engine import Engine, commit
+from graphflow.engine.phase import Outcome, PhaseResult, run_phase
 from graphflow.locus import Where
-from graphflow.engine.options import RunOptions
+from graphflow.engine.options import RunOptions, Watch
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
 from graphflow.engine.verify import VerifyResult, verify
@@ -107,7 +110,13 @@ def run_pipeline(plan: Plan, options: RunOptions = RunOptions(), *, backend: Bac
     report = validate(plan, disable=options.skip_rules)
     if not report.ok:
         raise InvalidPlanError(report)
-    ctx = Context(plan, backend if backend is not None else make_backend(options.backend), options, rank,
+    if options.lazy and (plan.channels or world_size > 1):
+        raise ValueError("lazy (background) capture serves one rank of a plan without channels: ranks would capture "
+                         "in orders their own traffic decides — capture this plan in the foreground")
+    backend = backend if backend is not None else make_backend(options.backend)
+    if options.lazy:
+        backend.capture_error_mode = "thread_local"  # a serving thread runs beside the capture
+    ctx = Context(plan, backend, options, rank,
                   world_size, _select(plan, options.sizes),
                   (*listeners, *(() if channels is None else (channels,))),
                   tuple(s for s in plan.segments if s.runs_on(rank)))
@@ -136,19 +145,21 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
     verified: list[VerifyResult] = []
     prewarmed = False
     with torch.no_grad():
-        alloc = _phase(ctx, results, Phase.ALLOCATE, lambda: allocate(ctx, model, channels))
+        alloc = run_phase(ctx, results, Phase.ALLOCATE, lambda: allocate(ctx, model, channels))
+        if ctx.options.lazy:
+            return _lazy(ctx, alloc, results)
         captured = None
         pool = lambda _: captured.pool_bytes if captured is not None else None  # noqa: E731 - end events' pool
         for index, descriptor in enumerate(ctx.descriptors, 1):
-            warmed = _phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, descriptor, index), pool=pool)
+            warmed = run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, descriptor, index), pool=pool)
             times.append(warmed.time)
             if captured is None:
-                prewarmed = _phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
+                prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
                 captured = open_capture(ctx)
-            times.append(_phase(ctx, results, Phase.CAPTURE,
+            times.append(run_phase(ctx, results, Phase.CAPTURE,
                                 lambda: capture(ctx, alloc, captured, descriptor, index), pool=pool))
             if ctx.options.verify:
-                result, took = _phase(ctx, results, Phase.VERIFY,
+                result, took = run_phase(ctx, results, Phase.VERIFY,
                                       lambda: verify(ctx, alloc, captured.programs[descriptor], descriptor, index,
                                                      warmed), pool=pool)
                 verified.append(result)
@@ -157,12 +168,35 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
         if captured is None:
             captured = open_capture(ctx)
         captured.close()
-        engine = _phase(ctx, results, Phase.COMMIT,
+        engine = run_phase(ctx, results, Phase.COMMIT,
                         lambda: commit(ctx, alloc, captured, tuple(verified), tuple(times)), pool=pool)
     engine.report = attrs.evolve(engine.report, phases=_summary(results),
                                  prewarm=prewarmed if prewarmed is not False else None)
     jit_registry.detach(ctx.locus)
     ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=captured.pool_bytes)
+    return engine
+
+
+def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
+    """Commit after the first descriptor's warmup and prewarm; the rest is captured by a
+    ``BackgroundCapture`` while the engine serves (``graphflow.engine.background``)."""
+    times: list[DescriptorTime] = []
+    prewarmed = False
+    if ctx.descriptors:
+        times.append(run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, ctx.descriptors[0], 1)).time)
+        prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
+    captured = open_capture(ctx)
+    engine = run_phase(ctx, results, Phase.COMMIT, lambda: commit(ctx, alloc, captured, (), tuple(times)))
+    engine.report = attrs.evolve(engine.report, phases=_summary(results),
+                                 prewarm=prewarmed if prewarmed is not False else None)
+    jit_registry.detach(ctx.locus)
+    ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=None)
+    # The foreground watched the first warmup; a watch in the capture thread would patch
+    # torch's synchronize for the serving thread too.
+    quiet = attrs.evolve(ctx, options=attrs.evolve(ctx.options, detectors=Watch.OFF))
+    engine.lock = threading.RLock()
+    engine.background = BackgroundCapture(quiet, alloc, captured, engine, ctx.descriptors)
+    engine.background.start()
     return engine
 
 
@@ -186,29 +220,6 @@ def _select(plan: Plan, sizes: Sequence[int] | None) -> tuple[Descriptor, ...]:
     if unknown:
         raise ValueError(f"sizes {sorted(unknown)} are not among the plan's sizes {list(plan.capture.all_sizes)}")
     return tuple(d for d in descriptors if d.size in wanted)
-
-
-def _phase(ctx: Context, results: list[PhaseResult], phase: Phase, body: Callable[[], object],
-           pool: Callable[[object], int | None] = lambda _: None):
-    """One phase (or one descriptor's part of it) in its block between PHASE_BEGIN and
-    PHASE_END, recorded in ``results``.
-
-    A body that returns False was skipped (nothing to do, or turned off); ``pool``
-    gives the END event's pool size from the body's result.
-    """
-    start = time.perf_counter()
-    try:
-        with ctx.locus.at(phase=phase):
-            ctx.emit(EventKind.PHASE_BEGIN, total=len(ctx.descriptors))
-            value = body()
-            ctx.emit(EventKind.PHASE_END, elapsed_s=time.perf_counter() - start, total=len(ctx.descriptors),
-                     pool_bytes=pool(value))
-    except BaseException as exc:
-        results.append(PhaseResult(phase, Outcome.FAILED, time.perf_counter() - start, exc))
-        raise
-    results.append(PhaseResult(phase, Outcome.SKIPPED if value is False else Outcome.PASSED,
-                               time.perf_counter() - start))
-    return value
 
 
 def _rollback(ctx: Context, exc: BaseException) -> BaseException:

@@ -46,6 +46,12 @@ class UndoStack:
         self._undos.remove(undo)
         undo.fn()
 
+    def adopt(self, other: UndoStack) -> None:
+        """Move ``other``'s undos on top of this stack, in their order (``other`` empties):
+        a step done on a stack of its own (a background descriptor) joins the whole."""
+        self._undos.extend(other._undos)
+        other._undos = []
+
     def __len__(self) -> int:
         return len(self._undos)
 

@@ -1,0 +1,188 @@
+"""Lazy capture: the engine serves at once while a thread captures its descriptors.
+
+With ``RunOptions(lazy=True)`` the pipeline stops after allocate, the first descriptor's
+warmup and prewarm, and commits an engine with no step program: the runtime serves every
+batch eagerly (on the static buffers) from the first step. ``BackgroundCapture`` then
+warms, captures and verifies one descriptor at a time, in the order batches ask for them
+(the smallest descriptor that holds the first batches seen comes first, then the plan's
+order), and switches each in once it verifies. A descriptor that fails is rolled back
+alone (its graphs destroyed) and noted in ``failures``; its batches go on being served
+by a larger descriptor or eagerly.
+
+Why it is safe beside serving:
+
+* **Execution is serialized.** The engine's ``lock`` is held by the runtime for each
+  step and by the background thread for a descriptor's warmup and verify, which run the
+  model on the static buffers. Those two snapshot every buffer they touch (inputs, what
+  the step writes, the state) at their descriptor's size first and put it back after,
+  so the KV cache of the sequences being served, and the outputs the last step
+  returned, come back unchanged.
+* **Recording is not.** A CUDA capture records without running anything, so it goes on
+  while batches are served. It runs with ``capture_error_mode="thread_local"`` (as vLLM
+  does since its capture ran beside other CUDA work): the capturing thread may not make
+  unsafe calls, the serving thread may make any. The serving thread runs on the default
+  stream, the capture on the plan's streams, and the caching allocator sends only the
+  capturing stream's allocations to the graph pool. Graphs sharing the pool never
+  replay at the same time: replays happen under the lock.
+* **Per-thread places.** The background thread has its own ``Locus``, so errors and JIT
+  records name its descriptor and segment, and the JIT tripwires fire only for a stream
+  capturing in that thread.
+
+Limits: one rank and no channels (ranks would capture in orders their own traffic
+decides, and their barriers would disagree); capture them in the foreground.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import attrs
+
+from graphflow.engine.allocate import Allocation
+from graphflow.engine.capture import Captured, capture
+from graphflow.engine.context import Context
+from graphflow.engine.phase import PhaseResult, run_phase
+from graphflow.engine.rollback import UndoStack
+from graphflow.engine.verify import VerifyResult, verify
+from graphflow.engine.warmup import DescriptorTime, warmup
+from graphflow.errors import CaptureError
+from graphflow.events import Phase
+from graphflow.locus import Locus
+from graphflow.plan import BufferRole, Descriptor
+
+__all__ = ["BackgroundCapture"]
+
+
+class BackgroundCapture:
+    """The capture thread of a lazy engine (see the module docstring)."""
+
+    def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, engine, pending: tuple[Descriptor, ...]):
+        self._ctx, self._alloc, self._captured, self._engine = ctx, alloc, captured, engine
+        self._pending = list(pending)
+        self._asked: list[int] = []  # batch sizes, in the order first seen
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._touched = tuple(dict.fromkeys((
+            *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
+            *ctx.verify_plan.written)))
+        self.lock = engine.lock
+        self.failures: dict[Descriptor, CaptureError] = {}
+        self.verified: list[VerifyResult] = []
+        self.times: list[DescriptorTime] = []
+        self.phases: list[PhaseResult] = []
+        self.started_at = time.perf_counter()
+        self.finished_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name="graphflow-background-capture", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every descriptor to be captured (or to have failed); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def asked(self, batch: int) -> None:
+        """A batch of this size was served: capture the descriptor that holds it sooner."""
+        if batch not in self._asked:
+            with self._cond:
+                self._asked.append(batch)
+
+    def stop(self) -> None:
+        """Capture nothing more; returns once the descriptor under way is done."""
+        self._stopping = True
+        self._thread.join()
+
+    # -- the thread ---------------------------------------------------------------------
+    def _next(self) -> Descriptor | None:
+        with self._cond:
+            if not self._pending:
+                return None
+            # For each batch size asked for, first seen first: the descriptor that serves it
+            # best (the smallest that holds it, FULL before PIECEWISE), if still pending.
+            candidates = [*self._pending, *self._engine.programs]
+            for batch in self._asked:
+                holders = [d for d in candidates if d.size >= batch]
+                if holders:
+                    best = min(holders, key=lambda d: (d.size, d.mode.value != "FULL"))
+                    if best in self._pending:
+                        return best
+            return self._pending[0]
+
+    def _run(self) -> None:
+        from graphflow.jit import registry as jit_registry
+
+        try:
+            while not self._stopping:
+                descriptor = self._next()
+                if descriptor is None:
+                    break
+                with self._cond:
+                    self._pending.remove(descriptor)
+                ctx = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
+                jit_registry.attach(ctx.locus)
+                try:
+                    self._one(ctx, descriptor)
+                except Exception as error:  # noqa: BLE001 - rolled back alone; serving goes on
+                    self._failed(ctx, descriptor, error)
+                finally:
+                    jit_registry.detach(ctx.locus)
+        finally:
+            with self.lock:
+                self._captured.close()  # gc unfrozen, tripwires removed
+            self.finished_at = time.perf_counter()
+
+    def _one(self, ctx: Context, descriptor: Descriptor) -> None:
+        index = ctx.descriptors.index(descriptor) + 1
+        alloc, captured, phases = self._alloc, self._captured, self.phases
+        kept = functools.partial(self._kept, descriptor)
+        warmed = run_phase(ctx, phases, Phase.WARMUP, kept(lambda: warmup(ctx, alloc, descriptor, index)))
+        self.times.append(warmed.time)
+        # A CUDA capture records without running: no lock. The CPU backend's runs the region.
+        body = lambda: capture(ctx, alloc, captured, descriptor, index)  # noqa: E731
+        self.times.append(run_phase(ctx, phases, Phase.CAPTURE, body if ctx.backend.captures_graphs else kept(body)))
+        program = captured.programs[descriptor]
+        if ctx.options.verify:
+            result, took = run_phase(ctx, phases, Phase.VERIFY,
+                                     kept(lambda: verify(ctx, alloc, program, descriptor, index, warmed)))
+            self.verified.append(result)
+            self.times.append(took)
+        with self.lock:
+            self._engine._adopt(ctx.stack)
+            self._engine.programs[descriptor] = program
+            self._engine.version += 1
+
+    def _failed(self, ctx: Context, descriptor: Descriptor, error: Exception) -> None:
+        where = ctx.locus.failure(error)
+        ctx.locus.forget()
+        failures = ctx.stack.unwind()
+        self._captured.programs.pop(descriptor, None)
+        if not isinstance(error, CaptureError):
+            error = CaptureError(f"{type(error).__name__}: {error}", phase=where.phase.value if where.phase else None,
+                                 descriptor=descriptor, segment=where.segment, rank=ctx.rank,
+                                 hint="this descriptor was rolled back; its batches are served by a larger one or "
+                                      "eagerly")
+        if failures is not None:
+            error.add_note(f"rollback: {failures}")
+        self.failures[descriptor] = error
+
+    def _kept(self, descriptor: Descriptor, body):
+        """``body`` under the engine's lock, every buffer it may touch given back as it was."""
+
+        def kept():
+            views = self._alloc.buffers.views(descriptor.size)
+            with self.lock:
+                saved = {n: views[n].clone() for n in self._touched}
+                try:
+                    return body()
+                finally:
+                    for name, value in saved.items():
+                        views[name].copy_(value)
+
+        return kept

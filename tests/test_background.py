@@ -1,0 +1,158 @@
+"""Lazy capture on the CPU backend: an engine that serves at once while a thread captures.
+
+The CPU backend replays regions eagerly, so these tests check the orchestration — what
+is served before and after each descriptor is switched in, the order of demand, that the
+capture thread leaves the buffers the serving side uses as it found them, rollback of one
+failed descriptor, and stopping — not CUDA's concurrency, which tests/cuda checks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from graphflow.engine import RunOptions, run_pipeline
+from graphflow.errors import CaptureError
+from graphflow.events import EventKind, Phase
+from graphflow.plan import Descriptor, Mode
+from graphflow.runtime import FallbackReason, Runner
+from graphflow.toy import build_toy, toy_plan
+
+P = Mode.PIECEWISE
+SIZES = (1, 2, 4, 8)
+
+
+def eager_reference(runner, batch: int, x: torch.Tensor) -> torch.Tensor:
+    """The plan's step run eagerly at the size the runner serves ``batch`` with, on the same
+    padded inputs: what a verified replay must equal bit for bit."""
+    engine = runner.engine
+    descriptor = runner.descriptor_for(batch)
+    size = descriptor.size if descriptor is not None else batch
+    views = engine.buffers.views(size)
+    views["x"].zero_()
+    views["x"][:batch].copy_(x)
+    for call in engine.eager_calls(size):
+        call()
+    return views["logits"][:batch].clone()
+
+
+class Gate:
+    """A listener that holds the capture thread at its first PHASE_BEGIN of ``phase``
+    (before it takes the engine's lock)."""
+
+    segment_events = False
+
+    def __init__(self, phase: Phase):
+        self.phase = phase
+        self.reached, self.release = threading.Event(), threading.Event()
+        self.foreground = threading.get_ident()
+
+    def on_event(self, event):
+        if (event.kind is EventKind.PHASE_BEGIN and event.phase is self.phase
+                and threading.get_ident() != self.foreground and not self.reached.is_set()):
+            self.reached.set()
+            assert self.release.wait(30)
+
+
+class TestLazy:
+    def test_serves_at_once_eagerly_then_switches_each_descriptor_in_as_it_verifies(self):
+        gate = Gate(Phase.WARMUP)
+        engine = run_pipeline(toy_plan(3, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
+        try:
+            assert engine.programs == {} and engine.report.graphs == 0
+            assert gate.reached.wait(30), "the capture thread started"
+            runner = Runner(engine)
+            x = torch.randn(3, 32)
+            (out,) = runner.run(x)  # nothing captured yet: eager, and counted as such
+            assert runner.descriptor_for(3) is None
+            assert runner.fallbacks[FallbackReason.NOT_CAPTURED_YET] == 1
+            want = torch.empty(3, 64)
+            build_toy(3).step(x.clone(), want)
+            assert torch.equal(out, want), "eager serving is the model's own step"
+            gate.release.set()
+            assert engine.background.wait(60)
+            assert sorted(engine.programs) == sorted(Descriptor(P, s) for s in SIZES)
+            assert all(r.bit_exact for r in engine.background.verified) and engine.background.failures == {}
+            for batch in (1, 3, 8):
+                x = torch.randn(batch, 32)
+                (out,) = runner.run(x)
+                assert runner.descriptor_for(batch) == Descriptor(P, {1: 1, 3: 4, 8: 8}[batch])
+                assert torch.equal(out.clone(), eager_reference(runner, batch, x))
+        finally:
+            gate.release.set()
+            engine.close()
+
+    def test_a_batch_asked_for_is_captured_before_the_plans_order(self):
+        gate = Gate(Phase.WARMUP)
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True, verify=False),
+                              listeners=[gate])
+        try:
+            assert gate.reached.wait(30)  # busy with the largest, chosen before anything was asked
+            engine.background.asked(1)
+            gate.release.set()
+            assert engine.background.wait(60)
+            order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
+            assert order == [8, 1, 4, 2]
+        finally:
+            gate.release.set()
+            engine.close()
+
+    def test_the_capture_thread_gives_back_the_buffers_serving_uses(self):
+        gate = Gate(Phase.VERIFY)
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
+        try:
+            runner = Runner(engine)
+            (out,) = runner.run(torch.full((8, 32), 0.5))
+            served = out.clone()
+            assert gate.reached.wait(30)
+            gate.release.set()
+            assert engine.background.wait(60)
+            assert torch.equal(out, served), "the outputs the last step returned are still there"
+        finally:
+            gate.release.set()
+            engine.close()
+
+    def test_a_descriptor_that_fails_is_rolled_back_alone_and_its_batches_served_by_a_larger_one(self):
+        model = build_toy(2)
+        head = model.head
+        fail = threading.Event()
+
+        def head_failing_at_two(x, logits):
+            if x.shape[0] == 2 and threading.current_thread().name == "graphflow-background-capture":
+                fail.set()
+                raise RuntimeError("capture of B=2 broke")
+            head(x, logits)
+
+        model.head = head_failing_at_two
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True, detectors=False),
+                              model=model)
+        try:
+            assert engine.background.wait(60) and fail.is_set()
+            (failed,) = engine.background.failures
+            error = engine.background.failures[failed]
+            assert failed == Descriptor(P, 2) and isinstance(error, CaptureError)
+            assert (error.phase, error.segment) == ("warmup", "head") and "capture of B=2 broke" in error.message
+            assert sorted(d.size for d in engine.programs) == [1, 4, 8]
+            runner = Runner(engine)
+            runner.run(torch.randn(2, 32))
+            assert runner.descriptor_for(2) == Descriptor(P, 4)
+        finally:
+            engine.close()
+
+    def test_close_stops_the_capture_thread(self):
+        gate = Gate(Phase.WARMUP)
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
+        assert gate.reached.wait(30)
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        gate.release.set()
+        closing.join(60)
+        assert not closing.is_alive() and len(engine.background.times) < 3 * len(SIZES)
+        assert engine.programs == {}
+
+    def test_lazy_capture_refuses_several_ranks_or_channels(self):
+        plan = toy_plan(2, sizes=SIZES)
+        with pytest.raises(ValueError, match="lazy .* serves one rank of a plan without channels"):
+            run_pipeline(plan, RunOptions(backend="cpu", lazy=True), rank=0, world_size=2)
