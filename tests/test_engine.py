@@ -776,6 +776,30 @@ class TestDetectors:
         assert "--disable-check" in error.hint
         assert backend.graphs == [] and gc.get_freeze_count() == 0
 
+    @pytest.mark.parametrize("phase", [Phase.WARMUP, Phase.CAPTURE])
+    def test_a_flagged_op_that_raises_makes_the_finding_the_headline_and_the_error_its_cause(self, phase):
+        plan, model, rig = rigged(layers=2, sizes=(2, 1))
+        post = model.layers[1].post
+        unloaded = torch.zeros(2, 32, device="meta")  # a tensor never materialized from the meta device
+
+        def post_reading_a_meta_tensor(m, x):
+            if rig.phase is phase:
+                m.copy_(unloaded)  # <meta-copy>
+            post(m, x)
+
+        model.layers[1].post = post_reading_a_meta_tensor
+        backend = RecordingBackend()
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, backend=backend, detectors=True)
+        error = info.value
+        assert (error.phase, error.descriptor, error.segment) == (phase.value, Descriptor(P, 2), "L1.post")
+        line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# <meta-copy>"))
+        assert error.message.startswith("capture-safety detectors found 1 problem(s): [cross_device] L1.post: "
+                                        f"aten.copy_ (Tensor.copy_) at test_engine.py:{line}: ")
+        assert error.message.endswith("; then NotImplementedError: Cannot copy out of meta tensor; no data!")
+        assert isinstance(error.__cause__, NotImplementedError)
+        assert gc.get_freeze_count() == 0
+
     def test_eager_segments_are_not_watched(self):
         plan, model, rig = rigged(layers=2, sizes=(2,))  # mix reads ints from tensors: eager, so allowed
         with run(plan, model, rig, detectors=True) as engine:
