@@ -800,6 +800,32 @@ class TestDetectors:
         assert isinstance(error.__cause__, NotImplementedError)
         assert gc.get_freeze_count() == 0
 
+    def test_a_tensor_allocated_in_capture_and_returned_escapes(self):
+        plan, model, rig = rigged(layers=2, sizes=(2, 1))
+        post = model.layers[1].post
+
+        def post_returning_a_new_tensor(m, x):
+            post(m, x)
+            return x * 2  # <returned>
+
+        model.layers[1].post = post_returning_a_new_tensor
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, detectors=True)
+        error = info.value
+        assert (error.phase, error.descriptor, error.segment) == ("capture", Descriptor(P, 2), "L1.post")
+        line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# <returned>"))
+        assert error.message.startswith("capture-safety detectors found 1 problem(s): [escape] L1.post: "
+                                        f"aten.mul (Tensor.mul) at test_engine.py:{line}: a float32 tensor on cpu "
+                                        "created inside the captured region and still referenced after the segment "
+                                        "returned")
+
+    def test_a_segment_returning_its_output_buffer_passes(self):
+        plan, model, rig = rigged(layers=2, sizes=(2, 1))
+        head = model.head
+        model.head = lambda x, logits: (head(x, logits), logits)[1]
+        with run(plan, model, rig, detectors=True) as engine:
+            assert engine.report.phase(Phase.CAPTURE).outcome is Outcome.PASSED
+
     def test_eager_segments_are_not_watched(self):
         plan, model, rig = rigged(layers=2, sizes=(2,))  # mix reads ints from tensors: eager, so allowed
         with run(plan, model, rig, detectors=True) as engine:
