@@ -8,6 +8,7 @@ same on a GPU with real graphs.
 from __future__ import annotations
 
 import gc
+import traceback
 import weakref
 
 import attrs
@@ -732,7 +733,9 @@ class TestRollback:
         group = error.undo_error
         assert isinstance(group, ExceptionGroup)
         assert [type(e) for e in group.exceptions] == [OSError, OSError, ValueError]
-        assert group.exceptions[2].__notes__ == ["while undoing: reset the capture flag"]
+        note, where = group.exceptions[2].__notes__
+        assert note == "while undoing: reset the capture flag"
+        assert where.startswith("raised at (most recent call last):\n") and "in unwind" in where
         assert error.__notes__ == ["rollback: 3 rollback step(s) failed (3 sub-exceptions): OSError: driver refused "
                                    "to free the graph; OSError: driver refused to free the graph; ValueError: flag stuck"]
 
@@ -756,6 +759,106 @@ class TestRollback:
         rig.faults.clear()
         with run(plan, model, rig) as engine:
             assert all(r.bit_exact for r in engine.report.verify)
+
+
+class Holding(Exception):
+    """A model's own exception that keeps what it complains about."""
+
+    def __init__(self, message, model, tensor):
+        super().__init__(message, tensor)
+        self.model = model
+
+
+class Binder:
+    """Stands in for the channel runtime: the pipeline binds the model it built to it."""
+
+    handles: dict = {}
+
+    def __init__(self):
+        self.refs = []
+
+    def bind(self, model):
+        if model is not None:
+            self.refs.append(weakref.ref(model))
+
+    def on_event(self, event):
+        pass
+
+
+class TestErrorsKeepNoObjects:
+    """An error that crossed rollback keeps its message and its traceback as text, and
+    none of the model, buffers or graphs, however long the caller holds it."""
+
+    def test_a_bad_call_path_does_not_keep_the_model_the_factory_built(self):
+        plan = toy_plan(2, device="cuda:0")
+        plan = attrs.evolve(plan, segments=[attrs.evolve(plan.segments[0], call="nope.pre"), *plan.segments[1:]])
+        binder = Binder()
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(plan, RunOptions(backend="cpu", detectors=False), channels=binder)
+        gc.collect()
+        assert binder.refs and binder.refs[0]() is None, "the error keeps the model alive"
+        attribute_error = info.value.__cause__.__cause__
+        assert isinstance(attribute_error, AttributeError) and attribute_error.obj is None
+        assert str(attribute_error) == "'Toy' object has no attribute 'nope'"
+        assert attribute_error.__traceback__ is None
+        (note,) = attribute_error.__notes__
+        assert note.startswith("raised at (most recent call last):\n  File ")
+        assert "binding.py" in note and "in resolve" in note
+        assert "in resolve" in "".join(traceback.format_exception(info.value))
+
+    def test_a_failed_capture_keeps_no_model_buffer_or_graph(self):
+        backend = RecordingBackend(broken_destroys=1)
+        refs, rig = [], Rig()
+
+        def build():  # the model, referenced by nothing but the pipeline
+            _, model, _ = rigged(rig=rig)
+            post = model.layers[1].post
+
+            def post_holding(m, x):
+                if rig.phase is Phase.CAPTURE:
+                    raise Holding("bad step", model, m)
+                post(m, x)
+
+            model.layers[1].post = post_holding
+            refs.append(weakref.ref(model))
+            return model
+
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(toy_plan(3, device="cuda:0"), RunOptions(detectors=False), backend=backend, model=build(),
+                         listeners=[rig])
+        error = info.value
+        gc.collect()
+        assert refs[0]() is None, "the error keeps the model alive"
+        assert rig.refs and all(ref() is None for ref in rig.refs), "the error keeps static buffers alive"
+        graphs = [weakref.ref(g) for g in backend.graphs]
+        backend.graphs.clear(), backend.destroyed.clear()
+        gc.collect()
+        assert all(ref() is None for ref in graphs), "the error keeps a graph alive"
+        cause = error.__cause__
+        assert isinstance(cause, Holding) and cause.args[0] == "bad step" and isinstance(cause.args[1], str)
+        assert cause.model.startswith("Toy(")
+        assert error.message == "Holding in region target:L1.post..L2.pre: ('bad step', " + repr(cause.args[1]) + ")"
+        (undo,) = error.undo_error.exceptions
+        assert undo.__traceback__ is None and "in recorded_destroy" in undo.__notes__[-1]
+
+
+    def test_a_session_capture_error_does_not_keep_the_model_it_was_given(self):
+        from graphflow.session import Session
+
+        refs = []
+
+        def build():
+            model = build_toy(3)
+            model.layers[2].pre = None  # not callable: refused in allocate
+            refs.append(weakref.ref(model))
+            return model
+
+        with Session(toy_plan(3, device="cuda:0"), RunOptions(backend="cpu", detectors=False)) as session:
+            with pytest.raises(CaptureError, match="call 'layers.2.pre' is a NoneType, not a callable") as info:
+                session.capture(build())
+            gc.collect()
+            assert refs[0]() is None, "the error keeps the model alive"
+            assert info.value.phase == "allocate"
 
 
 class TestDetectors:
