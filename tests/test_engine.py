@@ -689,6 +689,32 @@ class TestRollback:
             assert_rolled_back(backend, rig)
         assert rig.kinds()[-1] is EventKind.ROLLBACK
 
+    @pytest.mark.parametrize("phase", [Phase.ALLOCATE, Phase.WARMUP, Phase.PREWARM, Phase.CAPTURE, Phase.VERIFY,
+                                       Phase.COMMIT])
+    def test_keyboard_interrupt_at_any_phase_rolls_back_and_the_next_pipeline_commits(self, phase):
+        plan, model, rig = rigged(prewarm=(Prewarm("warm", "warm", per_size=False),))
+        model.warm = lambda: None
+        interrupt = KeyboardInterrupt()
+
+        class Interrupting:
+            armed = True
+
+            def on_event(self, event):
+                if self.armed and event.kind is EventKind.PHASE_END and event.phase is phase:
+                    self.armed = False
+                    raise interrupt
+
+        backend = RecordingBackend()
+        with pytest.raises(KeyboardInterrupt) as info:
+            run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=model, listeners=[rig, Interrupting()])
+        assert info.value is interrupt and info.value.__traceback__ is not None
+        assert rig.kinds()[-1] is EventKind.ROLLBACK
+        if phase in (Phase.CAPTURE, Phase.VERIFY, Phase.COMMIT):
+            assert_rolled_back(backend, rig)
+        assert gc.get_freeze_count() == 0 and backend.released == backend.pools
+        with run(plan, model, rig) as engine:
+            assert all(r.bit_exact for r in engine.report.verify)
+
     def test_listener_raising_at_pipeline_end_undoes_the_commit(self):
         plan, model, rig = rigged()
 
