@@ -22,8 +22,10 @@ from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.toy import build_toy, toy_plan
+from tests.source_markers import marked
 
 P, F = Mode.PIECEWISE, Mode.FULL
+at = marked(__file__)
 SEGMENT_EVENTS = (EventKind.SEGMENT_BEGIN, EventKind.SEGMENT_END)
 
 
@@ -922,9 +924,8 @@ class TestDetectors:
             run(plan, model, rig, backend=backend, detectors=True)
         error = info.value
         assert (error.phase, error.descriptor, error.segment) == (phase.value, Descriptor(P, 2), "L1.post")
-        line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# <meta-copy>"))
         assert error.message.startswith("capture-safety detectors found 1 problem(s): [cross_device] L1.post: "
-                                        f"aten.copy_ (Tensor.copy_) at test_engine.py:{line}: ")
+                                        f"aten.copy_ (Tensor.copy_) at {at('meta-copy')}: ")
         assert error.message.endswith("; then NotImplementedError: Cannot copy out of meta tensor; no data!")
         assert isinstance(error.__cause__, NotImplementedError)
         assert gc.get_freeze_count() == 0
@@ -942,9 +943,8 @@ class TestDetectors:
             run(plan, model, rig, detectors=True)
         error = info.value
         assert (error.phase, error.descriptor, error.segment) == ("capture", Descriptor(P, 2), "L1.post")
-        line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# <returned>"))
         assert error.message.startswith("capture-safety detectors found 1 problem(s): [escape] L1.post: "
-                                        f"aten.mul (Tensor.mul) at test_engine.py:{line}: a float32 tensor on cpu "
+                                        f"aten.mul (Tensor.mul) at {at('returned')}: a float32 tensor on cpu "
                                         "created inside the captured region and still referenced after the segment "
                                         "returned")
 

@@ -6,7 +6,6 @@ Run on the device with ``scripts/gpu_check.sh``; skipped where torch sees no GPU
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import attrs
@@ -21,22 +20,14 @@ from graphflow.plan import Channel, ChannelKind, Descriptor, Mode, Prewarm
 from graphflow.runtime import Runner
 from graphflow.session import Session
 from graphflow.toy import build_toy, toy_plan
+from tests.source_markers import marked
 
 pytestmark = pytest.mark.cuda
 
 P, F = Mode.PIECEWISE, Mode.FULL
 MiB = 1 << 20
 
-_FILE = os.path.basename(__file__)
-with open(__file__, encoding="utf-8") as _source:
-    _LINES = _source.read().splitlines()
-
-
-def at(marker: str) -> str:
-    """``test_cuda_engine.py:N`` of the line tagged ``# <marker>``."""
-    tag = f"# <{marker}>"
-    (number,) = [i for i, text in enumerate(_LINES, 1) if text.rstrip().endswith(tag)]
-    return f"{_FILE}:{number}"
+at = marked(__file__)
 
 
 class TrackingBackend(CudaBackend):
@@ -388,14 +379,7 @@ class TestHazardsThatBreakCapture:
         ("to_host", "[cross_device] L1.post: aten._to_copy (Tensor.to) at {to-host}: copies from cuda:0 to cpu: "),
     ])
     def test_the_finding_is_the_headline_and_the_cuda_error_its_cause(self, kind, headline, gc_calls):
-        plan = toy_plan(3, hidden=256, vocab=512)
-        hazard = Hazard(kind)
-        before = baseline()
-        backend = TrackingBackend()
-        with pytest.raises(CaptureError) as info:
-            run_pipeline(plan, RunOptions(), backend=backend, model=hazard.build(), listeners=[hazard])
-        error = info.value
-        assert (error.phase, error.descriptor, error.segment) == ("capture", Descriptor(P, 8), "L1.post")
+        error = self._captured(kind, gc_calls)
         marker = {"item": "item", "host": "host", "to_host": "to-host"}[kind]
         expected = headline.format(**{marker: at(marker)})
         assert error.message.startswith("capture-safety detectors found "), error.message
@@ -404,23 +388,30 @@ class TestHazardsThatBreakCapture:
         assert isinstance(cause, RuntimeError) and not isinstance(cause, CaptureError)
         first = str(cause).strip().splitlines()[0]
         assert error.message.endswith(f"; then {type(cause).__name__}: {first}")
-        assert_clean(backend, before, gc_calls)
-        with run_pipeline(plan, RunOptions(), model=build_toy(3, hidden=256, vocab=512, device="cuda")) as engine:
+        with run_pipeline(toy_plan(3, hidden=256, vocab=512), RunOptions(),
+                          model=build_toy(3, hidden=256, vocab=512, device="cuda")) as engine:
             assert all(r.bit_exact for r in engine.report.verify)
 
     def test_a_tensor_allocated_in_capture_and_returned_is_flagged(self, gc_calls):
-        plan = toy_plan(3, hidden=256, vocab=512)
-        hazard = Hazard("returns")
-        before = baseline()
-        backend = TrackingBackend()
-        with pytest.raises(CaptureError) as info:
-            run_pipeline(plan, RunOptions(), backend=backend, model=hazard.build(), listeners=[hazard])
-        error = info.value
-        assert (error.phase, error.descriptor, error.segment) == ("capture", Descriptor(P, 8), "L1.post")
+        error = self._captured("returns", gc_calls)
         assert error.message.startswith("capture-safety detectors found 1 problem(s): [escape] L1.post: "
                                         f"aten.mul (Tensor.mul) at {at('returns')}: a float32 tensor on cuda:0 "
                                         "created inside the captured region")
+
+    @staticmethod
+    def _captured(kind: str, gc_calls) -> CaptureError:
+        """The error of a pipeline whose L1.post does ``kind`` in capture, after checking
+        it names the place and rolled back cleanly."""
+        hazard = Hazard(kind)
+        before = baseline()
+        backend = TrackingBackend()
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(toy_plan(3, hidden=256, vocab=512), RunOptions(), backend=backend, model=hazard.build(),
+                         listeners=[hazard])
+        error = info.value
+        assert (error.phase, error.descriptor, error.segment) == ("capture", Descriptor(P, 8), "L1.post")
         assert_clean(backend, before, gc_calls)
+        return error
 
 
 class Holding(Exception):
