@@ -236,7 +236,7 @@ def scenario_subgroups(rank: int, world: int, out: Path) -> dict:
 
 
 #: The stalled-rank scenario's barrier timeout: short, so the stall costs the suite little.
-STALL_TIMEOUT_S = 2.0
+STALL_TIMEOUT_S = 3.0
 STALLED_RANK = 2
 
 
@@ -276,6 +276,7 @@ def scenario_stalled(rank: int, world: int, out: Path) -> dict:
     with Session(plan, RunOptions(backend="cpu", detectors=False), rank=rank, world_size=world,
                  trace=str(out / "stalled"), namespace="stalled") as session:
         model = Stalling(session.handles, rank, session.channels, markers, world)
+        torch.distributed.barrier()  # start together: only the stall may make a rank late
         first = _outcome(lambda: session.capture(model))
         (markers / f"gave-up.rank{rank}").write_text(first.get("type", "ok"))
         # The retry waits for the stalled rank to come back from its stall: a longer timeout.

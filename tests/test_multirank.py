@@ -3,7 +3,8 @@
 One set of worker processes runs every scenario (tests/multirank_model.py), so torch is
 imported and the process group set up once; each test reads its scenario's per-rank
 results and traces. After the divergence scenario the same process group serves the
-next scenarios: no rank was left inside a mismatched collective.
+next scenarios: no rank was left inside a mismatched collective. The last scenario has
+a rank stall past the barrier timeout; it too leaves the group usable.
 """
 
 from __future__ import annotations
