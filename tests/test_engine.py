@@ -865,7 +865,7 @@ class TestErrorsKeepNoObjects:
         cause = error.__cause__
         assert isinstance(cause, Holding) and cause.args[0] == "bad step" and isinstance(cause.args[1], str)
         assert cause.model.startswith("Toy(")
-        assert error.message == "Holding in region target:L1.post..L2.pre: ('bad step', " + repr(cause.args[1]) + ")"
+        assert error.message == "Holding in region target:L1.post..L2.pre: ('bad step', " + cause.args[1] + ")"
         (undo,) = error.undo_error.exceptions
         assert undo.__traceback__ is None and "in recorded_destroy" in undo.__notes__[-1]
 

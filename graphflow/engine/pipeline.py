@@ -52,6 +52,7 @@ caller still holds the error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import traceback
@@ -204,19 +205,21 @@ def _rollback(ctx: Context, exc: BaseException) -> BaseException:
     if group is not None:
         failures.extend(group.exceptions)
     undo_error = UndoError(f"{len(failures)} rollback step(s) failed", failures) if failures else None
-    _detach(exc)
-    if undo_error is not None:
-        _detach(undo_error)
     if not isinstance(exc, Exception):
+        error = exc
         if undo_error is not None:
             exc.add_note(f"rollback: {undo_error}")
-        return exc
-    error = _capture_error(ctx, exc, where)
+    else:
+        error = _capture_error(ctx, exc, where)
+        if undo_error is not None:
+            error.add_note(f"rollback: {undo_error}: " + "; ".join(f"{type(f).__name__}: {f}" for f in failures))
+        error.undo_error = undo_error
+        if error is not exc:
+            error.__cause__ = exc
+    # Last: the messages above are made from the errors as they were raised.
+    _detach(error)
     if undo_error is not None:
-        error.add_note(f"rollback: {undo_error}: " + "; ".join(f"{type(f).__name__}: {f}" for f in failures))
-    error.undo_error = undo_error
-    if error is not exc:
-        error.__cause__ = exc
+        _detach(undo_error)
     return error
 
 
@@ -271,12 +274,16 @@ def _detach(exc: BaseException) -> None:
             error.add_note(f"raised at (most recent call last):\n{text}")
             traceback.clear_frames(error.__traceback__)
             error.__traceback__ = None
-        if isinstance(error, AttributeError):
-            error.obj = None
-        if not isinstance(error, BaseExceptionGroup):  # a group's arguments are its members
-            error.args = tuple(a if isinstance(a, _PLAIN) else repr(a) for a in error.args)
+        # An exception class may refuse a new value; rollback must still end with the
+        # original error, so such a value stays.
+        with contextlib.suppress(AttributeError, TypeError):
+            if isinstance(error, AttributeError):
+                error.obj = None
+            if not isinstance(error, BaseExceptionGroup):  # a group's arguments are its members
+                error.args = tuple(a if isinstance(a, _PLAIN) else repr(a) for a in error.args)
         if not isinstance(error, GraphflowError):  # graphflow's own keep only plain places
             for name, value in list(vars(error).items()):
                 if not name.startswith("__") and not isinstance(value, (*_PLAIN, BaseException)):
-                    setattr(error, name, repr(value))
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(error, name, repr(value))
         pending += [error.__cause__, error.__context__, *getattr(error, "exceptions", ())]
