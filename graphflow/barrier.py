@@ -18,6 +18,15 @@ One arrival, for barrier number ``seq`` of a scope:
    ranks that differ from the majority and that event. All members see the same
    payloads, so all of them raise, at the same barrier.
 
+A member that gives up at the timeout first claims each missing member's key with a
+"gave up" record, and every member publishes with ``compare_set`` (set only if the key
+is still absent). The store runs one operation at a time, so each key ends up holding
+either its member's arrival or the claim, never both: a stalled rank that comes back
+finds the claim where its arrival would go and raises ``DivergenceError`` itself,
+instead of passing a barrier the others abandoned and entering a collective alone (a
+lone gloo collective pairs with the others' next one and aborts the process group).
+The members still waiting wake up on the claim and raise at once.
+
 A rank that fails for another reason calls ``abandon`` so the others fail at once
 instead of at the timeout.
 """
@@ -38,6 +47,7 @@ __all__ = ["StoreBarrier", "DEFAULT_TIMEOUT_S"]
 DEFAULT_TIMEOUT_S = 60.0
 
 _ABANDONED = "abandoned"
+_GAVE_UP = "gave up"
 
 
 class StoreBarrier:
@@ -76,7 +86,9 @@ class StoreBarrier:
         seq = self.seq
         self.seq += 1
         mine = {"label": label, "count": state.count, "digest": state.digest}
-        self.store.set(self._key(seq, self.rank), json.dumps(mine))
+        held = self._publish(seq, mine)
+        if held != mine:
+            self._late(seq, label, held, where)
         keys = [self._key(seq, r) for r in self.members]
         self._wait(keys, seq, label, state, where)
         payloads = dict(zip(self.members, (json.loads(v) for v in self.store.multi_get(keys))))
@@ -84,6 +96,9 @@ class StoreBarrier:
             self.store.delete_key(self._key(seq - 1, self.rank))
         if all(p == mine for p in payloads.values()):
             return
+        missing = tuple(r for r, p in payloads.items() if p["label"] == _GAVE_UP)
+        if missing:
+            self._missing(missing, seq, label, state, where)
         self._disagree(seq, label, state, payloads, where)
 
     def abandon(self, reason: str, state: ScopeState) -> None:
@@ -94,23 +109,46 @@ class StoreBarrier:
         self.seq += 1
         mine = {"label": _ABANDONED, "count": state.count, "digest": _ABANDONED, "reason": reason}
         self.store.set(self._key(seq, self.rank, "/window"), json.dumps(_window(state)))
-        self.store.set(self._key(seq, self.rank), json.dumps(mine))
+        self._publish(seq, mine)  # where another member already gave up on this rank, it knows
+
+    def _publish(self, seq: int, payload: dict, rank: int | None = None) -> dict:
+        """Set ``rank``'s key (this rank's by default) of barrier ``seq`` unless it is set
+        already; what the key holds afterwards."""
+        text = json.dumps(payload)
+        held = self.store.compare_set(self._key(seq, self.rank if rank is None else rank), "", text)
+        return payload if held == text.encode() else json.loads(held)
 
     def _wait(self, keys: list[str], seq: int, label: str, state: ScopeState, where: dict) -> None:
         try:
             self.store.wait(keys, self.timeout)
         except RuntimeError as e:  # c10d raises DistStoreError (a RuntimeError) on timeout
-            missing = tuple(r for r, key in zip(self.members, keys) if not self.store.check([key]))
-            if not missing:  # everyone arrived just as the wait gave up
-                return
-            last = state.window[-1][1] if state.window else None
-            raise DivergenceError(
-                f"rank(s) {_ranks(missing)} did not reach barrier {label!r} (#{seq}) within "
-                f"{self.timeout.total_seconds():g} s; rank {self.rank}'s last event: {describe(last)}",
-                ranks=missing, event=last, rank=self.rank, **_where(where),
-                hint="the missing ranks crashed, hang, or took another path: compare the traces with "
-                     "'graphflow trace diff' (set GRAPHFLOW_TRACE=DIR)",
-            ) from e
+            claim = {"label": _GAVE_UP, "by": self.rank}
+            missing = tuple(r for r, key in zip(self.members, keys) if not self.store.check([key])
+                            and self._publish(seq, claim, r)["label"] == _GAVE_UP)
+            if missing:  # else everyone arrived just as the wait gave up
+                self._missing(missing, seq, label, state, where, cause=e)
+
+    def _missing(self, missing: tuple[int, ...], seq: int, label: str, state: ScopeState, where: dict,
+                 cause: BaseException | None = None) -> None:
+        last = state.window[-1][1] if state.window else None
+        raise DivergenceError(
+            f"rank(s) {_ranks(missing)} did not reach barrier {label!r} (#{seq}) within "
+            f"{self.timeout.total_seconds():g} s; rank {self.rank}'s last event: {describe(last)}",
+            ranks=missing, event=last, rank=self.rank, **_where(where),
+            hint="the missing ranks crashed, hang, or took another path: compare the traces with "
+                 "'graphflow trace diff' (set GRAPHFLOW_TRACE=DIR)",
+        ) from cause
+
+    def _late(self, seq: int, label: str, claim: dict, where: dict) -> None:
+        """This rank arrived after another member gave up waiting for it: every other member
+        has raised or will at this barrier, so this one must too, before communicating."""
+        raise DivergenceError(
+            f"rank {self.rank} reached barrier {label!r} (#{seq}) too late: rank {claim['by']} had given up "
+            f"waiting for it after {self.timeout.total_seconds():g} s, so every rank abandons the pipeline",
+            ranks=(self.rank,), rank=self.rank, **_where(where),
+            hint="this rank was slower than capture.barrier_timeout_s (a stall, a debugger, a slow first "
+                 "compile): find what held it up, or raise the timeout",
+        )
 
     def _disagree(self, seq: int, label: str, state: ScopeState, payloads: dict, where: dict) -> None:
         self.store.set(self._key(seq, self.rank, "/window"), json.dumps(_window(state)))

@@ -36,7 +36,12 @@ Lifecycle of a ``ChannelRuntime`` (it is a ``graphflow.events.Listener``):
    on every rank that can still reach the store.
    ``SEGMENT_BEGIN/END`` only name the running segment for the trace: no trace event,
    no barrier.
-4. ``ROLLBACK`` (or an event carrying an error): the other ranks are told at once.
+4. ``ROLLBACK`` (or an event carrying an error): the other ranks are told at once: an
+   "abandoned" arrival on every barrier the rank agrees in, and one record for the
+   pipeline that a collective outside the agreeing phases (verify) checks before it
+   communicates. A rank that a barrier gave up on raises at its next barrier
+   (``graphflow.barrier``). Either way no rank enters a collective another rank has
+   left, so the process group stays usable for the next pipeline.
 5. ``PIPELINE_END``: committed; the hot path is a plain collective (plus a trace event
    if tracing).
 6. ``close()``: handles (communicators) closed, ids released, owned process groups
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -59,7 +65,7 @@ from graphflow.barrier import DEFAULT_TIMEOUT_S, StoreBarrier
 from graphflow.engine.binding import resolve
 from graphflow.locus import Where
 from graphflow.engine.rollback import UndoStack
-from graphflow.errors import CaptureError
+from graphflow.errors import CaptureError, DivergenceError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import Channel, ChannelKind, Mode, Plan, WarmupPolicy
 from graphflow.trace import CallPath, TraceLog, Tracer
@@ -315,6 +321,8 @@ class ChannelHandle:
             if runtime.agreeing:
                 runtime.agree(self.scope, f"{kind.value} {self.channel.name} {list(tensor.shape)} "
                                            f"{str(tensor.dtype).removeprefix('torch.')}", event)
+            elif runtime.active and path not in (CallPath.PREPARE, CallPath.PLACEHOLDER):
+                runtime.check_abandoned(self.scope, f"{event['op']} on {self.channel.name}", event)
         result = tensor if out is None else out
         if path is CallPath.PREPARE:
             self._run_prepare(tensor)
@@ -534,6 +542,28 @@ class ChannelRuntime:
         self._barrier(scope).arrive(label, self.log.state(scope.key), phase=_value(site.phase),
                                     descriptor=site.descriptor, segment=event.get("segment"))
 
+    def check_abandoned(self, scope: Scope, call: str, event: dict) -> None:
+        """Before a collective that agrees on nothing (verify): raise if a rank has already
+        abandoned this pipeline, instead of entering a collective it will never join."""
+        if len(scope.members) == 1:
+            return
+        store = self._resolve_store(len(scope.members))
+        key = self._abandoned_key()
+        if not store.check([key]):
+            return
+        record = json.loads(store.get(key))
+        site = self.site
+        raise DivergenceError(
+            f"rank {record['rank']} abandoned the pipeline ({record['reason']}): rank {self.rank} does not enter "
+            f"its {call}, which rank {record['rank']} would never join",
+            ranks=(record["rank"],), rank=self.rank, phase=_value(site.phase), descriptor=site.descriptor,
+            segment=event.get("segment"),
+            hint=f"see rank {record['rank']}'s error for the cause",
+        )
+
+    def _abandoned_key(self) -> str:
+        return f"{self.namespace}/{self._pipelines}/abandoned"
+
     # -- the listener ------------------------------------------------------------------
     def on_event(self, event: Event) -> None:
         kind = event.kind
@@ -584,6 +614,9 @@ class ChannelRuntime:
         if self._failed:
             return
         self._failed = True
+        if self.world_size > 1:  # the record a collective checks where no barrier agrees first
+            self._resolve_store(self.world_size).compare_set(
+                self._abandoned_key(), "", json.dumps({"rank": self.rank, "reason": reason}))
         for scope in dict.fromkeys((self._world, *(h.scope for h in self.handles.values()))):
             self._barrier(scope).abandon(reason, self.log.state(scope.key))
         if self.tracer is not None:

@@ -6,8 +6,13 @@ element, phase or rank instead of parsing text.
 
 from __future__ import annotations
 
-__all__ = ["GraphflowError", "PlanError", "FieldError", "FieldTypeError", "FieldValueError", "InvalidPlanError",
+__all__ = ["TRACEBACK_NOTE", "GraphflowError", "PlanError", "FieldError", "FieldTypeError", "FieldValueError", "InvalidPlanError",
            "CaptureError", "DivergenceError"]
+
+
+#: How the note that keeps an error's traceback as text begins (the error itself keeps
+#: no traceback after rollback: see ``graphflow.engine.pipeline``).
+TRACEBACK_NOTE = "raised at (most recent call last):"
 
 
 class GraphflowError(Exception):

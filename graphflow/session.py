@@ -73,8 +73,12 @@ class Session:
         and listeners; the committed engine closes with the session."""
         if self._engine is not None:
             raise RuntimeError("this session already captured its plan: open a new Session to capture again")
-        engine = run_pipeline(self.plan, self.options, backend=backend, model=model, rank=self.rank,
-                              world_size=self.world_size, listeners=self.listeners, channels=self.channels)
+        try:
+            engine = run_pipeline(self.plan, self.options, backend=backend, model=model, rank=self.rank,
+                                  world_size=self.world_size, listeners=self.listeners, channels=self.channels)
+        except BaseException:
+            del model  # the error's traceback keeps this frame, which must not keep the model
+            raise
         self._engine = engine
         self._stack.push("close the engine", self._close_engine)
         return engine

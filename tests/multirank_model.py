@@ -29,6 +29,7 @@ import torch
 
 from graphflow.channels import ChannelRegistry
 from graphflow.errors import CaptureError
+from graphflow.events import Phase
 from graphflow.launch import launch
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Segment, SegmentKind, Stream, WarmupPolicy)
@@ -234,11 +235,65 @@ def scenario_subgroups(rank: int, world: int, out: Path) -> dict:
                 "verify_bit_exact": [v.bit_exact for v in engine.report.verify]}
 
 
+#: The stalled-rank scenario's barrier timeout: short, so the stall costs the suite little.
+STALL_TIMEOUT_S = 3.0
+STALLED_RANK = 2
+
+
+class Stalling(Step):
+    """A rank that stalls in ``proj`` during FULL warmup for longer than the barrier timeout.
+
+    It stays away until every other rank has given up on it (each writes a marker file
+    once its pipeline has raised and rolled back), so it always comes back to a
+    collective the others abandoned, however loaded the machine is.
+    """
+
+    def __init__(self, channels, rank: int, runtime, markers: Path, world: int):
+        super().__init__(channels, rank)
+        self.runtime, self.markers, self.world = runtime, markers, world
+        self.stalled = False
+
+    def proj(self, x, h):
+        site = self.runtime.site
+        if (self.rank == STALLED_RANK and not self.stalled and site.phase is Phase.WARMUP
+                and site.descriptor.mode is Mode.FULL):
+            self.stalled = True
+            others = [self.markers / f"gave-up.rank{r}" for r in range(self.world) if r != self.rank]
+            deadline = time.monotonic() + 60
+            while not all(m.exists() for m in others) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        super().proj(x, h)
+
+
+def scenario_stalled(rank: int, world: int, out: Path) -> dict:
+    """One rank stalls past the barrier timeout; then the same session captures again."""
+    from graphflow.engine import RunOptions
+
+    plan = family_plan(step_plan(WarmupPolicy.REAL, sizes=(1, 2), world_size=world), "target")
+    plan = attrs.evolve(plan, capture=attrs.evolve(plan.capture, barrier_timeout_s=STALL_TIMEOUT_S))
+    markers = out / "stalled"
+    markers.mkdir(exist_ok=True)
+    with Session(plan, RunOptions(backend="cpu", detectors=False), rank=rank, world_size=world,
+                 trace=str(out / "stalled"), namespace="stalled") as session:
+        model = Stalling(session.handles, rank, session.channels, markers, world)
+        torch.distributed.barrier()  # start together: only the stall may make a rank late
+        first = _outcome(lambda: session.capture(model))
+        (markers / f"gave-up.rank{rank}").write_text(first.get("type", "ok"))
+        # The retry waits for the stalled rank to come back from its stall: a longer timeout.
+        session.channels.timeout_s = BARRIER_TIMEOUT_S
+        retry = _outcome(lambda: {"graphs": session.capture(model).report.graphs})
+        # The group itself still pairs collectives: every rank adds its rank + 1.
+        total = torch.tensor([float(rank + 1)])
+        torch.distributed.all_reduce(total)
+    return {"first": first, "retry": retry, "sum": total.item()}
+
+
 SCENARIOS = {
     "seed_placeholder": lambda rank, world, out: scenario_seed(rank, world, out, WarmupPolicy.PLACEHOLDER),
     "seed_real": lambda rank, world, out: scenario_seed(rank, world, out, WarmupPolicy.REAL),
     "families": scenario_families,
     "subgroups": scenario_subgroups,
+    "stalled": scenario_stalled,
 }
 
 

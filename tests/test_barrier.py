@@ -7,6 +7,7 @@ store API, so this is the same code path as over a TCPStore between processes
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -153,3 +154,40 @@ class TestAbsence:
             assert error.ranks == (1,)
             assert "rank 1 abandoned the pipeline: RuntimeError: injected" in error.message
             assert "  rank 1: #2 rollback" in error.message
+
+    def test_a_rank_arriving_after_the_others_gave_up_raises_instead_of_passing(self):
+        store = dist.HashStore()
+        gave_up = threading.Barrier(3)
+
+        def body(rank, barrier):
+            log = _log(rank, EVENTS)
+            try:
+                if rank != 2:
+                    barrier.arrive("all_reduce tp_ar", log.state(), phase="warmup")
+            finally:
+                gave_up.wait()
+            if rank == 2:  # stalled past the timeout: comes back to a barrier the others left
+                barrier.arrive("all_reduce tp_ar", log.state(), phase="warmup")
+
+        results = _run_ranks(store, 3, body, timeout_s=0.5)
+        assert [results[r].ranks for r in range(3)] == [(2,), (2,), (2,)]
+        assert all(results[r].message.startswith("rank(s) 2 did not reach barrier") for r in (0, 1))
+        late = results[2]
+        assert isinstance(late, DivergenceError) and late.phase == "warmup"
+        assert late.message.startswith("rank 2 reached barrier 'all_reduce tp_ar' (#0) too late: rank ")
+        assert late.message.endswith("had given up waiting for it after 0.5 s, so every rank abandons the pipeline")
+
+    def test_a_rank_still_waiting_raises_as_soon_as_another_gives_up(self):
+        store = dist.HashStore()
+
+        def body(rank, barrier):
+            if rank == 2:
+                return
+            if rank == 1:  # waits ten times longer than rank 0
+                barrier.timeout *= 10
+            barrier.arrive("b", _log(rank, EVENTS).state())
+
+        start = time.monotonic()
+        results = _run_ranks(store, 3, body, timeout_s=0.5)
+        assert time.monotonic() - start < 4  # rank 1 did not wait its own 5 s
+        assert results[1].ranks == (2,) and results[1].message.startswith("rank(s) 2 did not reach barrier 'b'")

@@ -8,13 +8,16 @@ policies are about.
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import pytest
 import torch
+import torch.distributed as dist
 
 from graphflow import channels as channels_module
 from graphflow.channels import ChannelRegistry, ChannelRuntime, GroupBinding
-from graphflow.errors import CaptureError
+from graphflow.errors import CaptureError, DivergenceError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
@@ -216,6 +219,45 @@ class TestPaths:
         runtime.handles["tp"].all_reduce(torch.ones(2))
         assert (runtime.fast, runtime.recording, wire.calls) == (True, False, ["all_reduce"])
         assert runtime.log.counter == 2  # begin and end; the hot-path call was not recorded
+
+
+class TestAbandonedPipeline:
+    """Two ranks as threads over one store: a rank that rolled back is never waited for in a collective."""
+
+    def test_a_verify_collective_after_another_rank_rolled_back_raises_without_communicating(self, monkeypatch):
+        wire = Wire(monkeypatch)
+        store = dist.HashStore()
+        runtimes = [ChannelRuntime(_plan(), rank=r, world_size=2, store=store, tracer=False, timeout_s=5,
+                                   group_factory=lambda name: GroupBinding(name, wire.group, (0, 1)))
+                    for r in range(2)]
+        drivers = [Driver(r) for r in runtimes]
+        rolled_back = threading.Event()
+        errors = {}
+
+        def rank(r):
+            driver = drivers[r]
+            driver.emit(EventKind.PIPELINE_BEGIN)
+            driver.begin(Phase.VERIFY)
+            if r == 1:
+                driver.rollback()
+                rolled_back.set()
+                return
+            rolled_back.wait(5)
+            try:
+                runtimes[0].handles["tp"].all_reduce(torch.ones(2, 4))
+            except DivergenceError as e:
+                errors[r] = e
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        error = errors[0]
+        assert wire.calls == []
+        assert (error.ranks, error.rank, error.phase, error.descriptor) == ((1,), 0, "verify", P)
+        assert error.message == ("rank 1 abandoned the pipeline (RuntimeError: boom): rank 0 does not enter its "
+                                 "all_reduce on tp, which rank 1 would never join")
 
 
 class TestTraceEvents:

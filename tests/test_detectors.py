@@ -9,7 +9,6 @@ the exact line that made the call. A second device for CROSS_DEVICE is played by
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import attrs
@@ -18,17 +17,9 @@ import torch
 
 from graphflow.detectors import Check, Detectors
 from graphflow.events import Phase
+from tests.source_markers import marked
 
-_FILE = os.path.basename(__file__)
-with open(__file__, encoding="utf-8") as _source:
-    _LINES = _source.read().splitlines()
-
-
-def at(marker: str) -> str:
-    """``test_detectors.py:N`` of the line tagged ``# <marker>``."""
-    tag = f"# <{marker}>"
-    (number,) = [i for i, text in enumerate(_LINES, 1) if text.rstrip().endswith(tag)]
-    return f"{_FILE}:{number}"
+at = marked(__file__)
 
 
 def watched(det: Detectors, segment_fn, *, capturing=False, device="cpu", segment="L0.pre", phase=Phase.WARMUP):

@@ -8,6 +8,7 @@ same on a GPU with real graphs.
 from __future__ import annotations
 
 import gc
+import traceback
 import weakref
 
 import attrs
@@ -21,8 +22,10 @@ from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.toy import build_toy, toy_plan
+from tests.source_markers import marked
 
 P, F = Mode.PIECEWISE, Mode.FULL
+at = marked(__file__)
 SEGMENT_EVENTS = (EventKind.SEGMENT_BEGIN, EventKind.SEGMENT_END)
 
 
@@ -692,6 +695,32 @@ class TestRollback:
             assert_rolled_back(backend, rig)
         assert rig.kinds()[-1] is EventKind.ROLLBACK
 
+    @pytest.mark.parametrize("phase", [Phase.ALLOCATE, Phase.WARMUP, Phase.PREWARM, Phase.CAPTURE, Phase.VERIFY,
+                                       Phase.COMMIT])
+    def test_keyboard_interrupt_at_any_phase_rolls_back_and_the_next_pipeline_commits(self, phase):
+        plan, model, rig = rigged(prewarm=(Prewarm("warm", "warm", per_size=False),))
+        model.warm = lambda: None
+        interrupt = KeyboardInterrupt()
+
+        class Interrupting:
+            armed = True
+
+            def on_event(self, event):
+                if self.armed and event.kind is EventKind.PHASE_END and event.phase is phase:
+                    self.armed = False
+                    raise interrupt
+
+        backend = RecordingBackend()
+        with pytest.raises(KeyboardInterrupt) as info:
+            run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=model, listeners=[rig, Interrupting()])
+        assert info.value is interrupt and info.value.__traceback__ is not None
+        assert rig.kinds()[-1] is EventKind.ROLLBACK
+        if phase in (Phase.CAPTURE, Phase.VERIFY, Phase.COMMIT):
+            assert_rolled_back(backend, rig)
+        assert gc.get_freeze_count() == 0 and backend.released == backend.pools
+        with run(plan, model, rig) as engine:
+            assert all(r.bit_exact for r in engine.report.verify)
+
     def test_listener_raising_at_pipeline_end_undoes_the_commit(self):
         plan, model, rig = rigged()
 
@@ -736,7 +765,9 @@ class TestRollback:
         group = error.undo_error
         assert isinstance(group, ExceptionGroup)
         assert [type(e) for e in group.exceptions] == [OSError, OSError, ValueError]
-        assert group.exceptions[2].__notes__ == ["while undoing: reset the capture flag"]
+        note, where = group.exceptions[2].__notes__
+        assert note == "while undoing: reset the capture flag"
+        assert where.startswith("raised at (most recent call last):\n") and "in unwind" in where
         assert error.__notes__ == ["rollback: 3 rollback step(s) failed (3 sub-exceptions): OSError: driver refused "
                                    "to free the graph; OSError: driver refused to free the graph; ValueError: flag stuck"]
 
@@ -762,6 +793,106 @@ class TestRollback:
             assert all(r.bit_exact for r in engine.report.verify)
 
 
+class Holding(Exception):
+    """A model's own exception that keeps what it complains about."""
+
+    def __init__(self, message, model, tensor):
+        super().__init__(message, tensor)
+        self.model = model
+
+
+class Binder:
+    """Stands in for the channel runtime: the pipeline binds the model it built to it."""
+
+    handles: dict = {}
+
+    def __init__(self):
+        self.refs = []
+
+    def bind(self, model):
+        if model is not None:
+            self.refs.append(weakref.ref(model))
+
+    def on_event(self, event):
+        pass
+
+
+class TestErrorsKeepNoObjects:
+    """An error that crossed rollback keeps its message and its traceback as text, and
+    none of the model, buffers or graphs, however long the caller holds it."""
+
+    def test_a_bad_call_path_does_not_keep_the_model_the_factory_built(self):
+        plan = toy_plan(2, device="cuda:0")
+        plan = attrs.evolve(plan, segments=[attrs.evolve(plan.segments[0], call="nope.pre"), *plan.segments[1:]])
+        binder = Binder()
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(plan, RunOptions(backend="cpu", detectors=False), channels=binder)
+        gc.collect()
+        assert binder.refs and binder.refs[0]() is None, "the error keeps the model alive"
+        attribute_error = info.value.__cause__.__cause__
+        assert isinstance(attribute_error, AttributeError) and attribute_error.obj is None
+        assert str(attribute_error) == "'Toy' object has no attribute 'nope'"
+        assert attribute_error.__traceback__ is None
+        (note,) = attribute_error.__notes__
+        assert note.startswith("raised at (most recent call last):\n  File ")
+        assert "binding.py" in note and "in resolve" in note
+        assert "in resolve" in "".join(traceback.format_exception(info.value))
+
+    def test_a_failed_capture_keeps_no_model_buffer_or_graph(self):
+        backend = RecordingBackend(broken_destroys=1)
+        refs, rig = [], Rig()
+
+        def build():  # the model, referenced by nothing but the pipeline
+            _, model, _ = rigged(rig=rig)
+            post = model.layers[1].post
+
+            def post_holding(m, x):
+                if rig.phase is Phase.CAPTURE:
+                    raise Holding("bad step", model, m)
+                post(m, x)
+
+            model.layers[1].post = post_holding
+            refs.append(weakref.ref(model))
+            return model
+
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(toy_plan(3, device="cuda:0"), RunOptions(detectors=False), backend=backend, model=build(),
+                         listeners=[rig])
+        error = info.value
+        gc.collect()
+        assert refs[0]() is None, "the error keeps the model alive"
+        assert rig.refs and all(ref() is None for ref in rig.refs), "the error keeps static buffers alive"
+        graphs = [weakref.ref(g) for g in backend.graphs]
+        backend.graphs.clear(), backend.destroyed.clear()
+        gc.collect()
+        assert all(ref() is None for ref in graphs), "the error keeps a graph alive"
+        cause = error.__cause__
+        assert isinstance(cause, Holding) and cause.args[0] == "bad step" and isinstance(cause.args[1], str)
+        assert cause.model.startswith("Toy(")
+        assert error.message == "Holding in region target:L1.post..L2.pre: ('bad step', " + cause.args[1] + ")"
+        (undo,) = error.undo_error.exceptions
+        assert undo.__traceback__ is None and "in recorded_destroy" in undo.__notes__[-1]
+
+
+    def test_a_session_capture_error_does_not_keep_the_model_it_was_given(self):
+        from graphflow.session import Session
+
+        refs = []
+
+        def build():
+            model = build_toy(3)
+            model.layers[2].pre = None  # not callable: refused in allocate
+            refs.append(weakref.ref(model))
+            return model
+
+        with Session(toy_plan(3, device="cuda:0"), RunOptions(backend="cpu", detectors=False)) as session:
+            with pytest.raises(CaptureError, match="call 'layers.2.pre' is a NoneType, not a callable") as info:
+                session.capture(build())
+            gc.collect()
+            assert refs[0]() is None, "the error keeps the model alive"
+            assert info.value.phase == "allocate"
+
+
 class TestDetectors:
     def _syncing_plan(self):
         plan, model, rig = rigged(layers=2, sizes=(2, 1))
@@ -779,6 +910,54 @@ class TestDetectors:
         assert error.message.startswith("capture-safety detectors found 1 problem(s): [host_sync] L1.post: ")
         assert "--disable-check" in error.hint
         assert backend.graphs == [] and gc.get_freeze_count() == 0
+
+    @pytest.mark.parametrize("phase", [Phase.WARMUP, Phase.CAPTURE])
+    def test_a_flagged_op_that_raises_makes_the_finding_the_headline_and_the_error_its_cause(self, phase):
+        plan, model, rig = rigged(layers=2, sizes=(2, 1))
+        post = model.layers[1].post
+        unloaded = torch.zeros(2, 32, device="meta")  # a tensor never materialized from the meta device
+
+        def post_reading_a_meta_tensor(m, x):
+            if rig.phase is phase:
+                m.copy_(unloaded)  # <meta-copy>
+            post(m, x)
+
+        model.layers[1].post = post_reading_a_meta_tensor
+        backend = RecordingBackend()
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, backend=backend, detectors=True)
+        error = info.value
+        assert (error.phase, error.descriptor, error.segment) == (phase.value, Descriptor(P, 2), "L1.post")
+        assert error.message.startswith("capture-safety detectors found 1 problem(s): [cross_device] L1.post: "
+                                        f"aten.copy_ (Tensor.copy_) at {at('meta-copy')}: ")
+        assert error.message.endswith("; then NotImplementedError: Cannot copy out of meta tensor; no data!")
+        assert isinstance(error.__cause__, NotImplementedError)
+        assert gc.get_freeze_count() == 0
+
+    def test_a_tensor_allocated_in_capture_and_returned_escapes(self):
+        plan, model, rig = rigged(layers=2, sizes=(2, 1))
+        post = model.layers[1].post
+
+        def post_returning_a_new_tensor(m, x):
+            post(m, x)
+            return x * 2  # <returned>
+
+        model.layers[1].post = post_returning_a_new_tensor
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, detectors=True)
+        error = info.value
+        assert (error.phase, error.descriptor, error.segment) == ("capture", Descriptor(P, 2), "L1.post")
+        assert error.message.startswith("capture-safety detectors found 1 problem(s): [escape] L1.post: "
+                                        f"aten.mul (Tensor.mul) at {at('returned')}: a float32 tensor on cpu "
+                                        "created inside the captured region and still referenced after the segment "
+                                        "returned")
+
+    def test_a_segment_returning_its_output_buffer_passes(self):
+        plan, model, rig = rigged(layers=2, sizes=(2, 1))
+        head = model.head
+        model.head = lambda x, logits: (head(x, logits), logits)[1]
+        with run(plan, model, rig, detectors=True) as engine:
+            assert engine.report.phase(Phase.CAPTURE).outcome is Outcome.PASSED
 
     def test_eager_segments_are_not_watched(self):
         plan, model, rig = rigged(layers=2, sizes=(2,))  # mix reads ints from tensors: eager, so allowed

@@ -3,10 +3,13 @@
 One set of worker processes runs every scenario (tests/multirank_model.py), so torch is
 imported and the process group set up once; each test reads its scenario's per-rank
 results and traces. After the divergence scenario the same process group serves the
-next scenarios: no rank was left inside a mismatched collective.
+next scenarios: no rank was left inside a mismatched collective. The last scenario has
+a rank stall past the barrier timeout; it too leaves the group usable.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -15,7 +18,8 @@ from graphflow.cli import main
 from graphflow.trace import comparable, describe, diff_traces, read_trace
 from graphflow.plan import WarmupPolicy
 from graphflow.validate import validate
-from multirank_model import BARRIER_TIMEOUT_S, SCENARIOS, SIZES, family_plan, run_workers, step_plan
+from multirank_model import (BARRIER_TIMEOUT_S, SCENARIOS, SIZES, STALL_TIMEOUT_S, STALLED_RANK, family_plan,
+                             run_workers, step_plan)
 
 WORLD = 3
 
@@ -153,3 +157,30 @@ class TestSubgroups:
         traces = _traces(out, "subgroups")
         assert diff_traces(traces) is None
         assert {e["group"] for t in traces for e in t if e["event"] == "collective"} == {"tp", "world"}
+
+
+class TestStalledRank:
+    """Rank 2 stalls in FULL warmup past the barrier timeout and comes back after the others gave up."""
+
+    def test_every_rank_raises_divergence_error_naming_the_stalled_rank(self, run):
+        _, results = run
+        for rank, result in enumerate(results["stalled"]):
+            first = result.get("first", result)
+            assert first["type"] == "DivergenceError", result
+            assert (first["phase"], first["descriptor"], first["ranks"]) == ("warmup", "FULL(B=2)", [STALLED_RANK])
+        for rank in (0, 1):
+            first = results["stalled"][rank]["first"]
+            assert first["elapsed_s"] >= STALL_TIMEOUT_S
+            assert first["message"].startswith(
+                f"[phase=warmup descriptor=FULL(B=2) segment=reduce rank={rank}] rank(s) 2 did not reach barrier "
+                f"'all_reduce tp_ar [2, 4] float32' (#")
+        late = results["stalled"][STALLED_RANK]["first"]["message"]
+        assert re.match(r"\[phase=warmup descriptor=FULL\(B=2\) segment=reduce rank=2\] rank 2 reached barrier "
+                        r"'all_reduce tp_ar \[2, 4\] float32' \(#\d+\) too late: rank [01] had given up waiting "
+                        rf"for it after {STALL_TIMEOUT_S:g} s", late), late
+
+    def test_a_retry_in_the_same_session_commits_and_the_group_still_pairs_collectives(self, run):
+        _, results = run
+        for result in results["stalled"]:
+            assert result.get("retry", {}).get("graphs") == 4, result
+            assert result["sum"] == 6.0

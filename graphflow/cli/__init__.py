@@ -16,7 +16,7 @@ import importlib
 import sys
 
 from graphflow import __version__
-from graphflow.errors import CaptureError, GraphflowError, InvalidPlanError, PlanError
+from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, PlanError
 
 __all__ = ["CommandError", "main", "parse_sizes"]
 
@@ -82,7 +82,8 @@ def _report(err: GraphflowError) -> int:
     if isinstance(err, CaptureError):
         print(f"graphflow: capture failed, rolled back: {err}", file=sys.stderr)
         for note in getattr(err, "__notes__", ()):
-            print(f"graphflow: {note}", file=sys.stderr)
+            if not note.startswith(TRACEBACK_NOTE):  # where in the code: for a debugger, not the user
+                print(f"graphflow: {note}", file=sys.stderr)
         return 1
     print(f"graphflow: {err}", file=sys.stderr)
     if isinstance(err, CommandError):

@@ -140,6 +140,11 @@ def _capture_region(ctx: Context, alloc: Allocation, index: int, region: Capture
         try:
             graph = ctx.backend.capture(tuple(calls), recording, scheduled.origin,
                                         alloc.pools[alloc.device_of(ctx, segments[0])], scheduled.side)
+        except Exception as exc:
+            # Capture can also break after the segments ran (ending it reports an op that
+            # invalidated it): a finding made during the region is still the headline.
+            check_findings(alloc, cause=exc, failed=ctx.locus.failure(exc).segment)
+            raise
         finally:
             # A traceback keeps ``recording`` alive through its frame even after the frame
             # is cleared; emptied, its closure no longer holds views of the static buffers.

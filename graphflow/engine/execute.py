@@ -112,6 +112,9 @@ def call_segment(ctx: Context, segment: Segment, call: Call,
             call()
         else:
             with watch:
-                call()
+                returned = call()
+            # Dropped only once the watch has looked: a tensor allocated in capture and
+            # returned escapes just as one kept on the model does.
+            del returned
         if ctx.segment_events:
             ctx.emit(EventKind.SEGMENT_END)

@@ -44,11 +44,15 @@ stream left capturing, gc unfrozen, buffers and model dropped, device memory bac
 baseline, listener-deferred undos run. Listeners get a ROLLBACK event. Then
 ``CaptureError`` (phase, descriptor, segment, rank, hint) is raised from the cause;
 failed undos are on it as ``undo_error`` (an ``ExceptionGroup``) and in a note.
-KeyboardInterrupt is re-raised itself.
+KeyboardInterrupt is re-raised itself. Every error the caller gets keeps its message and
+its traceback as text (a note) but no object of the run: no traceback frames, no
+``AttributeError.obj``, arguments as text; so memory returns to the baseline while the
+caller still holds the error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -71,7 +75,7 @@ from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
 from graphflow.engine.verify import VerifyResult, verify
 from graphflow.engine.warmup import DescriptorTime, prewarm, warmup
-from graphflow.errors import CaptureError, InvalidPlanError
+from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError
 from graphflow.events import Event, EventKind, Listener, Phase
 from graphflow.jit import registry as jit_registry
 from graphflow.plan import Descriptor, Plan
@@ -122,11 +126,11 @@ def run_pipeline(plan: Plan, options: RunOptions = RunOptions(), *, backend: Bac
                   tuple(s for s in plan.segments if s.runs_on(rank)))
     try:
         return _run_phases(ctx, model, channels)
-    except BaseException as exc:  # noqa: BLE001 - every failure rolls back; re-raised below
+    except BaseException as exc:  # noqa: BLE001 - every failure rolls back; raised below
         error = _rollback(ctx, exc)
-        if error is exc:
-            raise
-        raise error from exc
+    # The raised error's traceback keeps this frame: nothing of the run may stay in it.
+    del model, ctx
+    raise error
 
 
 def _run_phases(ctx: Context, model: object | None, channels: object | None) -> Engine:
@@ -238,16 +242,22 @@ def _rollback(ctx: Context, exc: BaseException) -> BaseException:
     group = ctx.stack.unwind()
     if group is not None:
         failures.extend(group.exceptions)
-    _clear_frames(exc)
     undo_error = UndoError(f"{len(failures)} rollback step(s) failed", failures) if failures else None
     if not isinstance(exc, Exception):
+        error = exc
         if undo_error is not None:
             exc.add_note(f"rollback: {undo_error}")
-        return exc
-    error = _capture_error(ctx, exc, where)
+    else:
+        error = _capture_error(ctx, exc, where)
+        if undo_error is not None:
+            error.add_note(f"rollback: {undo_error}: " + "; ".join(f"{type(f).__name__}: {f}" for f in failures))
+        error.undo_error = undo_error
+        if error is not exc:
+            error.__cause__ = exc
+    # Last: the messages above are made from the errors as they were raised.
+    _detach(error)
     if undo_error is not None:
-        error.add_note(f"rollback: {undo_error}: " + "; ".join(f"{type(f).__name__}: {f}" for f in failures))
-    error.undo_error = undo_error
+        _detach(undo_error)
     return error
 
 
@@ -274,15 +284,44 @@ def _capture_error(ctx: Context, exc: Exception, where: Where) -> CaptureError:
                         hint=hint)
 
 
-def _clear_frames(exc: BaseException) -> None:
-    """Drop the locals of finished frames in the exception chain.
+#: Values an error may keep as they are: they hold nothing else.
+_PLAIN = (str, bytes, int, float, bool, type(None))
 
-    A traceback keeps every frame's locals alive, and those hold views of the static
-    buffers and graph inputs: without this, device memory could not return to the
-    baseline while the caller still holds the error.
+
+def _detach(exc: BaseException) -> None:
+    """Keep what each error in the chain says, drop every object it holds.
+
+    The caller may hold the error for as long as it likes, and device memory must still
+    return to the baseline. Errors hold objects in three ways: a traceback keeps every
+    frame, and their locals (the model, views of the static buffers, graph inputs); an
+    ``AttributeError`` keeps the object it was raised on (``obj``: the model, for a bad
+    call path); arguments and attributes may be anything (a model's own exception
+    keeping a tensor). So each error of the chain (causes, contexts, the members of a
+    group) gets its traceback as text, in a note, and loses the traceback; arguments and
+    the attributes of errors that are not graphflow's own become their ``repr``.
     """
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            text = "".join(traceback.format_tb(error.__traceback__)).rstrip()
+            error.add_note(f"{TRACEBACK_NOTE}\n{text}")
+            traceback.clear_frames(error.__traceback__)
+            error.__traceback__ = None
+        # An exception class may refuse a new value; rollback must still end with the
+        # original error, so such a value stays.
+        with contextlib.suppress(AttributeError, TypeError):
+            if isinstance(error, AttributeError):
+                error.obj = None
+            if not isinstance(error, BaseExceptionGroup):  # a group's arguments are its members
+                error.args = tuple(a if isinstance(a, _PLAIN) else repr(a) for a in error.args)
+        if not isinstance(error, GraphflowError):  # graphflow's own keep only plain places
+            for name, value in list(vars(error).items()):
+                if not name.startswith("__") and not isinstance(value, (*_PLAIN, BaseException)):
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(error, name, repr(value))
+        pending += [error.__cause__, error.__context__, *getattr(error, "exceptions", ())]

@@ -67,22 +67,42 @@ def watched(ctx: Context, alloc: Allocation, phase: Phase, *, capturing: bool, d
         return lambda segment, call: call_segment(ctx, segment, call)
 
     def run(segment: Segment, call: Call) -> None:
-        watch = detectors.watch(segment.name, phase, capturing, alloc.device_of(ctx, segment)) if segment.is_graph \
-            else None
-        call_segment(ctx, segment, call, watch)
+        if not segment.is_graph:
+            call_segment(ctx, segment, call)
+            return
+        try:
+            call_segment(ctx, segment, call, detectors.watch(segment.name, phase, capturing,
+                                                             alloc.device_of(ctx, segment)))
+        except Exception as exc:
+            check_findings(alloc, cause=exc, failed=segment.name)
+            raise
 
     return run
 
 
-def check_findings(alloc: Allocation) -> None:
+def check_findings(alloc: Allocation, *, cause: BaseException | None = None, failed: str | None = None) -> None:
     """Raise the detectors' findings as one CaptureError. Any finding ends the run, so
-    every finding there is new."""
+    every finding there is new.
+
+    ``cause`` is an error a segment or the capture itself raised (``failed``: the
+    segment running then, if any). A finding is recorded before its op runs, and the op
+    that breaks a capture (``.item()``, a CPU operand, a copy to another device) is the
+    one flagged: the findings, ``failed``'s first, are the error's headline and
+    ``cause`` (the CUDA error) its cause. Without findings, or when ``cause`` is already
+    graphflow's own error, this does nothing and the caller re-raises ``cause``.
+    """
     findings = alloc.detectors.findings if alloc.detectors is not None else ()
-    if findings:
-        lines = "; ".join(f"[{f.check.value}] {f.segment}: {f.call}: {f.message}" for f in findings)
-        raise CaptureError(f"capture-safety detectors found {len(findings)} problem(s): {lines}",
-                           segment=findings[0].segment,
-                           hint="fix the segment or make it eager; silence one check with --disable-check NAME")
+    if not findings or isinstance(cause, CaptureError):
+        return
+    findings = sorted(findings, key=lambda f: f.segment != failed)  # stable: otherwise in the order found
+    lines = "; ".join(f"[{f.check.value}] {f.segment}: {f.call}: {f.message}" for f in findings)
+    message = f"capture-safety detectors found {len(findings)} problem(s): {lines}"
+    if cause is not None:
+        where = f" in segment {failed}" if failed is not None and failed != findings[0].segment else ""
+        first = str(cause).strip().splitlines()
+        message += f"; then{where} {type(cause).__name__}" + (f": {first[0]}" if first else "")
+    raise CaptureError(message, segment=findings[0].segment,
+                       hint="fix the segment or make it eager; silence one check with --disable-check NAME") from cause
 
 
 def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) -> Warmed:

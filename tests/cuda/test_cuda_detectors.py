@@ -8,28 +8,18 @@ so the engine can name it in its error.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from graphflow.detectors import Check, Detectors
 from graphflow.events import Phase
+from tests.source_markers import marked
 
 pytestmark = pytest.mark.cuda
 
-_FILE = os.path.basename(__file__)
-with open(__file__, encoding="utf-8") as _source:
-    _LINES = _source.read().splitlines()
+at = marked(__file__)
 
 CUDA = torch.device("cuda:0")
-
-
-def at(marker: str) -> str:
-    """``test_cuda_detectors.py:N`` of the line tagged ``# <marker>``."""
-    tag = f"# <{marker}>"
-    (number,) = [i for i, text in enumerate(_LINES, 1) if text.rstrip().endswith(tag)]
-    return f"{_FILE}:{number}"
 
 
 def captured(det: Detectors, segment_fn, segment: str = "g"):

@@ -6,22 +6,28 @@ Run on the device with ``scripts/gpu_check.sh``; skipped where torch sees no GPU
 from __future__ import annotations
 
 import gc
+import weakref
 
 import attrs
 import pytest
 import torch
 
+from graphflow.channels import ChannelRegistry
 from graphflow.engine import CudaBackend, RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
-from graphflow.plan import Descriptor, Mode
+from graphflow.plan import Channel, ChannelKind, Descriptor, Mode, Prewarm
 from graphflow.runtime import Runner
+from graphflow.session import Session
 from graphflow.toy import build_toy, toy_plan
+from tests.source_markers import marked
 
 pytestmark = pytest.mark.cuda
 
 P, F = Mode.PIECEWISE, Mode.FULL
 MiB = 1 << 20
+
+at = marked(__file__)
 
 
 class TrackingBackend(CudaBackend):
@@ -213,4 +219,248 @@ class TestRollback:
         assert torch.cuda.memory_allocated() > before + MiB
         engine.close()
         del engine
+        assert_clean(backend, before, gc_calls)
+
+
+# -- faults at every phase, hazards that break capture, errors that hold nothing -----------
+
+#: Weights of about 32 MiB: a model (or one layer of it) kept alive by an error shows far
+#: above the 1 MiB bound on memory after rollback.
+HIDDEN, VOCAB = 1024, 2048
+
+#: Where a fault can be injected: at the end of every phase, from a listener; and inside
+#: model code in every phase that runs model code (a segment in warmup, capture and
+#: verify, the prewarm hook in prewarm).
+CASES = [*((phase, "listener") for phase in Phase if phase is not Phase.ROLLBACK),
+         *((phase, "model") for phase in (Phase.WARMUP, Phase.PREWARM, Phase.CAPTURE, Phase.VERIFY))]
+
+
+def channel_plan():
+    """The toy plan with a prewarm hook and a channel that L1.post all-reduces through (the
+    identity at world size 1), so that every phase runs model code and a channel id is
+    taken that rollback must give back."""
+    plan = toy_plan(3, hidden=HIDDEN, vocab=VOCAB, prewarm=(Prewarm("warm", "warm", per_size=False),))
+    segments = [attrs.evolve(s, channels=("tp_ar",)) if s.name == "L1.post" else s for s in plan.segments]
+    return attrs.evolve(plan, segments=segments,
+                        channels=[Channel("tp_ar", ChannelKind.ALL_REDUCE, "tp", 1, "target")])
+
+
+@attrs.define
+class Injector:
+    """A listener that follows the pipeline and raises ``error`` once, in ``phase``: from
+    the listener at the phase's end, or from model code (``site``); in capture, during
+    the second descriptor, so graphs of the first exist. ``build`` makes the model it
+    faults, referenced by nothing but the pipeline; ``models`` and ``buffers`` are weak
+    references to each model built and each buffer a segment saw."""
+
+    phase: Phase
+    site: str  # listener | model
+    error: type[BaseException]
+    armed: bool = True
+    current: Phase | None = None
+    descriptors: int = 0
+    models: list = attrs.field(factory=list)
+    buffers: list = attrs.field(factory=list)
+
+    def on_event(self, event):
+        if event.kind is EventKind.PHASE_BEGIN:
+            self.current, self.descriptors = event.phase, 0
+        elif event.kind is EventKind.DESCRIPTOR_BEGIN:
+            self.descriptors += 1
+        elif event.kind is EventKind.PHASE_END and event.phase is self.phase and self.site == "listener":
+            self._fire(f"injected at the end of {self.phase.value}")
+
+    def _fire(self, message):
+        if self.armed:
+            self.armed = False
+            raise self.error(message)
+
+    def _hit(self) -> bool:
+        return (self.site == "model" and self.current is self.phase
+                and (self.phase is not Phase.CAPTURE or self.descriptors == 2))
+
+    def build(self, handles):
+        model = build_toy(3, hidden=HIDDEN, vocab=VOCAB, device="cuda")
+        post, tp = model.layers[1].post, handles["tp_ar"]
+
+        def faulty_post(m, x):
+            self.buffers.extend(weakref.ref(a if a._base is None else a._base) for a in (m, x))
+            if self._hit():
+                self._fire("injected in L1.post")
+            post(m, x)
+            tp.all_reduce(x)
+
+        def warm():
+            if self._hit():
+                self._fire("injected in the prewarm hook")
+
+        model.layers[1].post = faulty_post
+        model.warm = warm
+        self.models.append(weakref.ref(model))
+        return model
+
+
+def assert_released(injector: Injector, *, ran: bool = True):
+    """No model and no buffer alive; ``ran``: a segment has run, so it saw buffers."""
+    gc.collect()
+    assert all(ref() is None for ref in injector.models), "a model is still alive"
+    assert bool(injector.buffers) == ran
+    assert all(ref() is None for ref in injector.buffers), "a static buffer is still alive"
+
+
+class TestFaultsAtEveryPhase:
+    @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+    @pytest.mark.parametrize("phase,site", CASES, ids=[f"{p.value}-{s}" for p, s in CASES])
+    def test_rollback_leaves_nothing_and_the_next_pipeline_commits(self, phase, site, error, gc_calls):
+        before = baseline()
+        injector = Injector(phase, site, error)
+        registry = ChannelRegistry()
+        backend, retry = TrackingBackend(), TrackingBackend()
+        with Session(channel_plan(), RunOptions(), listeners=[injector], registry=registry) as session:
+            with pytest.raises(CaptureError if error is RuntimeError else KeyboardInterrupt) as info:
+                session.capture(injector.build(session.handles), backend=backend)
+            if error is RuntimeError:
+                assert info.value.phase == phase.value
+                assert "injected" in str(info.value)
+            assert not injector.armed, "the fault fired"
+            assert registry.taken == {}, "the channel id was not given back"
+            if phase in (Phase.CAPTURE, Phase.VERIFY, Phase.COMMIT):
+                assert backend.graphs
+            assert_released(injector, ran=phase is not Phase.ALLOCATE)
+            assert_clean(backend, before, gc_calls)  # memory at the baseline while the error is held
+            engine = session.capture(injector.build(session.handles), backend=retry)
+            assert registry.taken == {1: "target/tp_ar"}
+            assert engine.report.graphs == 16 and all(r.bit_exact for r in engine.report.verify)
+        assert registry.taken == {}
+        del engine
+        assert_released(injector)
+        assert_clean(retry, before, gc_calls)
+
+
+class Hazard:
+    """Model code that breaks a CUDA capture, run in L1.post during capture only."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.phase = None
+
+    def on_event(self, event):
+        if event.kind is EventKind.PHASE_BEGIN:
+            self.phase = event.phase
+
+    def build(self):
+        model = build_toy(3, hidden=256, vocab=512, device="cuda")
+        layer = model.layers[1]
+        layer.register_buffer("host", torch.ones(256))  # after .to(cuda): stays on the host
+        post = layer.post
+
+        def hazardous_post(m, x):
+            if self.phase is Phase.CAPTURE and self.kind == "item":
+                float(m.sum().item())  # <item>
+            if self.phase is Phase.CAPTURE and self.kind == "host":
+                x.add_(layer.host)  # <host>
+            if self.phase is Phase.CAPTURE and self.kind == "to_host":
+                m.to("cpu")  # <to-host>
+            post(m, x)
+            if self.phase is Phase.CAPTURE and self.kind == "returns":
+                return x * 2  # <returns>
+
+        layer.post = hazardous_post
+        return model
+
+
+class TestHazardsThatBreakCapture:
+    """Detectors on; the hazard only in capture, so warmup passes and the capture itself fails."""
+
+    @pytest.mark.parametrize("kind,headline", [
+        ("item", "[host_sync] L1.post: aten._local_scalar_dense (Tensor.item) at {item}: reads a tensor's value"),
+        ("host", "[cross_device] L1.post: aten.add_ (Tensor.add_) at {host}: argument 'other' is a float32 tensor "
+                 "on cpu in a segment on cuda:0: "),
+        ("to_host", "[cross_device] L1.post: aten._to_copy (Tensor.to) at {to-host}: copies from cuda:0 to cpu: "),
+    ])
+    def test_the_finding_is_the_headline_and_the_cuda_error_its_cause(self, kind, headline, gc_calls):
+        error = self._captured(kind, gc_calls)
+        marker = {"item": "item", "host": "host", "to_host": "to-host"}[kind]
+        expected = headline.format(**{marker: at(marker)})
+        assert error.message.startswith("capture-safety detectors found "), error.message
+        assert error.message.split(": ", 1)[1].startswith(expected), error.message
+        cause = error.__cause__
+        assert isinstance(cause, RuntimeError) and not isinstance(cause, CaptureError)
+        first = str(cause).strip().splitlines()[0]
+        assert error.message.endswith(f"; then {type(cause).__name__}: {first}")
+        with run_pipeline(toy_plan(3, hidden=256, vocab=512), RunOptions(),
+                          model=build_toy(3, hidden=256, vocab=512, device="cuda")) as engine:
+            assert all(r.bit_exact for r in engine.report.verify)
+
+    def test_a_tensor_allocated_in_capture_and_returned_is_flagged(self, gc_calls):
+        error = self._captured("returns", gc_calls)
+        assert error.message.startswith("capture-safety detectors found 1 problem(s): [escape] L1.post: "
+                                        f"aten.mul (Tensor.mul) at {at('returns')}: a float32 tensor on cuda:0 "
+                                        "created inside the captured region")
+
+    @staticmethod
+    def _captured(kind: str, gc_calls) -> CaptureError:
+        """The error of a pipeline whose L1.post does ``kind`` in capture, after checking
+        it names the place and rolled back cleanly."""
+        hazard = Hazard(kind)
+        before = baseline()
+        backend = TrackingBackend()
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(toy_plan(3, hidden=256, vocab=512), RunOptions(), backend=backend, model=hazard.build(),
+                         listeners=[hazard])
+        error = info.value
+        assert (error.phase, error.descriptor, error.segment) == ("capture", Descriptor(P, 8), "L1.post")
+        assert_clean(backend, before, gc_calls)
+        return error
+
+
+class Holding(Exception):
+    """A model's own exception that keeps what it complains about."""
+
+    def __init__(self, message, model, tensor):
+        super().__init__(message, tensor)
+        self.model = model
+
+
+class TestErrorsHoldNothing:
+    """The caller keeps the error; device memory still returns to the baseline."""
+
+    def test_a_bad_call_path_does_not_keep_the_factory_built_model(self, gc_calls):
+        plan = toy_plan(3, hidden=HIDDEN, vocab=VOCAB)
+        plan = attrs.evolve(plan, segments=[attrs.evolve(plan.segments[0], call="nope.pre"), *plan.segments[1:]])
+        before = baseline()
+        backend = TrackingBackend()
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(plan, RunOptions(), backend=backend)
+        assert info.value.phase == "allocate"
+        assert_clean(backend, before, gc_calls)
+        assert str(info.value.__cause__.__cause__) == "'Toy' object has no attribute 'nope'"
+
+    def test_an_exception_holding_the_model_and_a_buffer_keeps_neither(self, gc_calls):
+        plan = toy_plan(3, hidden=HIDDEN, vocab=VOCAB)
+        phase = []
+
+        class Phases:
+            def on_event(self, event):
+                if event.kind is EventKind.PHASE_BEGIN:
+                    phase.append(event.phase)
+
+        def build():
+            model = build_toy(3, hidden=HIDDEN, vocab=VOCAB, device="cuda")
+            post = model.layers[1].post
+
+            def holding_post(m, x):
+                if phase[-1] is Phase.CAPTURE:
+                    raise Holding("bad step", model, x)
+                post(m, x)
+
+            model.layers[1].post = holding_post
+            return model
+
+        before = baseline()
+        backend = TrackingBackend()
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(plan, RunOptions(), backend=backend, model=build(), listeners=[Phases()])
+        assert isinstance(info.value.__cause__, Holding) and info.value.__cause__.args[0] == "bad step"
+        assert backend.graphs
         assert_clean(backend, before, gc_calls)
