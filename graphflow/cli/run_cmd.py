@@ -16,6 +16,9 @@ for a trace, the session's channel runtime (rank 0 of world size 1: each collect
 the identity) listens to the pipeline and gives the model its handles. ``--trace DIR``
 writes ``DIR/rank0.jsonl``, which ``graphflow trace diff`` reads.
 
+Under torchrun (RANK and WORLD_SIZE set) each process runs as its rank of the job,
+``graphflow.cli.ranks``: every rank captures and traces, rank 0 reports for all.
+
 The module-level imports are cheap on purpose: every ``graphflow`` command builds this
 parser, so torch, rich, the engine and the channels load only when ``run`` runs.
 """
@@ -29,6 +32,7 @@ import time
 
 from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.source import add_plan_source_arguments, plan_source
+from graphflow.distributed import in_job
 from graphflow.errors import CaptureError, InvalidPlanError
 
 __all__ = ["register"]
@@ -54,8 +58,8 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
     parser.add_argument("--quiet", action="store_true", help="print only the result line")
     parser.add_argument("--trace", metavar="DIR",
-                        help="write this rank's capture trace to DIR/rank0.jsonl (for 'graphflow trace diff'; "
-                             "GRAPHFLOW_TRACE=DIR does the same)")
+                        help="write this rank's capture trace to DIR/rank0.jsonl, DIR/rank{N}.jsonl under torchrun "
+                             "(for 'graphflow trace diff'; GRAPHFLOW_TRACE=DIR does the same)")
     parser.add_argument("--report", metavar="FILE",
                         help="write per-descriptor warmup/capture/verify time and pool memory to FILE: "
                              ".json for scripts, .png or .svg as bars (graphflow.report)")
@@ -67,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_source(args)
     source = args.plan or args.module
     options = _options(args)
+    if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
+        from graphflow.cli.ranks import run_ranks
+
+        return run_ranks(args, plan, source, options)
     # torch loads only now: reading and validating a plan stays fast.
     from graphflow.progress import ProgressDisplay
     from graphflow.session import Session
