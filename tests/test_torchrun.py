@@ -187,46 +187,29 @@ class TestFailures:
         assert main(["trace", "diff", str(out / "placeholder")]) == 1
 
 
-class TestJoinedRefusesWithoutAJob:
-    """The errors of a process that is not a rank, before any process group exists."""
+STORE = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
-    @pytest.fixture(autouse=True)
-    def _environment(self, monkeypatch):
-        for name in (*RANK_VARIABLES, *NVLS_ENV):
-            monkeypatch.delenv(name, raising=False)
-        return monkeypatch
 
-    def test_without_rank_and_world_size(self):
-        assert not in_job()
-        with pytest.raises(ValueError, match=r"^RANK and WORLD_SIZE are not set: start the ranks with torchrun"):
-            with joined("gloo"):
-                pass
+@pytest.mark.parametrize(("env", "backend", "message"), [
+    ({}, "gloo", r"^RANK and WORLD_SIZE are not set: start the ranks with torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "gloo", r"^MASTER_ADDR is not set"),
+    ({"RANK": "2", "WORLD_SIZE": "2", **STORE}, "gloo", r"^RANK 2 is outside the job's ranks 0\.\.1 \(WORLD_SIZE 2\)$"),
+    ({"RANK": "0", "WORLD_SIZE": "1", **STORE}, "nccl", r"^the nccl backend needs a GPU per rank and torch sees none"),
+], ids=["no-rank", "no-store", "rank-outside", "nccl-without-gpu"])
+def test_joined_outside_a_job_names_what_to_set(monkeypatch, env, backend, message):
+    """The errors of a process that is not (rightly) a rank, before any process group exists."""
+    import torch
 
-    def test_without_the_store_address(self, _environment):
-        _environment.setenv("RANK", "0")
-        _environment.setenv("WORLD_SIZE", "2")
-        assert in_job()
-        with pytest.raises(ValueError, match=r"^MASTER_ADDR is not set"):
-            with joined("gloo"):
-                pass
-
-    def test_a_rank_outside_the_world(self, _environment):
-        _environment.setenv("RANK", "2")
-        _environment.setenv("WORLD_SIZE", "2")
-        with pytest.raises(ValueError, match=r"^RANK 2 is outside the job's ranks 0\.\.1 \(WORLD_SIZE 2\)$"):
-            with joined("gloo"):
-                pass
-
-    def test_nccl_without_a_gpu(self, _environment):
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("this machine has a GPU")
-        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
-            _environment.setenv(name, value)
-        with pytest.raises(ValueError, match="the nccl backend needs a GPU per rank and torch sees none"):
-            with joined("nccl"):
-                pass
+    if backend == "nccl" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for name in (*RANK_VARIABLES, *NVLS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert in_job() == ("RANK" in env)
+    with pytest.raises(ValueError, match=message):
+        with joined(backend):
+            pass
 
 
 class TestRankRefusesBadInput:

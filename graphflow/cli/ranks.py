@@ -89,6 +89,7 @@ def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
     run_cmd._check_backend(options)
     if args.trace is not None:
         run_cmd._trace_dir(args.trace)
+    report = run_cmd._report_listener(args.report, plan, options) if args.report else None  # checked on every rank
     timeout_s = plan.capture.barrier_timeout_s
     with contextlib.ExitStack() as stack:
         try:
@@ -97,7 +98,8 @@ def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
             raise CommandError(str(err)) from err
         except RuntimeError as err:  # c10d could not reach the job's store
             raise CommandError(f"joining the job's process group failed: {err}", status=1) from err
-        document, error, summary = _capture(args, ctx.place(plan), source, options, ctx)
+        document, error, summary = _capture(args, ctx.place(plan), source, options, ctx,
+                                            report if ctx.rank == 0 else None)
         return _finish(args, plan, source, ctx, document, error, summary, timeout_s)
 
 
@@ -111,9 +113,10 @@ def _group_backend(options) -> str:
     return "nccl" if options.backend is BackendKind.CUDA else "gloo"
 
 
-def _capture(args, plan, source: str, options, ctx) -> tuple[dict | None, GraphflowError | None, dict]:
+def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None, GraphflowError | None, dict]:
     """Capture and time this rank's plan as ``run`` does; its document (rank 0's is
-    printed), its error, and its summary for the job's report."""
+    printed), its error, and its summary for the job's report. ``report``: rank 0's
+    capture report listener (``--report``), else None."""
     from graphflow.cli import run_cmd
     from graphflow.progress import ProgressDisplay
     from graphflow.session import Session
@@ -121,7 +124,6 @@ def _capture(args, plan, source: str, options, ctx) -> tuple[dict | None, Graphf
     began = time.perf_counter()
     lead = ctx.rank == 0
     listeners = [ProgressDisplay()] if lead and not (args.quiet or args.json) else []
-    report = run_cmd._report_listener(args.report, plan, options) if lead and args.report else None
     if report is not None:
         listeners.append(report)
     document, error, summary = None, None, {}
