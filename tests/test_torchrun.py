@@ -1,14 +1,16 @@
 """``graphflow run`` under torchrun on CPUs over gloo: ranks started by torch.distributed.run.
 
 One node with 2 and 3 ranks, two "nodes" (two torchrun agents) meeting through a c10d
-rendezvous on 127.0.0.1, a fault on one rank and the placeholder divergence. Each job is ``python -m torch.distributed.run ...`` in its own process group,
-killed at its deadline, so a hang fails the test instead of stalling the suite. The
-jobs start together when the module's first test asks for one (most of a job is
-interpreters importing torch, which overlaps), and each test reads its own.
+rendezvous on 127.0.0.1, a fault on one rank and the placeholder divergence. Each job
+is ``python -m torch.distributed.run ...``, killed with its ranks at its deadline, so a
+hang fails the test instead of stalling the suite. The jobs start together when the
+module's first test asks for one (most of a job is interpreters importing torch, which
+overlaps), and each test reads its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -44,7 +46,7 @@ class Job:
         self.args = args
         self.started = time.monotonic()
         self.proc = subprocess.Popen(TORCHRUN + args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True)
         self._done = None
 
     def result(self) -> tuple[int, str, str, float]:
@@ -53,11 +55,26 @@ class Job:
             try:
                 out, err = self.proc.communicate(timeout=max(1.0, JOB_TIMEOUT_S - (time.monotonic() - self.started)))
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the job's own session: torchrun and its ranks
+                self.kill()
                 out, err = self.proc.communicate()
                 pytest.fail(f"torchrun {' '.join(self.args)} did not finish within {JOB_TIMEOUT_S} s\n{out}\n{err}")
             self._done = (self.proc.returncode, out, err, time.monotonic() - self.started)
         return self._done
+
+
+    def kill(self) -> None:
+        """SIGKILL torchrun and the ranks it started (torchrun puts each rank in a session of its own)."""
+        pids = [self.proc.pid]
+        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) == self.proc.pid:  # the parent pid
+                pids.append(int(stat.parent.name))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _free_port() -> int:
@@ -93,7 +110,7 @@ def jobs(tmp_path_factory):
     yield out, started
     for job in started.values():
         if job.proc.poll() is None:
-            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.kill()
             job.proc.communicate()
 
 
