@@ -40,13 +40,15 @@ class CaptureFaultLayer(TPDecoderLayer):
         super().post_attention(o, post_mix, res_mix, x, h, ffn_post, ffn_logits)
 
 
-def build_faulty(*, device="cpu", plan=None, rank: int = 0, world_size: int = 1, channels=None, **model_args) -> TPModel:
+def build_faulty(*, device="cpu", plan=None, rank: int = 0, world_size: int = 1, channels=None,
+                 **model_args) -> TPModel:
     CaptureFaultLayer.faulty = rank == FAULTY_RANK
     return TPModel(DSV4Model(DSV4Config(**model_args), torch.device(device)), rank, world_size, channels["tp_ar"],
                    layer_type=CaptureFaultLayer)
 
 
-def build_legacy(*, device="cpu", plan=None, rank: int = 0, world_size: int = 1, channels=None, **model_args) -> TPModel:
+def build_legacy(*, device="cpu", plan=None, rank: int = 0, world_size: int = 1, channels=None,
+                 **model_args) -> TPModel:
     """The legacy all-reduce (rank-local garbage in a placeholder warmup) feeding the legacy,
     host-routed expert dispatch: one all-reduce per expert the routing chose."""
     LegacyDispatchLayer.ep = channels["ep_ar"]

@@ -126,10 +126,10 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
     listeners = [ProgressDisplay()] if lead and not (args.quiet or args.json) else []
     if report is not None:
         listeners.append(report)
-    document, error, summary = None, None, {}
-    session = Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, listeners=listeners,
-                      trace=args.trace)
+    document, error, summary, session = None, None, {}, None
     try:
+        session = Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, listeners=listeners,
+                          trace=args.trace)
         started = time.perf_counter()
         engine = session.capture()
         captured_s = time.perf_counter() - started
@@ -141,7 +141,8 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
     except ValueError as err:  # sizes the plan does not have
         error = CommandError(str(err))
     try:
-        run_cmd._close(session)
+        if session is not None:
+            run_cmd._close(session)
     except CommandError as err:
         error = error or err
     if report is not None:
@@ -150,7 +151,7 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
         summary = {"ok": False, "error": str(error)}
     summary.update(rank=ctx.rank, host=socket.gethostname(), device=str(ctx.device),
                    seconds=time.perf_counter() - began,
-                   trace=str(session.tracer.path) if session.tracer is not None else None)
+                   trace=str(session.tracer.path) if session is not None and session.tracer is not None else None)
     return document, error, summary
 
 
