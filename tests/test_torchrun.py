@@ -26,7 +26,7 @@ import pytest
 from graphflow.cli import main
 from graphflow.distributed import NVLS_ENV, in_job, joined
 from test_tp import FAULTY_RANK, SIZES, TINY
-from torchrun_models import FAILURE_TIMEOUT_S, write_plans
+from torchrun_models import FAILURE_TIMEOUT_S, HANG_TIMEOUT_S, write_plans
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Wall-clock bound of one job: interpreters, rendezvous, a tiny capture, on a busy 2-core machine.
@@ -98,6 +98,7 @@ def jobs(tmp_path_factory):
                       str(max(SIZES)), "--json"], out),
         "placeholder": Job([*one_node, "2", *run, str(plans["placeholder"]), "--steps", "0", "--no-detectors",
                             "--json", "--trace", str(out / "placeholder")], out),
+        "hang": Job([*one_node, "2", *run, str(plans["hang"]), "--steps", "0", "--json"], out),
     }
     for node in (0, 1):
         # Two agents, as on two hosts: node 0 hosts the rendezvous store. c10d numbers the
@@ -203,6 +204,19 @@ class TestFailures:
             assert r["seconds"] < FAILURE_TIMEOUT_S
         assert stderr.count("traceback : DivergenceError: [phase=warmup") == 2, stderr
         assert main(["trace", "diff", str(out / "placeholder")]) == 1
+
+    def test_a_rank_that_hangs_ends_the_job_after_the_barrier_timeout(self, jobs):
+        _, started = jobs
+        status, stdout, stderr, _ = started["hang"].result()
+        assert status != 0
+        ranks = _json(stdout)["ranks"]
+        assert ranks[FAULTY_RANK] is None  # it never got to say anything
+        waiting = ranks[1 - FAULTY_RANK]
+        assert not waiting["ok"] and waiting["error"].startswith("[phase=warmup"), waiting
+        assert (f"rank(s) {FAULTY_RANK} did not reach barrier 'all_reduce tp_ar" in waiting["error"]
+                and f"within {HANG_TIMEOUT_S:g} s" in waiting["error"])
+        assert waiting["seconds"] < FAILURE_TIMEOUT_S
+        assert "(SIGTERM)" in stderr  # torchrun stopped the hung rank once the other had failed
 
 
 STORE = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}

@@ -10,6 +10,7 @@ through PYTHONPATH, as a user's own model package would be.
 from __future__ import annotations
 
 import pathlib
+import time
 
 import attrs
 import torch
@@ -27,6 +28,8 @@ from test_tp import FAULTY_RANK, LegacyAllReduce, LegacyDispatchLayer, plan_for
 SUCCESS_TIMEOUT_S = 60.0
 #: The barrier timeout of the failing plans: a rank that waited for it would show.
 FAILURE_TIMEOUT_S = 30.0
+#: The barrier timeout of the plan whose rank hangs: the others wait exactly this long.
+HANG_TIMEOUT_S = 4.0
 
 
 class CaptureFaultLayer(TPDecoderLayer):
@@ -38,6 +41,24 @@ class CaptureFaultLayer(TPDecoderLayer):
         if self.faulty and self.tp.path() is CallPath.CAPTURED:
             raise RuntimeError(f"injected capture fault on rank {FAULTY_RANK}")
         super().post_attention(o, post_mix, res_mix, x, h, ffn_post, ffn_logits)
+
+
+class WarmupHangLayer(TPDecoderLayer):
+    """Never returns from its first warmup step, on the rank the factory marks."""
+
+    hangs = False
+
+    def post_attention(self, o, post_mix, res_mix, x, h, ffn_post, ffn_logits) -> None:
+        if self.hangs and self.tp.path() is CallPath.EAGER_WARMUP:
+            time.sleep(3600)
+        super().post_attention(o, post_mix, res_mix, x, h, ffn_post, ffn_logits)
+
+
+def build_hanging(*, device="cpu", plan=None, rank: int = 0, world_size: int = 1, channels=None,
+                  **model_args) -> TPModel:
+    WarmupHangLayer.hangs = rank == FAULTY_RANK
+    return TPModel(DSV4Model(DSV4Config(**model_args), torch.device(device)), rank, world_size, channels["tp_ar"],
+                   layer_type=WarmupHangLayer)
 
 
 def build_faulty(*, device="cpu", plan=None, rank: int = 0, world_size: int = 1, channels=None,
@@ -67,6 +88,7 @@ def write_plans(folder: pathlib.Path) -> dict[str, pathlib.Path]:
         "full2": timeout(plan_for("full", 2), SUCCESS_TIMEOUT_S),
         "fault": timeout(attrs.evolve(plan_for("full", 2), model="torchrun_models:build_faulty"), FAILURE_TIMEOUT_S),
         "placeholder": timeout(_legacy_plan(), FAILURE_TIMEOUT_S),
+        "hang": timeout(attrs.evolve(plan_for("full", 2), model="torchrun_models:build_hanging"), HANG_TIMEOUT_S),
     }
     paths = {}
     for name, plan in plans.items():
