@@ -1,70 +1,62 @@
-"""Run a function on N ranks, one process each: gloo on CPUs, NCCL on one GPU per rank.
+"""Run a function on N ranks of this machine, started by torch.distributed's own launcher.
 
-``launch(fn, nproc, backend)`` is the whole launcher, for tests, benchmarks and
-integrations that drive ``run_pipeline`` themselves. Per rank, in this order:
+``launch(fn, nproc, backend)`` runs ``fn(RankContext, *args)`` once per rank and returns
+one ``RankResult`` per rank, for tests, benchmarks and integrations that drive
+``run_pipeline`` themselves. The processes are torchrun's business: ``launch`` is a front
+end to ``torch.distributed.launcher.api.elastic_launch``, the API ``torchrun`` runs, which
+starts the ranks, holds the rendezvous (c10d on 127.0.0.1, a port the OS picks, so
+launches never clash) and stops every rank as soon as one fails. There are no restarts:
+a capture that failed is reported, not retried. Around it graphflow adds only what
+elastic lacks:
 
-1. the process starts (``fork`` for gloo, which keeps the parent's imported torch;
-   ``spawn`` for NCCL, since CUDA cannot survive a fork) and sets ``NVLS_ENV``, so
-   NVLink multicast stays off in every process whatever the parent's environment;
-2. on NCCL: ``cuda:{rank}`` becomes the current device and a stream created on it the
-   current stream (capture on a non-default GPU needs a stream of that device);
-3. ``torch.distributed`` is initialized over a TCPStore the parent hosts (port chosen by
-   the OS, so launches never clash), with ``group_timeout_s`` as the backstop. The
-   parent opens the store's listening socket before it starts the ranks but the store
-   (whose server is a thread) only after: a rank forked while that thread holds a lock
-   can hang before it ever reaches the store (seen once in CI: one of three gloo ranks
-   never registered);
-4. ``fn(RankContext, *args)`` runs; its return value (picklable) or its error is sent
-   back to the parent; the process group is destroyed.
+- each rank joins through ``graphflow.distributed.joined`` (NVLink multicast off;
+  ``cuda:{rank}`` and its own stream on NCCL; the process group over env://), the same
+  setup as a rank that torchrun starts for ``graphflow run``;
+- a result for every rank even when one failed: elastic returns the ranks' values only
+  when all of them succeeded, so each rank also leaves its ``RankResult`` (its value, or
+  its error and traceback) in the launch's directory, and a rank that left none is
+  explained by how it ended (its exit code or signal, or stopped because another failed);
+- a deadline: elastic waits for its workers without one, so a watchdog kills the ranks
+  still running at ``timeout_s`` (each rank writes its pid first) and elastic then stops
+  the others: a launch never hangs its caller.
 
-The parent waits up to ``timeout_s`` in all, kills a rank that has not finished and
-reports it as timed out: a launch never hangs its caller.
+Start methods: NCCL ranks are spawned (a fresh interpreter per GPU; CUDA is never
+forked). gloo ranks come from a forkserver that imported torch once, so a CPU launch
+costs a fork per rank rather than an interpreter and a torch import each. A forkserver's
+children inherit the environment of the moment it started, not of this call, so each
+rank is handed the caller's environment and keeps on top of it what elastic set for it.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
+import math
 import multiprocessing
-import multiprocessing.connection
 import os
-import socket
+import pickle
+import signal
+import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 
+from graphflow.distributed import BACKENDS, NVLS_ENV, RankContext
+
 __all__ = ["NVLS_ENV", "RankContext", "RankResult", "launch"]
 
-#: NVLink SHARP / multicast off in every rank: NCCL, torch symmetric memory, NVSHMEM.
-NVLS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+#: The signals elastic's agent takes over in the launching process and does not give back.
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
-_BACKENDS = ("gloo", "nccl")
+#: Loggers of elastic's agent: what they report of a failed rank, its RankResult says too.
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
-
-@attrs.frozen
-class RankContext:
-    """What a launched function learns about its rank. ``stream`` is None on gloo."""
-
-    rank: int
-    world_size: int
-    backend: str
-    device: object  # torch.device: cuda:{rank} on NCCL, cpu on gloo
-    stream: object = None
-
-    def place(self, plan):
-        """``plan`` with its ``cuda:0`` buffers and streams on this rank's device (NCCL only).
-
-        Plans are written for one GPU; each rank runs the same plan on its own device.
-        """
-        if self.backend != "nccl":
-            return plan
-        here = str(self.device)
-
-        def move(item):
-            return attrs.evolve(item, device=here) if item.device == "cuda:0" else item
-
-        return attrs.evolve(plan, buffers=[move(b) for b in plan.buffers], streams=[move(s) for s in plan.streams])
+#: The environment the gloo forkserver inherited when it started (None: not started yet).
+_forkserver_env: dict[str, str] | None = None
 
 
 @attrs.frozen
@@ -86,87 +78,188 @@ def launch(fn: Callable[..., object], nproc: int, backend: str = "gloo", *, args
            timeout_s: float = 300.0, group_timeout_s: float = 60.0) -> tuple[RankResult, ...]:
     """Run ``fn(RankContext, *args)`` in ``nproc`` processes; one ``RankResult`` per rank.
 
-    ``fn`` and ``args`` must be picklable by reference for NCCL (spawn): a module-level
-    function. Raises ``ValueError`` before starting anything when the request cannot work
-    (unknown backend, fewer GPUs than ranks).
+    ``fn``, ``args`` and the return values are pickled: ``fn`` must be a module-level
+    function, and a script that calls ``launch`` must do so under
+    ``if __name__ == "__main__":`` (the ranks import the script's module, as any spawned
+    process does). A rank that raises stops the others (their results say so). Raises
+    ``ValueError`` before starting anything when the request cannot work (unknown
+    backend, fewer GPUs than ranks).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {', '.join(_BACKENDS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1 (got {nproc})")
     import torch
-    import torch.distributed as dist
 
     if backend == "nccl" and torch.cuda.device_count() < nproc:
         raise ValueError(f"{nproc} NCCL ranks need {nproc} GPUs, this machine has {torch.cuda.device_count()} "
                          "— lower --nproc or use backend gloo")
-    listener = socket.create_server(("127.0.0.1", 0))  # bound and listening, and no thread yet
-    port = listener.getsockname()[1]
-    context = multiprocessing.get_context("spawn" if backend == "nccl" else "fork")
-    readers, procs = [], []
-    for rank in range(nproc):
-        reader, writer = context.Pipe(duplex=False)
-        proc = context.Process(target=_worker, args=(fn, tuple(args), rank, nproc, backend, port,
-                                                     group_timeout_s, writer), name=f"graphflow-rank{rank}")
-        proc.start()
-        writer.close()
-        readers.append(reader)
-        procs.append(proc)
-    # The store takes the socket over (and closes it with itself); ranks that connected
-    # before it started wait in the socket's backlog.
-    store = dist.TCPStore("127.0.0.1", port, nproc + 1, is_master=True, wait_for_workers=False,
-                          master_listen_fd=listener.detach())
-    results: dict[int, RankResult] = {}
-    deadline = time.monotonic() + timeout_s
-    pending = {reader: rank for rank, reader in enumerate(readers)}
-    while pending and (left := deadline - time.monotonic()) > 0:
-        for reader in multiprocessing.connection.wait(list(pending), timeout=left):
-            rank = pending.pop(reader)
-            try:
-                results[rank] = reader.recv()
-            except EOFError:
-                procs[rank].join(5)
-                results[rank] = RankResult(rank, error=f"ProcessError: rank {rank} exited without a result "
-                                                       f"(exit code {procs[rank].exitcode})")
-    for rank, proc in enumerate(procs):
-        proc.join(max(0.0, deadline - time.monotonic()) if rank in results else 0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        if rank not in results:
-            results[rank] = RankResult(rank, error=f"TimeoutError: rank {rank} did not finish within {timeout_s:g} s "
-                                                   "and was killed", elapsed_s=timeout_s)
-    for reader in readers:
-        reader.close()
-    del store  # every rank has finished or been killed: the server thread can stop
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    method = "spawn" if backend == "nccl" else "forkserver"
+    server_env = _start_forkserver() if method == "forkserver" else None
+    with tempfile.TemporaryDirectory(prefix="graphflow-launch-") as tmp, _quiet_agent():
+        folder = Path(tmp)
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"graphflow-{uuid.uuid4().hex}",
+            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+            rdzv_configs={"join_timeout": max(1, math.ceil(timeout_s))}, max_restarts=0, start_method=method,
+            logs_specs=DefaultLogsSpecs(log_dir=str(folder / "logs")))
+        watchdog = _Watchdog(folder, nproc, timeout_s)
+        handlers = _signal_handlers()
+        failures: dict = {}
+        try:
+            watchdog.start()
+            returned = elastic_launch(config, _rank_main)(fn, tuple(args), backend, group_timeout_s, tmp,
+                                                          dict(os.environ), server_env)
+        except ChildFailedError as err:
+            returned, failures = {}, err.failures
+        except SignalException as err:
+            if err.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from err
+            raise
+        finally:
+            watchdog.cancel()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        results = {rank: returned.get(rank) or _saved(folder, rank) for rank in range(nproc)}
+    first = min((r for r in failures if results.get(r) is None or not results[r].ok), default=None)
+    for rank, result in results.items():
+        if result is None:
+            results[rank] = _ended(rank, failures.get(rank), first, results, watchdog.expired, timeout_s)
     return tuple(results[r] for r in range(nproc))
 
 
-def _worker(fn, args, rank: int, world_size: int, backend: str, port: int, group_timeout_s: float, writer) -> None:
-    os.environ.update(NVLS_ENV)
+def _ended(rank: int, failure, first: int | None, results: Mapping[int, RankResult | None], expired: set[int],
+           timeout_s: float) -> RankResult:
+    """The result of a rank that left none: timed out, died, or stopped after another failed."""
+    if rank in expired:
+        return RankResult(rank, error=f"TimeoutError: rank {rank} did not finish within {timeout_s:g} s and was "
+                                      "killed", elapsed_s=timeout_s)
+    if failure is not None:
+        code = failure.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        return RankResult(rank, error=f"ProcessError: rank {rank} {how} without a result")
+    cause = results.get(first)
+    why = f" ({cause.error.splitlines()[0]})" if cause is not None and cause.error else ""
+    return RankResult(rank, error=f"ProcessError: rank {rank} was stopped when rank {first} failed{why}")
+
+
+def _rank_main(fn, args: tuple, backend: str, group_timeout_s: float, folder: str, environ: dict[str, str],
+               server_env: dict[str, str] | None) -> RankResult:
+    """One rank, started by elastic: join, run ``fn``, leave the result where ``launch`` finds it.
+
+    An error is left too, then raised again, so elastic sees the rank fail and stops the others.
+    """
     start = time.monotonic()
-    import torch
-    import torch.distributed as dist
+    if server_env is not None:
+        given = {k: v for k, v in os.environ.items() if server_env.get(k) != v}
+        os.environ.clear()
+        os.environ.update({**environ, **given})
+    rank = int(os.environ["RANK"])
+    folder = Path(folder)
+    (folder / f"rank{rank}.pid").write_text(str(os.getpid()))
+    from graphflow.distributed import joined
 
     try:
-        device, stream = torch.device("cpu"), None
-        if backend == "nccl":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-            stream = torch.cuda.Stream(device=device)
-            torch.cuda.set_stream(stream)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=datetime.timedelta(seconds=group_timeout_s))
-        options = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=group_timeout_s), **options)
-        try:
-            value = fn(RankContext(rank, world_size, backend, device, stream), *args)
-        finally:
-            dist.destroy_process_group()
+        with joined(backend, group_timeout_s=group_timeout_s) as ctx:
+            value = fn(ctx, *args)
         result = RankResult(rank, value, elapsed_s=time.monotonic() - start)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
-        result = RankResult(rank, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
-                            elapsed_s=time.monotonic() - start)
-    writer.send(result)
-    writer.close()
+        _leave(folder, result)
+    except BaseException as e:
+        _leave(folder, RankResult(rank, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
+                                  elapsed_s=time.monotonic() - start))
+        raise
+    return result
+
+
+def _leave(folder: Path, result: RankResult) -> None:
+    """Write the result whole or not at all: ``launch`` may read it while elastic stops the rank."""
+    data = pickle.dumps(result)
+    part = folder / f"rank{result.rank}.part"
+    part.write_bytes(data)
+    os.replace(part, folder / f"rank{result.rank}.result")
+
+
+def _saved(folder: Path, rank: int) -> RankResult | None:
+    path = folder / f"rank{rank}.result"
+    return pickle.loads(path.read_bytes()) if path.exists() else None
+
+
+class _Watchdog:
+    """Kills the ranks still running at the deadline; elastic sees them die and stops the rest."""
+
+    def __init__(self, folder: Path, nproc: int, timeout_s: float):
+        self.folder, self.nproc = folder, nproc
+        self.expired: set[int] = set()
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+        if self._timer.is_alive():
+            self._timer.join()
+
+    def _expire(self) -> None:
+        for rank in range(self.nproc):
+            if (self.folder / f"rank{rank}.result").exists():
+                continue
+            self.expired.add(rank)
+            try:
+                pid = int((self.folder / f"rank{rank}.pid").read_text())
+            except (OSError, ValueError):
+                continue  # not started yet: elastic's rendezvous times out on its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _quiet_agent():
+    """Elastic's agent logs a failed rank's traceback; ``launch`` returns it instead, once."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith(_AGENT_LOGGERS)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _signal_handlers() -> dict:
+    """The caller's handlers of the signals elastic takes over (only the main thread has any)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = {}
+    for name in _AGENT_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is not None:
+            handlers[sig] = signal.getsignal(sig)
+    return handlers
+
+
+def _start_forkserver() -> dict[str, str]:
+    """Start the forkserver the gloo ranks come from, torch imported in it once; its environment.
+
+    ``__main__`` is preloaded as spawn would import it, which also hands the server the
+    caller's ``sys.path`` (a function of a test module must unpickle in the ranks).
+    """
+    global _forkserver_env
+    if _forkserver_env is None:
+        from multiprocessing import forkserver
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            ["__main__", "torch", "torch.distributed", "graphflow.launch"])
+        _forkserver_env = dict(os.environ)
+        forkserver.ensure_running()
+    return _forkserver_env

@@ -11,9 +11,9 @@ of a FULL descriptor it leaves rank-local values where the reduced ones belong (
 ``torch.empty_like`` handed back). Ranks then route differently, so some call ``ep_ar``
 and some do not: the divergence graphflow must report instead of hanging.
 
-``run_workers`` starts ``world_size`` gloo processes with ``graphflow.launch`` (forked:
-they inherit the imported torch, which keeps the test fast), which run every scenario in
-turn and write one JSON result per (scenario, rank).
+``run_workers`` starts ``world_size`` gloo processes with ``graphflow.launch`` (forked
+from a server that imported torch once, which keeps the test fast), which run every
+scenario in turn and write one JSON result per (scenario, rank).
 """
 
 from __future__ import annotations

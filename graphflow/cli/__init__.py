@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except GraphflowError as err:
-        return _report(err)
+        return report_error(err)
 
 
-def _report(err: GraphflowError) -> int:
+def report_error(err: GraphflowError) -> int:
     """Say what went wrong, once, and return the exit status it means."""
     if isinstance(err, InvalidPlanError):
         for diagnostic in err.report.diagnostics:

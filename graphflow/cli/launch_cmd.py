@@ -1,11 +1,13 @@
 """``graphflow launch --nproc N PLAN``: capture a multi-rank plan, one process per rank.
 
-Each rank (``graphflow.launch``: NVLink multicast off, ``cuda:{rank}`` and its own
-stream on NCCL) loads the plan, places it on its device, and captures it in a
-``graphflow.session.Session`` over the world group; the factory the plan names gets
-the rank, the world size and the channel handles. One line per rank, then the result.
+The ranks are started by torch.distributed's elastic launcher (``graphflow.launch``, the
+API torchrun runs), each with NVLink multicast off and, on NCCL, ``cuda:{rank}`` and its
+own stream; each loads the plan, places it on its device and captures it in a
+``graphflow.session.Session`` over the world group, the plan's factory getting the
+rank, the world size and the channel handles. One line per rank, then the result.
 Exit 0 when every rank committed, 1 when the plan has errors or any rank failed
 (every rank rolled back), 2 when the plan cannot be read or the arguments are bad.
+For several nodes, start ``graphflow run`` with torchrun instead (docs/tp.md).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from graphflow.cli import CommandError, parse_sizes
+from graphflow.cli.ranks import rank_line, rank_summary, world_line
 from graphflow.errors import InvalidPlanError
 from graphflow.loader import load_plan
 from graphflow.validate import validate
@@ -56,14 +59,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CommandError(str(err)) from err
     for result in ranks:
-        value = result.value or {}
-        if result.ok and value.get("ok"):
-            print(f"rank {result.rank}: {value['graphs']} graph(s), {value['descriptors']} descriptor(s), "
-                  f"verify {value['verify']}, {result.elapsed_s:.1f} s")
-        else:
-            print(f"rank {result.rank}: failed, rolled back: {value.get('error') or result.error}")
+        summary = result.value if result.ok else {"ok": False, "error": result.error}
+        print(rank_line(result.rank, summary, result.elapsed_s))
     ok = all(r.ok and r.value.get("ok") for r in ranks)
-    print(f"{plan.name}: {'captured on' if ok else 'failed on'} {args.nproc} rank(s) ({args.backend})")
+    print(world_line(plan.name, ok, args.nproc, args.backend))
     return 0 if ok else 1
 
 
@@ -77,10 +76,6 @@ def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None) -> dict
     options = RunOptions(backend="cuda" if ctx.backend == "nccl" else "cpu", verify=verify, sizes=sizes)
     with Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, trace=trace) as session:
         try:
-            engine = session.capture()
+            return rank_summary(session.capture())
         except (CaptureError, ValueError) as err:
             return {"ok": False, "error": str(err)}
-        checked = engine.report.verify
-        return {"ok": True, "graphs": engine.report.graphs, "descriptors": len(engine.report.descriptors),
-                "verify": ("bit-exact" if all(v.bit_exact for v in checked) else "within tolerance")
-                if checked else "skipped"}

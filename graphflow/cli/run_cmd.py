@@ -16,6 +16,9 @@ for a trace, the session's channel runtime (rank 0 of world size 1: each collect
 the identity) listens to the pipeline and gives the model its handles. ``--trace DIR``
 writes ``DIR/rank0.jsonl``, which ``graphflow trace diff`` reads.
 
+Under torchrun (RANK and WORLD_SIZE set) each process runs as its rank of the job,
+``graphflow.cli.ranks``: every rank captures and traces, rank 0 reports for all.
+
 The module-level imports are cheap on purpose: every ``graphflow`` command builds this
 parser, so torch, rich, the engine and the channels load only when ``run`` runs.
 """
@@ -29,6 +32,7 @@ import time
 
 from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.source import add_plan_source_arguments, plan_source
+from graphflow.distributed import in_job
 from graphflow.errors import CaptureError, InvalidPlanError
 
 __all__ = ["register"]
@@ -58,8 +62,8 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
     parser.add_argument("--quiet", action="store_true", help="print only the result line")
     parser.add_argument("--trace", metavar="DIR",
-                        help="write this rank's capture trace to DIR/rank0.jsonl (for 'graphflow trace diff'; "
-                             "GRAPHFLOW_TRACE=DIR does the same)")
+                        help="write this rank's capture trace to DIR/rank0.jsonl, DIR/rank{N}.jsonl under torchrun "
+                             "(for 'graphflow trace diff'; GRAPHFLOW_TRACE=DIR does the same)")
     parser.add_argument("--report", metavar="FILE",
                         help="write per-descriptor warmup/capture/verify time and pool memory to FILE: "
                              ".json for scripts, .png or .svg as bars (graphflow.report)")
@@ -71,15 +75,19 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_source(args)
     source = args.plan or args.module
     options = _options(args)
+    if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
+        from graphflow.cli.ranks import run_ranks
+
+        return run_ranks(args, plan, source, options)
     # torch loads only now: reading and validating a plan stays fast.
     from graphflow.progress import ProgressDisplay
     from graphflow.session import Session
 
-    captures_graphs = _check_backend(options)
+    captures_graphs = check_backend(options)
     if args.trace is not None:
-        _trace_dir(args.trace)
+        trace_dir(args.trace)
     listeners = [] if args.quiet or args.json else [ProgressDisplay(graphs=captures_graphs)]
-    report = _report_listener(args.report, plan, options) if args.report else None
+    report = report_listener(args.report, plan, options) if args.report else None
     if report is not None:
         listeners.append(report)
     session = Session(plan, options, listeners=listeners, trace=args.trace)
@@ -98,16 +106,16 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:  # sizes the plan does not have
             raise CommandError(str(err)) from err
         captured_s = time.perf_counter() - started
-        timings = _time_steps(engine, args.steps)
-        document = _document(source, engine, timings, captured_s, time.perf_counter() - began)
+        timings = time_steps(engine, args.steps)
+        document = report_document(source, engine, timings, captured_s, time.perf_counter() - began)
     except BaseException:
-        _close(session)
+        close(session)
         if report is not None:  # also after a rolled-back capture: it shows how far it got
-            _write_report(report, args.report, failed=True)
+            write_report(report, args.report, failed=True)
         raise
-    _close(session)
+    close(session)
     if report is not None:
-        _write_report(report, args.report)
+        write_report(report, args.report)
     if session.tracer is not None:
         document["trace"] = str(session.tracer.path)
     if args.json:
@@ -115,11 +123,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.quiet:
         print(document["result"])
     else:
-        _print_report(document)
+        print_report(document)
     return 0
 
 
-def _report_listener(path: str, plan, options):
+def report_listener(path: str, plan, options):
     """The capture report's listener; a FILE it cannot write is a bad argument (exit 2)."""
     from graphflow.engine import make_backend
     from graphflow.report import CaptureReport, report_format
@@ -131,7 +139,7 @@ def _report_listener(path: str, plan, options):
     return CaptureReport(plan.name, make_backend(options.backend).name)
 
 
-def _write_report(report, path: str, *, failed: bool = False) -> None:
+def write_report(report, path: str, *, failed: bool = False) -> None:
     """Write the report; a path that cannot be written is a bad argument (exit 2), said
     beside the capture's own error when the capture failed too."""
     from graphflow.report import write_report
@@ -160,7 +168,7 @@ def _options(args: argparse.Namespace):
                       disabled_checks=checks, sizes=parse_sizes(args.sizes))
 
 
-def _check_backend(options) -> bool:
+def check_backend(options) -> bool:
     """Whether the backend the options name captures real graphs (it exists, or exit 2)."""
     from graphflow.engine import make_backend
 
@@ -170,7 +178,7 @@ def _check_backend(options) -> bool:
         raise CommandError(f"--backend {options.backend.value}: {err}") from err
 
 
-def _trace_dir(path: str) -> None:
+def trace_dir(path: str) -> None:
     """Made here, so a path that cannot hold the trace is a bad argument (exit 2), not a
     listener failing in the middle of the pipeline."""
     from pathlib import Path
@@ -182,7 +190,7 @@ def _trace_dir(path: str) -> None:
         raise CommandError(f"--trace {path}: cannot write there: {err.strerror or err}") from err
 
 
-def _close(session) -> None:
+def close(session) -> None:
     """Close the session; a teardown that failed is the job failing (exit 1)."""
     try:
         session.close()
@@ -192,7 +200,7 @@ def _close(session) -> None:
         raise CommandError("\n".join(lines), status=1) from err
 
 
-def _time_steps(engine, steps: int) -> dict:
+def time_steps(engine, steps: int) -> dict:
     """Median seconds per step, eager and graph, for each captured descriptor."""
     import statistics
 
@@ -225,7 +233,7 @@ def _loop(calls):
     return step
 
 
-def _document(path: str, engine, timings: dict, captured_s: float, total_s: float) -> dict:
+def report_document(path: str, engine, timings: dict, captured_s: float, total_s: float) -> dict:
     """The report as plain data: what ``--json`` prints and the text report draws."""
     report = engine.report
     verify = {r.descriptor: r for r in report.verify}
@@ -260,7 +268,7 @@ def _document(path: str, engine, timings: dict, captured_s: float, total_s: floa
     }
 
 
-def _print_report(document: dict) -> None:
+def print_report(document: dict) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table

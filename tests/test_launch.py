@@ -1,0 +1,106 @@
+"""``graphflow.launch``: N gloo ranks started by torch.distributed's elastic launcher.
+
+What the front end adds to elastic, each against real processes: a result per rank when
+one fails, the deadline, the caller's environment reaching ranks that come from a
+forkserver started earlier, the caller's signal handlers given back, and the rank setup
+(``graphflow.distributed.joined``) taking a process group that already exists as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from graphflow.launch import launch
+
+
+def _sleep_on_rank_1(ctx):
+    if ctx.rank == 1:
+        time.sleep(60)
+    return ctx.rank
+
+
+def _raise_on_rank_0(ctx):
+    if ctx.rank == 0:
+        raise ValueError("rank 0 refuses")
+    time.sleep(60)
+    return ctx.rank
+
+
+def _environment(ctx, name: str):
+    return os.environ.get(name), os.environ["RANK"], os.environ["LOCAL_RANK"]
+
+
+def _join_again(ctx):
+    """A rank's code that runs graphflow's rank setup inside a job whose group exists."""
+    import torch.distributed as dist
+
+    from graphflow.distributed import joined
+
+    group = dist.group.WORLD
+    with joined() as again:
+        seen = (again.rank, again.world_size, again.backend, str(again.device), dist.group.WORLD is group)
+    ones = torch.ones(1)
+    dist.all_reduce(ones)  # the group outlives the inner block
+    return seen, float(ones)
+
+
+def test_every_rank_returns_its_value():
+    ranks = launch(_join_again, 3, "gloo", timeout_s=60)
+    assert [r.ok for r in ranks] == [True] * 3, [r.traceback for r in ranks]
+    assert [r.value for r in ranks] == [((rank, 3, "gloo", "cpu", True), 3.0) for rank in range(3)]
+    assert all(r.elapsed_s > 0 for r in ranks)
+
+
+def test_a_rank_that_does_not_finish_is_killed_and_reported():
+    start = time.monotonic()
+    ranks = launch(_sleep_on_rank_1, 2, "gloo", timeout_s=3)
+    assert ranks[0].ok and ranks[0].value == 0
+    assert ranks[1].error == "TimeoutError: rank 1 did not finish within 3 s and was killed"
+    assert time.monotonic() - start < 15
+
+
+def test_a_rank_that_raises_reports_its_error_and_the_others_are_stopped():
+    start = time.monotonic()
+    ranks = launch(_raise_on_rank_0, 2, "gloo", timeout_s=60)
+    assert ranks[0].error == "ValueError: rank 0 refuses" and "_raise_on_rank_0" in ranks[0].traceback
+    assert ranks[1].error == "ProcessError: rank 1 was stopped when rank 0 failed (ValueError: rank 0 refuses)"
+    assert time.monotonic() - start < 30  # torchrun stopped rank 1; the deadline did not
+
+
+def test_ranks_see_the_callers_environment_of_each_launch(monkeypatch):
+    launch(_environment, 1, "gloo", args=("GRAPHFLOW_LAUNCH_PROBE",))  # the forkserver exists from here on
+    monkeypatch.setenv("GRAPHFLOW_LAUNCH_PROBE", "second")
+    ranks = launch(_environment, 2, "gloo", args=("GRAPHFLOW_LAUNCH_PROBE",))
+    assert [r.value for r in ranks] == [("second", "0", "0"), ("second", "1", "1")]
+
+
+def test_the_callers_signal_handlers_are_given_back():
+    def mine(signum, frame):
+        raise AssertionError("not called")
+
+    before = signal.signal(signal.SIGTERM, mine)
+    interrupt = signal.getsignal(signal.SIGINT)
+    try:
+        ranks = launch(_sleep_on_rank_1, 2, "gloo", timeout_s=2)
+        assert not ranks[1].ok
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGINT) is interrupt
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_nccl_without_enough_gpus_is_refused_before_starting():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    with pytest.raises(ValueError, match=r"^2 NCCL ranks need 2 GPUs, this machine has \d+"):
+        launch(_sleep_on_rank_1, 2, "nccl")
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match=r"^backend 'mpi' is not one of gloo, nccl$"):
+        launch(_sleep_on_rank_1, 2, "mpi")
