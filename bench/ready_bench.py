@@ -138,7 +138,9 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
                 want = _eager(runner, batch, inputs, descriptor)
                 for name, t in kept.items():
                     engine.buffers.tensors[name].copy_(t)
-            sync()
+            # Not a device-wide sync: one would wait for the stream the background captures on,
+            # which CUDA refuses while it captures.
+            torch.cuda.current_stream().synchronize() if torch.cuda.is_available() else None
             if first_step is None:
                 first_step = time.perf_counter()
             served += 1

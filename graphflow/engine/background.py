@@ -28,6 +28,11 @@ Why it is safe beside serving:
   records name its descriptor and segment, and the JIT tripwires fire only for a stream
   capturing in that thread.
 
+While a capture runs, the serving side must not synchronize the whole device
+(``torch.cuda.synchronize()``): that waits for the capturing stream, which CUDA refuses
+(``operation not permitted when stream is capturing``); synchronize its own stream
+(``torch.cuda.current_stream().synchronize()``) instead. The runtime itself never does.
+
 Limits: one rank and no channels (ranks would capture in orders their own traffic
 decides, and their barriers would disagree); capture them in the foreground.
 """
