@@ -485,17 +485,34 @@ def _stream_capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
+def _dispatch(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    inputs = self.watch.before(func, args, kwargs)
+    out = func(*args, **kwargs)
+    self.watch.after(func, out, inputs)
+    return out
+
+
 class _DispatchMode(TorchDispatchMode):
     def __init__(self, watch: _Watch):
         super().__init__()
         self.watch = watch
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = self.watch.before(func, args, kwargs)
-        out = func(*args, **kwargs)
-        self.watch.after(func, out, inputs)
-        return out
+
+class _DynamoSafeDispatchMode(_DispatchMode):
+    """The mode while TorchDynamo is loaded: compiled code may run under it, and Dynamo
+    must not trace the mode's own frames."""
+
+
+# Torch wraps every mode's __torch_dispatch__ to keep Dynamo out of it, and that wrapper
+# imports Dynamo on the first op (a second or more at start-up). Dynamo can only be
+# tracing once it is imported, so the plain function serves until then.
+_DispatchMode.__torch_dispatch__ = _dispatch
+_DynamoSafeDispatchMode.__torch_dispatch__ = torch._disable_dynamo(_dispatch, recursive=True)
+
+
+def _dispatch_mode(watch: _Watch) -> _DispatchMode:
+    return (_DynamoSafeDispatchMode if "torch._dynamo" in sys.modules else _DispatchMode)(watch)
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -600,7 +617,7 @@ class Detectors:
                 if watch.host_sync:
                     _patch_syncs(stack, watch)
                 stack.enter_context(_FunctionMode(watch))
-                stack.enter_context(_DispatchMode(watch))
+                stack.enter_context(_dispatch_mode(watch))
                 yield
         finally:
             watch.open = False
