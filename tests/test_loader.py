@@ -350,7 +350,8 @@ class TestErrors:
     @pytest.mark.parametrize("body, line, element, message", [
         ("segments:\n  - {name: a, kind: graph, call: a,\n     reeds: [x]}\n", 5, "segments[0] 'a'",
          "unknown key 'reeds' (did you mean 'reads'?); known keys: name, kind, call, reads, writes, stream, "
-         "channels, family, data_dependent, device, ranks, after, kernels"),
+         "channels, family, data_dependent, device, ranks, after, kernels, inputs, objects, constants, returns, "
+         "breaks"),
         ("segments:\n  - {name: a, kind: graph, call: a, writes: 5}\n", 4, "segments[0] 'a'.writes",
          "expected a list of buffer names, got int 5"),
         ("segments:\n  - {name: a, kind: graph, call: a, reads: [x, 3]}\n", 4, "segments[0] 'a'.reads",
@@ -377,7 +378,7 @@ class TestErrors:
         ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, values: [0]}\n", 4, "buffers 'x'.values",
          "expected two numbers [low, high), got 1 items"),
         ("buffers:\n  x: [1]\n", 4, "buffers 'x'",
-         "expected a mapping with keys shape, dtype, device, role, capacity, alias_of, values, got a list"),
+         "expected a mapping with keys shape, dtype, device, role, capacity, alias_of, values, adopt, pad, got a list"),
         ("streams: [s0]\n", 3, "streams", "expected a mapping of stream names to their fields, got a list"),
         ("families: [a, a]\n", 3, "families", "duplicate family name 'a' (first declared at line 3)"),
         ("for_each: {i: [1, 1]}\n", 3, "for_each.i", "values repeat: the elements using it would be declared twice"),
@@ -396,7 +397,7 @@ class TestErrors:
          5, "segments[0] 'a{i}{j}'", "i x j expand to more than 100000 copies"),
         ("graphflow_unused: 0\n", 3, None, "unknown key 'graphflow_unused' (did you mean 'graphflow'?); known keys: "
          "graphflow, name, model, model_args, world_size, symbols, for_each, families, streams, buffers, channels, "
-         "prewarm, segments, capture"),
+         "prewarm, segments, reference, capture"),
         ("symbols: [B]\n", 3, "symbols", "expected a mapping, got a list"),
         ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, capacity: 4}\n", 4, "buffers 'x'.capacity",
          "expected a mapping of symbols to the rows the buffer holds, got int 4"),
@@ -617,10 +618,11 @@ class TestSchema:
 
         defs = SCHEMA["$defs"]
         assert tuple(SCHEMA["properties"]) == loader._TOP_KEYS
-        for key, names in (("buffer", "shape dtype device role capacity alias_of values"), ("stream", "device"),
+        for key, names in (("buffer", "shape dtype device role capacity alias_of values adopt pad"), ("stream", "device"),
                            ("channel", "kind group id family warmup prewarm jit"), ("prewarm", "call per_size"),
                            ("segment", "name kind call reads writes stream channels family data_dependent device "
-                                       "ranks after kernels"),
+                                       "ranks after kernels inputs objects constants returns breaks"),
+                           ("reference", "call inputs objects constants returns"),
                            ("capture", "modes sizes size_symbol warmup_iters verify barrier_timeout_s")):
             assert tuple(defs[key]["properties"]) == tuple(names.split()), key
         assert defs["buffer"]["required"] == ["shape", "dtype", "device"]

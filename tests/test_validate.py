@@ -773,7 +773,7 @@ class TestUnusedStreams:
 def with_cache(rows: int) -> Plan:
     """The base plan plus a state cache of ``rows`` x 1024 float32 (its capacity), read by head."""
     plan = attrs.evolve(base(), buffers=[*base().buffers, buf("cache", ("B", 1024), role=BufferRole.STATE,
-                                                              dtype="float32", capacity={"B": rows})])
+                                                              dtype="float32", capacity={"B": rows}, pad="keep")])
     return replace_segment(plan, "head", reads=["x", "cache"])
 
 
