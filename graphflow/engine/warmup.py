@@ -17,6 +17,7 @@ from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, call_segment, run_eager
+from graphflow.engine.written import checking
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.plan import Descriptor, Segment
@@ -66,15 +67,18 @@ def check_findings(alloc: Allocation) -> None:
 
 
 def warmup(ctx: Context, alloc: Allocation) -> tuple[DescriptorTime, ...]:
-    """Per descriptor, largest first: the step eagerly ``warmup_iters`` times."""
+    """Per descriptor, largest first: the step eagerly ``warmup_iters`` times (the very
+    first step checked for unwritten outputs, ``graphflow.engine.written``)."""
     times = []
     runner = watched(ctx, alloc, Phase.WARMUP, capturing=False)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
     for index, descriptor in enumerate(ctx.descriptors, 1):
         with ctx.descriptor(descriptor, index) as block:
             step = eager_step(ctx, alloc, descriptor.size)
-            for _ in range(ctx.plan.capture.warmup_iters):
-                run_eager(ctx.backend, schedule, step, runner)
+            for iteration in range(ctx.plan.capture.warmup_iters):
+                # The first step also checks that every segment writes what it declares.
+                first = index == 1 and iteration == 0
+                run_eager(ctx.backend, schedule, step, checking(ctx, alloc, descriptor.size, runner) if first else runner)
             alloc.synchronize(ctx)
             check_findings(alloc)
         times.append(DescriptorTime(Phase.WARMUP, descriptor, block.seconds))
