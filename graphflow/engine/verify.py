@@ -17,6 +17,7 @@ from graphflow.engine.allocate import Allocation, step_items
 from graphflow.engine.capture import Captured
 from graphflow.engine.context import Context
 from graphflow.engine.execute import call_segment, run_eager
+from graphflow.engine.reference import check_reference, explain
 from graphflow.engine.warmup import DescriptorTime, eager_step
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
@@ -24,9 +25,9 @@ from graphflow.plan import BufferRole, Descriptor, Plan, Segment
 
 __all__ = ["VerifyResult", "verify"]
 
-#: What to do when replay differs from eager.
-HINT = ("replay differs from eager: look for data-dependent control flow or an undeclared buffer in the region; "
-        "mark such work eager, declare the buffer, or set capture.verify tolerances")
+#: What to do when replay differs from eager (``graphflow.engine.reference.explain`` says more).
+HINT = ("replay differs from eager: look for state outside the plan's buffers, data-dependent control flow or an "
+        "undeclared buffer in the region; declare the state or the buffer, or mark such work eager")
 
 
 @attrs.frozen
@@ -37,6 +38,8 @@ class VerifyResult:
     buffers: tuple[str, ...]
     max_abs_diff: float
     bit_exact: bool
+    #: What the replay was compared with: the plan's eager step, and the reference when the plan names one.
+    against: tuple[str, ...] = ("the eager step",)
 
 
 def verify(ctx: Context, alloc: Allocation, captured: Captured) -> tuple[tuple[VerifyResult, ...],
@@ -68,7 +71,12 @@ def verify(ctx: Context, alloc: Allocation, captured: Captured) -> tuple[tuple[V
                 else:
                     call()
             alloc.synchronize(ctx)
-            results.append(_compare(plan, descriptor, views, expected, last_writer))
+            try:
+                result = _compare(plan, descriptor, views, expected, last_writer)
+            except CaptureError as error:  # name the first segment that differs, and state outside the plan
+                raise explain(ctx, alloc, captured.programs, descriptor, start, expected, error)
+            against = check_reference(ctx, alloc, descriptor, start)  # the model's own step, when named
+            results.append(result if against is None else attrs.evolve(result, against=(against, *result.against)))
             _restore(views, kept)
             block.pool_bytes = captured.pool_bytes
         times.append(DescriptorTime(Phase.VERIFY, descriptor, block.seconds))
