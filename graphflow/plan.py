@@ -71,6 +71,7 @@ __all__ = [
     "Stream",
     "WarmupPolicy",
     "DTYPE_BYTES",
+    "PAD_KEEP",
     "alias_chain",
     "dataflow_edges",
     "eval_dim",
