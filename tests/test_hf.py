@@ -1,0 +1,114 @@
+"""Hugging Face models captured from their plans alone (examples/hf_*), on the CPU backend.
+
+Each example is a random-weight ``transformers`` model (nothing downloaded) with a
+``StaticCache`` the plan owns, and a plan that captures the model's own ``forward``:
+PIECEWISE with attention eager between graphs, or FULL. Greedy decoding through the
+runner must give exactly the tokens of Hugging Face's own decode loop. The CPU backend
+records no graph (its regions replay their calls); ``tests/cuda/test_cuda_hf.py`` runs
+the same on a GPU with real graphs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import sys
+
+import attrs
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from graphflow import load_plan  # noqa: E402
+from graphflow.engine import RunOptions  # noqa: E402
+from graphflow.errors import CaptureError  # noqa: E402
+from graphflow.session import Session  # noqa: E402
+from graphflow.validate import validate  # noqa: E402
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+#: example folder -> its module (the plan's factory)
+MODELS = {"hf_llama": "llama", "hf_deepseek_v3": "deepseek_v3"}
+STEPS = 32
+
+
+def example(name: str):
+    """The example's module (importable by name, as the plan's factory imports it) and its plan."""
+    folder = str(EXAMPLES / name)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return importlib.import_module(MODELS[name]), load_plan(EXAMPLES / name / "decode.yaml")
+
+
+def hf_greedy(module, prompt: torch.Tensor, steps: int, device="cpu") -> torch.Tensor:
+    """Hugging Face's own decode loop on the same weights: a fresh StaticCache, one token a call."""
+    model = module.build(device=device)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=module.MAX_LEN)
+    tokens = []
+    with torch.no_grad():
+        for i in range(prompt.shape[1]):
+            out = model(input_ids=prompt[:, i : i + 1], past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+            out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
+    return torch.cat(tokens, dim=1)
+
+
+def prompt_of(batch: int) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, 4), generator=torch.Generator().manual_seed(batch))
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_equal_hugging_faces_own_decode_loop(name, mode):
+    module, plan = example(name)
+    prompt = prompt_of(2)
+    with Session(plan.with_modes([mode]), RunOptions(backend="cpu", sizes=(2,))) as session:
+        session.capture()
+        assert session.engine.report.verify[0].bit_exact
+        got = module.generate(session.runner, prompt, STEPS)
+    want = hf_greedy(module, prompt, STEPS)
+    assert torch.equal(got, want)
+    assert len(set(want.flatten().tolist())) > 8  # a real sequence, not one token repeated
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_example_validates_clean_with_little_user_code(name):
+    _, plan = example(name)
+    assert validate(plan).diagnostics == ()
+    code = (EXAMPLES / name / f"{MODELS[name]}.py").read_text().splitlines()
+    assert len(code) < 40
+
+
+def test_a_padded_batch_leaves_the_cache_rows_it_does_not_use():
+    module, plan = example("hf_llama")
+    with Session(plan.with_modes(["FULL"]), RunOptions(backend="cpu", sizes=(2,))) as session:
+        session.capture()
+        runner = session.runner
+        runner.clear_state()
+        keys = session.engine.buffers.tensors["k0"]
+        keys[1].fill_(7.0)
+        assert runner.descriptor_for(1).size == 2
+        runner.run(tokens=torch.tensor([[5]]))
+        assert bool((keys[1] == 7.0).all()) and bool(keys[0].abs().sum() > 0)
+
+
+def test_a_static_cache_outside_the_plan_is_named_not_blamed_on_the_tolerance():
+    """The cache writes at its own counter and advances it on every call: replay decodes
+    the next position. Verify must say so, and not suggest a looser tolerance."""
+    module, plan = example("hf_llama")
+    kept = [b.name for b in plan.buffers if b.adopt is None]
+    segment = attrs.evolve(plan.segments[0], reads=(), writes=(), breaks=())
+    plan = attrs.evolve(plan, buffers=[plan.buffer(n) for n in kept], segments=[segment])
+    model = module.build()
+    model.cache = transformers.StaticCache(config=model.config, max_cache_len=module.MAX_LEN)
+    with pytest.raises(CaptureError) as info:
+        Session(plan.with_modes(["FULL"]), RunOptions(backend="cpu", sizes=(2,), detectors=False)).capture(model)
+    error = info.value
+    assert error.phase == "verify"
+    assert ("the step changed the model's tensors cache.layers.0.cumulative_length, cache.layers.0.keys, "
+            "cache.layers.0.values, cache.layers.1.cumulative_length and 2 more, which no plan buffer holds") \
+        in error.message
+    assert error.hint.startswith("make that state the plan's: declare a buffer per tensor with adopt (adopt: "
+                                 "'cache.layers.0.cumulative_length', role: state)")
+    assert "atol" not in error.hint
