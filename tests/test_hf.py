@@ -80,6 +80,17 @@ def test_each_example_validates_clean_with_little_user_code(name):
     assert len(code) < 40
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_decode_plan_writes_the_examples_yaml_from_the_model(name):
+    from graphflow.decorators import normalized
+    from graphflow.integrations.hf import decode_plan
+
+    module, plan = example(name)
+    written = decode_plan(module.build(), module.MAX_LEN, sizes=(1, 2, 4), name=plan.name,
+                          factory=f"{MODELS[name]}:build")
+    assert normalized(written) == normalized(plan)
+
+
 def test_a_padded_batch_leaves_the_cache_rows_it_does_not_use():
     module, plan = example("hf_llama")
     with Session(plan.with_modes(["FULL"]), RunOptions(backend="cpu", sizes=(2,))) as session:

@@ -289,6 +289,7 @@ class _Pieces:
         self.graphs = [torch.cuda.CUDAGraph(keep_graph=keep_graph)]
         self.between: list[Call] = []
         self._begin: tuple[tuple, dict] = ((), {})
+        self._steps: tuple[Call, ...] = ()
 
     def capture_begin(self, *pool, **options) -> None:
         self._begin = (pool, options)
@@ -323,14 +324,12 @@ class _Pieces:
         steps = [self.graphs[0].replay]
         for call, graph in zip(self.between, self.graphs[1:]):
             steps += [call, graph.replay]
-        steps = tuple(steps)
-
-        def replay() -> None:
-            for step in steps:
-                step()
-
-        self.replay = replay
+        self._steps = tuple(steps)
         return self
+
+    def replay(self) -> None:
+        for step in self._steps:
+            step()
 
 
 class CudaBackend(Backend):

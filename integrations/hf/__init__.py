@@ -15,11 +15,16 @@ batch size and points at the view of each descriptor's size. The counters are th
 state too: verify restores them, and a replay advances them exactly as the model's own
 decode loop does. Assign the cache to the model (``model.cache = ...``) so the plan can
 name it (``objects: {past_key_values: cache}``, ``adopt: "cache.layers.0.keys"``).
+
+``decode_plan(model, max_cache_len, sizes=...)`` writes the plan the examples spell in
+YAML (``examples/hf_llama/decode.yaml``) for any causal LM with a static cache: the
+cache's shapes are read off one eager step of the model itself, so nothing is computed
+by hand.
 """
 
 from __future__ import annotations
 
-__all__ = ["static_cache"]
+__all__ = ["decode_plan", "static_cache"]
 
 
 def static_cache(model, max_cache_len: int):
@@ -39,3 +44,48 @@ def static_cache(model, max_cache_len: int):
         layer.dtype, layer.device = parameter.dtype, parameter.device
         layer.is_initialized = True
     return cache
+
+
+def decode_plan(model, max_cache_len: int, *, sizes, modes=("PIECEWISE", "FULL"), device: str = "cuda:0",
+                name: str = "hf-decode", factory: str | None = None, cache: str = "cache",
+                breaks=("model.layers.*.self_attn",), warmup_iters: int = 2):
+    """The plan of one greedy decode step of ``model``: its own ``forward`` on ``tokens``
+    (``[B, 1]``), writing ``logits`` (``[B, 1, vocab]``), with the ``StaticCache`` at
+    attribute ``cache`` adopted (``k{i}``, ``v{i}``: a row per batch row, kept when
+    padded; ``len{i}``: its write position), cut at ``breaks`` when PIECEWISE.
+
+    The cache's per-layer shapes and dtypes, and the logits' dtype, come from one eager
+    step of the model on a throwaway cache at batch size 1. ``device`` is the plan's
+    device name (``cuda:0``; the CPU backend maps it). ``factory`` is the
+    ``module:function`` that rebuilds the model for ``graphflow run``.
+    """
+    import torch
+    from transformers import StaticCache
+
+    from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
+
+    probe = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    parameter = next(model.parameters())
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=parameter.device), past_key_values=probe,
+                    use_cache=True)
+    vocab = out.logits.shape[-1]
+
+    def dtype(tensor) -> str:
+        return str(tensor.dtype).removeprefix("torch.")
+
+    buffers = [Buffer("tokens", ("B", 1), "int64", device, role=BufferRole.INPUT, values=(0, vocab)),
+               Buffer("logits", ("B", 1, vocab), dtype(out.logits), device, role=BufferRole.OUTPUT)]
+    for index, layer in enumerate(probe.layers):
+        for prefix, tensor, attr in (("k", layer.keys, "keys"), ("v", layer.values, "values")):
+            buffers.append(Buffer(f"{prefix}{index}", ("B", *tensor.shape[1:]), dtype(tensor), device,
+                                  role=BufferRole.STATE, adopt=f"{cache}.layers.{index}.{attr}", pad="keep"))
+        buffers.append(Buffer(f"len{index}", (), "int64", device, role=BufferRole.STATE,
+                              adopt=f"{cache}.layers.{index}.cumulative_length"))
+    state = [f"{prefix}{index}" for prefix in ("k", "v", "len") for index in range(len(probe.layers))]
+    segment = Segment("decode", SegmentKind.GRAPH, "forward", reads=state, writes=state, stream="s0",
+                      inputs={"input_ids": "tokens"}, objects={"past_key_values": cache},
+                      constants={"use_cache": True}, returns=("logits",), breaks=tuple(breaks))
+    return Plan(name, buffers=buffers, streams=[Stream("s0", device)], segments=[segment], model=factory,
+                capture=CaptureSettings(modes=tuple(Mode(m) for m in modes), sizes=tuple(sizes),
+                                        warmup_iters=warmup_iters))
