@@ -779,7 +779,7 @@ def _padded(plan: Plan) -> str | None:
     count = max(captured, default=0) - len(captured)
     if count <= 0:
         return None
-    first = list(itertools.islice((b for b in itertools.count(1) if b not in captured), 3))
+    first = list(itertools.islice((b for b in range(1, max(captured)) if b not in captured), 3))
     return ", ".join(map(str, first)) + (f", … ({count} in all)" if count > len(first) else "")
 
 

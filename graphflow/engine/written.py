@@ -63,14 +63,13 @@ class _Mark:
         self.version, self.sentinel = version, sentinel
 
     def written(self, tensor: torch.Tensor, result: object) -> bool:
-        if tensor._version != self.version:
-            return True
+        moved = tensor._version != self.version
         if self.sentinel is None:  # read too: unchanged is fine, unless the update was returned instead
-            return _describe(result) is None
+            return moved or _describe(result) is None
         left = tensor.isnan() if self.sentinel != self.sentinel else tensor == self.sentinel
         if bool(left.any()):
             tensor.masked_fill_(left, 0)
-        return not bool(left.all())
+        return moved or not bool(left.all())
 
 
 def _mark(segment: Segment, name: str, tensor: torch.Tensor) -> _Mark:
