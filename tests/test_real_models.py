@@ -505,3 +505,41 @@ def test_with_modes_drops_the_sizes_of_modes_no_longer_captured():
     assert plan.with_modes(["FULL"]).capture.sizes_for(Mode.FULL) == (1, 2)
     assert plan.with_modes(["PIECEWISE"]).capture.sizes_for(Mode.PIECEWISE) == (1, 2, 4, 8)
     assert plan.with_modes(["PIECEWISE"]).capture.mode_sizes == {}
+
+
+class Routed(nn.Module):
+    """A model with a part no graph can hold: it reads a value on the host."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.route = Roll()
+
+    def forward(self, x):
+        return self.route(torch.tanh(self.fc(x)))
+
+
+class Roll(nn.Module):
+    def forward(self, h):
+        return h.roll(int(h.abs().argmax()) % h.shape[-1], dims=-1)  # a value read on the host
+
+
+class TestDataDependentBreaks:
+    @staticmethod
+    def routed_plan(mode):
+        return plan_of(Segment("step", G, "forward", inputs={"x": "x"}, returns=("y",), stream="s0",
+                               breaks=("route",)), modes=(mode,))
+
+    def test_piecewise_runs_the_break_eagerly_and_replays_what_the_model_computes(self):
+        model = Routed().eval()
+        with run_pipeline(self.routed_plan(Mode.PIECEWISE), CPU, model=model) as engine:
+            assert all(r.bit_exact for r in engine.report.verify)
+            x = torch.randn(3, 8)
+            assert torch.equal(Runner(engine).run(x=x)[0], model(x))
+
+    def test_full_captures_the_break_and_the_detectors_name_its_host_read(self):
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(self.routed_plan(Mode.FULL), CPU, model=Routed().eval())
+        assert info.value.phase == "warmup"
+        assert "[host_sync] step: aten._local_scalar_dense" in info.value.message

@@ -12,7 +12,8 @@ cut, and this module makes the cut:
    original.
 2. **warmup**: each break call runs the submodule and records its output's structure
    (tensor shapes, dtypes and the other values), keyed by its position in the
-   segment's call and its arguments' shapes.
+   segment's call and its arguments' shapes. For a PIECEWISE descriptor the detectors
+   let it read values on the host (``Detectors.eager``), as they let an eager segment.
 3. **capture**, PIECEWISE: at a break the wrapper asks the backend to ``cut``: the
    graph being recorded ends, outputs shaped like the recorded ones are allocated
    outside any graph, the next graph begins, and the wrapper returns those outputs to
@@ -130,8 +131,13 @@ class Splitter:
             if made is not None:
                 return made
         self._active = False  # a break inside this submodule is part of it
+        detectors = self._detectors()
+        # Run eagerly at replay (PIECEWISE), it may read values on the host, as an eager
+        # segment may; captured inside a FULL graph, it is watched like the rest.
+        eager = detectors is not None and (here.descriptor is None or here.descriptor.mode is Mode.PIECEWISE)
         try:
-            result = original(*args, **kwargs)
+            with detectors.eager() if eager else contextlib.nullcontext():
+                result = original(*args, **kwargs)
         finally:
             self._active = True
         if here.phase is Phase.WARMUP:
