@@ -342,9 +342,9 @@ def segment(name: str | None = None, *, reads: Iterable[str] = (), writes: Itera
     """Declare the method a capturable graph segment.
 
     The engine calls it as ``fn(*reads, *writes_not_in_reads)`` with buffer views, less
-    the buffers it passes by keyword (``inputs``: argument to buffer), fills from the
-    return value (``returns``) or the model holds (adopted), plus ``objects`` (argument
-    to a path on the root model) and ``constants`` by keyword. ``breaks`` names
+    the buffers it fills from the return value (``returns``) or the model holds
+    (adopted); with ``inputs`` (argument to buffer) it passes buffers by keyword only.
+    ``objects`` (argument to a path on the root model) and ``constants`` go by keyword. ``breaks`` names
     submodules (paths from the root model, ``*`` for any part) run eagerly between
     graphs in PIECEWISE capture. ``name`` (default: the call path) and every buffer,
     stream, channel and segment name may use the module's positions, e.g.
@@ -683,8 +683,8 @@ def _declarations(sites: list[_Site]) -> dict[str, _Table]:
 def _check_arity(call: _Call, segment: Segment, origin: Origin | None, adopted: set[str]) -> None:
     """The engine calls ``fn(*reads, *writes_not_in_reads)`` (less keyword, returned and
     adopted buffers) plus the keyword arguments: say so now if that cannot bind."""
-    skip = {*segment.inputs.values(), *segment.returns, *adopted}
-    names = [n for n in dict.fromkeys((*segment.reads, *segment.writes)) if n not in skip]
+    skip = {*segment.returns, *adopted}
+    names = [] if segment.inputs else [n for n in dict.fromkeys((*segment.reads, *segment.writes)) if n not in skip]
     keywords = {**dict.fromkeys(segment.inputs), **dict.fromkeys(segment.objects), **dict.fromkeys(segment.constants)}
     try:
         inspect.signature(call.fn).bind(None, *([None] * len(names)), **keywords)

@@ -304,10 +304,11 @@ class Segment:
     warms them before capture, and a cold one inside capture names the segment.
 
     The calling convention (``graphflow.engine.execute.bind``): the callable gets the
-    buffers of ``reads`` and then of ``writes`` not read, positionally, except those it
-    gets by keyword (``inputs``), those filled from its return value (``returns``) and
-    those the model holds itself (adopted); ``objects`` pass attributes of the model
-    (a cache object) and ``constants`` plain values by keyword. ``inputs`` buffers are
+    buffers of ``reads`` and then of ``writes`` not read, positionally, except those
+    filled from its return value (``returns``) and those the model holds itself
+    (adopted); a segment with ``inputs`` gets buffers by keyword only (argument name to
+    buffer). ``objects`` pass attributes of the model (a cache object) and
+    ``constants`` plain values by keyword. ``inputs`` buffers are
     reads and ``returns`` buffers are writes, listed or not. ``breaks`` names submodules
     (``model.layers.*.self_attn``) whose calls run eagerly between graphs when the
     segment is captured PIECEWISE (``graphflow.engine.split``); FULL captures them.

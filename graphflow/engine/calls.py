@@ -48,10 +48,11 @@ def reference(ctx: Context, model: object, adopted: Mapping[str, Adopted]) -> Se
 
 def _call(plan: Plan, spec: Segment | Reference, name: str, fn, model: object, adopted: Mapping[str, Adopted],
           split: Splitter | None, kind: str) -> SegmentCall:
-    by_keyword = set(spec.inputs.values())
     if isinstance(spec, Segment):
         touched = (*spec.reads, *(w for w in spec.writes if w not in spec.reads))
-        positional = tuple(n for n in touched if n not in by_keyword and n not in spec.returns and n not in adopted)
+        # Called by keyword, a segment gets its buffers by keyword only: the rest it
+        # returns or reaches through the model.
+        positional = () if spec.inputs else tuple(n for n in touched if n not in spec.returns and n not in adopted)
     else:
         touched = tuple(dict.fromkeys((*spec.inputs.values(), *spec.returns)))
         touched += tuple(n for n in adopted if n not in touched)  # the model's own step reaches all of them
