@@ -287,9 +287,25 @@ class Channel:
 
 
 _NAMES = {what: Items(_NAME, what) for what in ("buffer names", "channel names", "segment names", "JIT kernel names")}
-_INPUTS = Table(_KEYWORD, _NAME, "keyword arguments to buffer names")
-_OBJECTS = Table(_KEYWORD, _PATH, "keyword arguments to attribute paths on the model")
-_CONSTANTS = Table(_KEYWORD, Data(), "keyword arguments to plain values")
+#: What a call by keyword (a segment's, the reference's) passes, by field: the kind and its doc.
+_BY_KEYWORD = {
+    "inputs": (Table(_KEYWORD, _NAME, "keyword arguments to buffer names"),
+               "buffers passed by keyword: argument name to buffer"),
+    "objects": (Table(_KEYWORD, _PATH, "keyword arguments to attribute paths on the model"),
+                "model attributes passed by keyword (a cache object): argument name to path"),
+    "constants": (Table(_KEYWORD, Data(), "keyword arguments to plain values"),
+                  "plain values passed by keyword: argument name to value"),
+}
+
+
+def _by_keyword(name: str):
+    kind, doc = _BY_KEYWORD[name]
+    return field(kind, factory=dict, hash=False, doc=doc)
+
+
+def _returns(what: str):
+    return field(_NAMES["buffer names"], default=(),
+                 doc=f"buffers {what} (a tensor, a tuple in order, or a mapping or object by the buffers' names)")
 
 
 @attrs.frozen
@@ -329,15 +345,10 @@ class Segment:
     after: tuple[str, ...] = field(_NAMES["segment names"], default=(), doc="segments it must follow")
     kernels: tuple[str, ...] = field(_NAMES["JIT kernel names"], default=(),
                                      doc="the JIT kernels it launches (graphflow.jit), for prewarm")
-    inputs: Mapping[str, str] = field(_INPUTS, factory=dict, hash=False,
-                                      doc="buffers passed by keyword: argument name to buffer")
-    objects: Mapping[str, str] = field(_OBJECTS, factory=dict, hash=False,
-                                       doc="model attributes passed by keyword (a cache object): argument name to path")
-    constants: Mapping[str, object] = field(_CONSTANTS, factory=dict, hash=False,
-                                            doc="plain values passed by keyword: argument name to value")
-    returns: tuple[str, ...] = field(_NAMES["buffer names"], default=(),
-                                     doc="buffers filled from what the callable returns (a tensor, a tuple in order, "
-                                         "or a mapping or object by the buffers' names)")
+    inputs: Mapping[str, str] = _by_keyword("inputs")
+    objects: Mapping[str, str] = _by_keyword("objects")
+    constants: Mapping[str, object] = _by_keyword("constants")
+    returns: tuple[str, ...] = _returns("filled from what the callable returns")
     breaks: tuple[str, ...] = field(Items(_PATTERN, "submodule paths"), default=(),
                                     doc="submodules run eagerly between graphs in PIECEWISE capture")
 
@@ -371,15 +382,10 @@ class Reference:
     """
 
     call: str = field(_NAME, doc="an attribute path on the model, e.g. forward")
-    inputs: Mapping[str, str] = field(_INPUTS, factory=dict, hash=False,
-                                      doc="buffers passed by keyword: argument name to buffer")
-    objects: Mapping[str, str] = field(_OBJECTS, factory=dict, hash=False,
-                                       doc="model attributes passed by keyword: argument name to path")
-    constants: Mapping[str, object] = field(_CONSTANTS, factory=dict, hash=False,
-                                            doc="plain values passed by keyword: argument name to value")
-    returns: tuple[str, ...] = field(_NAMES["buffer names"], default=(),
-                                     doc="the buffers its return value is compared with (a tensor, a tuple in order, "
-                                         "or a mapping or object by the buffers' names)")
+    inputs: Mapping[str, str] = _by_keyword("inputs")
+    objects: Mapping[str, str] = _by_keyword("objects")
+    constants: Mapping[str, object] = _by_keyword("constants")
+    returns: tuple[str, ...] = _returns("its return value is compared with")
 
 
 @attrs.frozen

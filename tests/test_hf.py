@@ -10,10 +10,6 @@ the same on a GPU with real graphs.
 
 from __future__ import annotations
 
-import importlib
-import pathlib
-import sys
-
 import attrs
 import pytest
 import torch
@@ -24,34 +20,11 @@ from graphflow import load_plan  # noqa: E402
 from graphflow.engine import RunOptions  # noqa: E402
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.session import Session  # noqa: E402
+from graphflow.integrations.hf import greedy  # noqa: E402
 from graphflow.validate import validate  # noqa: E402
+from tests.hf_examples import EXAMPLES, MODELS, example, hf_greedy  # noqa: E402
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-#: example folder -> its module (the plan's factory)
-MODELS = {"hf_llama": "llama", "hf_deepseek_v3": "deepseek_v3"}
 STEPS = 32
-
-
-def example(name: str):
-    """The example's module (importable by name, as the plan's factory imports it) and its plan."""
-    folder = str(EXAMPLES / name)
-    if folder not in sys.path:
-        sys.path.append(folder)
-    return importlib.import_module(MODELS[name]), load_plan(EXAMPLES / name / "decode.yaml")
-
-
-def hf_greedy(module, prompt: torch.Tensor, steps: int, device="cpu") -> torch.Tensor:
-    """Hugging Face's own decode loop on the same weights: a fresh StaticCache, one token a call."""
-    model = module.build(device=device)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=module.MAX_LEN)
-    tokens = []
-    with torch.no_grad():
-        for i in range(prompt.shape[1]):
-            out = model(input_ids=prompt[:, i : i + 1], past_key_values=cache, use_cache=True)
-        for _ in range(steps):
-            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
-            out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
-    return torch.cat(tokens, dim=1)
 
 
 def prompt_of(batch: int) -> torch.Tensor:
@@ -66,7 +39,7 @@ def test_greedy_tokens_equal_hugging_faces_own_decode_loop(name, mode):
     with Session(plan.with_modes([mode]), RunOptions(backend="cpu", sizes=(2,))) as session:
         session.capture()
         assert session.engine.report.verify[0].bit_exact
-        got = module.generate(session.runner, prompt, STEPS)
+        got = greedy(session.runner, prompt, STEPS)
     want = hf_greedy(module, prompt, STEPS)
     assert torch.equal(got, want)
     assert len(set(want.flatten().tolist())) > 8  # a real sequence, not one token repeated

@@ -19,14 +19,3 @@ def build(device="cpu", seed=0):
     model.cache = static_cache(model, MAX_LEN)  # tensors: the plan's buffers
     return model
 
-
-def generate(runner, prompt, steps):
-    """Greedy decoding on the captured step: the prompt one token a step, then ``steps`` new tokens."""
-    runner.clear_state()  # an empty cache: position 0
-    for i in range(prompt.shape[1]):
-        (logits,) = runner.run(tokens=prompt[:, i : i + 1])
-    tokens = []
-    for _ in range(steps):
-        tokens.append(logits[:, -1].argmax(-1, keepdim=True))
-        (logits,) = runner.run(tokens=tokens[-1])
-    return torch.cat(tokens, dim=1)

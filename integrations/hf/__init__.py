@@ -19,12 +19,12 @@ name it (``objects: {past_key_values: cache}``, ``adopt: "cache.layers.0.keys"``
 ``decode_plan(model, max_cache_len, sizes=...)`` writes the plan the examples spell in
 YAML (``examples/hf_llama/decode.yaml``) for any causal LM with a static cache: the
 cache's shapes are read off one eager step of the model itself, so nothing is computed
-by hand.
+by hand. ``greedy(runner, prompt, steps)`` decodes greedily on the captured step.
 """
 
 from __future__ import annotations
 
-__all__ = ["decode_plan", "static_cache"]
+__all__ = ["decode_plan", "greedy", "static_cache"]
 
 
 def static_cache(model, max_cache_len: int):
@@ -89,3 +89,19 @@ def decode_plan(model, max_cache_len: int, *, sizes, modes=("PIECEWISE", "FULL")
     return Plan(name, buffers=buffers, streams=[Stream("s0", device)], segments=[segment], model=factory,
                 capture=CaptureSettings(modes=tuple(Mode(m) for m in modes), sizes=tuple(sizes),
                                         warmup_iters=warmup_iters))
+
+
+def greedy(runner, prompt, steps: int):
+    """Greedy decoding on a captured decode step (a plan's ``tokens`` in, ``logits`` out):
+    from an empty cache, the prompt ``[B, P]`` one token a step, then ``steps`` new
+    tokens, returned as ``[B, steps]``."""
+    import torch
+
+    runner.clear_state()  # an empty cache: position 0
+    for i in range(prompt.shape[1]):
+        (logits,) = runner.run(tokens=prompt[:, i : i + 1])
+    tokens = []
+    for _ in range(steps):
+        tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+        (logits,) = runner.run(tokens=tokens[-1])
+    return torch.cat(tokens, dim=1)

@@ -11,45 +11,20 @@ use, and closing the session must give the GPU memory back.
 from __future__ import annotations
 
 import gc
-import importlib
-import pathlib
-import sys
 
 import pytest
 import torch
 
-from graphflow import load_plan
 from graphflow.engine import RunOptions
+from graphflow.integrations.hf import greedy
 from graphflow.session import Session
+from tests.hf_examples import MODELS, example, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.cuda
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
-MODELS = {"hf_llama": "llama", "hf_deepseek_v3": "deepseek_v3"}
 STEPS = 32
-
-
-def example(name: str):
-    folder = str(EXAMPLES / name)
-    if folder not in sys.path:
-        sys.path.append(folder)
-    return importlib.import_module(MODELS[name]), load_plan(EXAMPLES / name / "decode.yaml")
-
-
-def hf_greedy(module, prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    """Hugging Face's own decode loop on the same weights: a fresh StaticCache, one token a call."""
-    model = module.build(device="cuda:0")
-    cache = transformers.StaticCache(config=model.config, max_cache_len=module.MAX_LEN)
-    tokens = []
-    with torch.no_grad():
-        for i in range(prompt.shape[1]):
-            out = model(input_ids=prompt[:, i : i + 1], past_key_values=cache, use_cache=True)
-        for _ in range(steps):
-            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
-            out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
-    return torch.cat(tokens, dim=1)
 
 
 @pytest.fixture(scope="module", params=[(n, m) for n in sorted(MODELS) for m in ("PIECEWISE", "FULL")],
@@ -78,7 +53,7 @@ class TestCudaHuggingFace:
     def test_32_greedy_tokens_equal_hugging_faces_own_decode_loop(self, captured, batch):
         module, session, _ = captured
         prompt = torch.randint(0, 128, (batch, 4), generator=torch.Generator().manual_seed(batch)).cuda()
-        got = module.generate(session.runner, prompt, STEPS)
+        got = greedy(session.runner, prompt, STEPS)
         assert torch.equal(got, hf_greedy(module, prompt, STEPS))
 
     def test_a_batch_of_3_on_the_b4_graph_leaves_cache_row_3(self, captured):
@@ -102,7 +77,7 @@ def test_closing_gives_the_gpu_memory_back(mode):
     before = torch.cuda.memory_allocated()
     with Session(plan.with_modes([mode]), RunOptions(backend="cuda")) as session:
         session.capture()
-        module.generate(session.runner, torch.zeros(2, 2, dtype=torch.long, device="cuda:0"), 4)
+        greedy(session.runner, torch.zeros(2, 2, dtype=torch.long, device="cuda:0"), 4)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
