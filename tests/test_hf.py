@@ -16,7 +16,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from graphflow import load_plan  # noqa: E402
 from graphflow.engine import RunOptions  # noqa: E402
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.session import Session  # noqa: E402

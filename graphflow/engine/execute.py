@@ -87,6 +87,8 @@ class SegmentCall:
     split: object | None = None
 
     def __call__(self, *args, **kwargs):
+        """The function itself, called as given (a benchmark calling a segment's function
+        on buffers of its own); the engine binds it instead."""
         return self.fn(*args, **kwargs)
 
     def bind(self, views: Mapping[str, torch.Tensor]) -> Call:

@@ -28,7 +28,7 @@ from graphflow.engine.allocate import Allocation, step_items
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, returned
 from graphflow.errors import CaptureError
-from graphflow.plan import BufferRole, CaptureRegion, Descriptor, Segment
+from graphflow.plan import BufferRole, Descriptor, Segment
 
 __all__ = ["check_reference", "explain", "mutated"]
 
@@ -81,7 +81,19 @@ def explain(ctx: Context, alloc: Allocation, programs: Mapping[Descriptor, tuple
             error: CaptureError) -> CaptureError:
     """``error`` (replay differs from the eager step) with the first segment that
     differs, the undeclared state the step mutates, and tolerance advice only for float
-    noise. Leaves the buffers unspecified (verify restores the state after)."""
+    noise. Leaves the buffers unspecified (verify restores the state after). Should the
+    diagnosis itself fail, ``error`` comes back as it was, with a note saying why."""
+    try:
+        return _explain(ctx, alloc, programs, descriptor, start, expected, error)
+    except Exception as failure:  # noqa: BLE001 - the mismatch is the error to report; its diagnosis is extra
+        error.add_note(f"graphflow could not find the first segment that differs: {type(failure).__name__}: "
+                       f"{failure}")
+        return error
+
+
+def _explain(ctx: Context, alloc: Allocation, programs: Mapping[Descriptor, tuple], descriptor: Descriptor,
+             start: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+             error: CaptureError) -> CaptureError:
     views = alloc.buffers.views(descriptor.size)
     diff, scale, like = _largest(ctx.plan, expected, views)  # the buffers hold the replay's results now
     first = _bisect(ctx, alloc, programs[descriptor], descriptor, views, start)
