@@ -290,22 +290,29 @@ class _Pieces:
         self.between: list[Call] = []
         self._begin: tuple[tuple, dict] = ((), {})
         self._steps: tuple[Call, ...] = ()
+        self._capturing = False
 
     def capture_begin(self, *pool, **options) -> None:
         self._begin = (pool, options)
         self.graphs[-1].capture_begin(*pool, **options)
+        self._capturing = True
 
     def capture_end(self) -> None:
-        self.graphs[-1].capture_end()
+        # After a cut that failed between two pieces nothing is capturing: the failure,
+        # not a second capture_end, is what the caller must see.
+        if self._capturing:
+            self.graphs[-1].capture_end()  # when this raises, the capture may be open still: a retry ends it
+            self._capturing = False
 
     def cut(self, between: Callable[[], tuple[Call, object]]) -> object:
-        self.graphs[-1].capture_end()
+        self.capture_end()
         call, value = between()
         self.between.append(call)
         graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph)
         self.graphs.append(graph)
         pool, options = self._begin
         graph.capture_begin(*pool, **options)
+        self._capturing = True
         return value
 
     def instantiate(self) -> None:
@@ -315,7 +322,8 @@ class _Pieces:
     def reset(self) -> None:
         for graph in self.graphs:
             graph.reset()
-        self.between.clear()
+        self.between.clear()  # the eager calls hold the kept arguments and outputs: let them go
+        self._steps = ()
 
     def result(self):
         """The captured graph: the one ``CUDAGraph`` itself when never cut, else this."""
