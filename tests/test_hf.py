@@ -95,3 +95,26 @@ def test_a_static_cache_outside_the_plan_is_named_not_blamed_on_the_tolerance():
     assert error.hint.startswith("make that state the plan's: declare a buffer per tensor with adopt (adopt: "
                                  "'cache.layers.0.cumulative_length', role: state)")
     assert "atol" not in error.hint
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_replaying_only_what_was_recorded_and_the_eager_attentions_decodes_like_hf(name, mode):
+    """A stand-in for CUDA capture (tests/tape_backend.py) replays the ops each piece
+    recorded and none of their Python, with the attention eager between PIECEWISE's
+    pieces: the split protocol and the adopted cache end to end, without a GPU."""
+    from tests.tape_backend import TapeBackend
+
+    module, plan = example(name)
+    prompt = prompt_of(2)
+    # The tape keeps every tensor it recorded alive (its stand-in for graph memory), which
+    # the escape check would take for the segment's own leaks.
+    with Session(plan.with_modes([mode]), RunOptions(sizes=(2,), disabled_checks=["escape"])) as session:
+        session.capture(backend=TapeBackend())
+        (program,) = session.engine.programs.values()
+        pieces = program[0].__self__
+        # PIECEWISE is cut at both layers' self_attn; FULL records the whole forward
+        assert (len(pieces.tapes), len(pieces.between)) == ((3, 2) if mode == "PIECEWISE" else (1, 0))
+        assert session.engine.report.verify[0].bit_exact
+        got = greedy(session.runner, prompt, STEPS)
+    assert torch.equal(got, hf_greedy(module, prompt, STEPS))
