@@ -336,6 +336,12 @@ class TestBreaks:
         assert ("breaks pattern 'layers.*.self_attn' of segment step matches no submodule of the model — write a "
                 "path such as model.layers.*.self_attn") in info.value.message
 
+    def test_show_says_where_a_segment_is_cut(self):
+        from graphflow.render import format_summary, summarize
+
+        text = format_summary(summarize(self.broken_plan("act")))
+        assert "  step breaks at act: one more graph per call, the call eager between" in text
+
     def test_a_rollback_unwraps_too(self):
         class Off(MLP):
             def reference(self, x):
