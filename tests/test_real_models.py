@@ -549,3 +549,24 @@ class TestDataDependentBreaks:
             run_pipeline(self.routed_plan(Mode.FULL), CPU, model=Routed().eval())
         assert info.value.phase == "warmup"
         assert "[host_sync] step: aten._local_scalar_dense" in info.value.message
+
+
+class TestToleranceAdvice:
+    def test_float_noise_gets_the_tolerance_advice_last_and_a_real_difference_none(self):
+        class Noisy(nn.Module):
+            def __init__(self, scale):
+                super().__init__()
+                self.scale = scale
+
+            def head(self, x, y):  # a different rounding at each run, of the size the scale says
+                y.copy_(x + self.scale * torch.rand_like(x))
+
+        plan = plan_of(Segment("head", G, "head", reads=("x",), writes=("y",), stream="s0"))
+        with pytest.raises(CaptureError) as noise:
+            run_pipeline(plan, CPU, model=Noisy(1e-6))
+        assert noise.value.segment == "head"
+        assert noise.value.hint.split("; ")[-1].startswith("only if differences of ")
+        assert noise.value.hint.endswith("are float rounding you accept, set capture.verify atol/rtol")
+        with pytest.raises(CaptureError) as real:
+            run_pipeline(plan, CPU, model=Noisy(1.0))
+        assert "atol" not in real.value.hint
