@@ -41,6 +41,7 @@ from graphflow.plan import (
     Mode,
     Plan,
     Prewarm,
+    Reference,
     Segment,
     SegmentKind,
     Stream,
@@ -55,6 +56,7 @@ _LAZY = {
     "Engine": "graphflow.engine",
     "run_pipeline": "graphflow.engine",
     "Runner": "graphflow.runtime",
+    "Session": "graphflow.session",
 }
 
 
@@ -68,7 +70,7 @@ def __getattr__(name: str):
 __all__ = [
     "Buffer", "BufferRole", "CaptureError", "CaptureRegion", "CaptureSettings", "Channel",
     "ChannelKind", "Descriptor", "Diagnostic", "DivergenceError", "Family", "GraphflowError",
-    "Mode", "Plan", "PlanError", "Prewarm", "Report", "Segment", "SegmentKind", "Severity",
+    "Mode", "Plan", "PlanError", "Prewarm", "Reference", "Report", "Segment", "SegmentKind", "Severity",
     "Stream", "WarmupPolicy", "dump_plan", "load_plan", "loads_plan", "validate",
     "buffer", "channel", "eager_break", "plan_from_module", "position", "prewarm", "segment", "step",
     "stream",

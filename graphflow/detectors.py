@@ -332,8 +332,11 @@ class _Watch:
         # address -> _Birth when tracking escapes, else None: storages made by ops here
         self.created: dict[int, _Birth | None] = {}
         self.flagged: set[int] = set()
+        self.eager = 0  # inside ``Detectors.eager()``: work that runs eagerly at replay too
 
     def record(self, check: Check, call: str, message: str, locate: bool = True) -> None:
+        if self.eager and check is Check.HOST_SYNC:
+            return
         if locate:
             call = _at(call, _user_frame())
         self.owner._add(Finding(check, self.segment, call, message, self.phase))
@@ -593,6 +596,7 @@ class Detectors:
         self._known = _Known()
         self._known.add(known)
         self._kinds: dict[int, _OpKind] = {}  # id(op overload) -> kind; overloads live forever
+        self._watch: _Watch | None = None  # the watch open now, for ``eager``
 
     def add_known(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count these tensors (and every view of their storage) as declared."""
@@ -612,6 +616,7 @@ class Detectors:
             yield
             return
         watch = _Watch(self, segment, phase, capturing, device)
+        self._watch = watch
         try:
             with contextlib.ExitStack() as stack:
                 if watch.host_sync:
@@ -621,8 +626,24 @@ class Detectors:
                 yield
         finally:
             watch.open = False
+            self._watch = None
         if watch.escape:
             watch.check_escapes()
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Inside the segment being watched, work that runs eagerly at replay as well (a
+        submodule a segment breaks at, ``graphflow.engine.split``): it may read values
+        on the host and synchronize, as an eager segment may; every other check holds."""
+        watch = self._watch
+        if watch is None:
+            yield
+            return
+        watch.eager += 1
+        try:
+            yield
+        finally:
+            watch.eager -= 1
 
     def clear(self) -> None:
         self.findings.clear()

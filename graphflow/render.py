@@ -288,6 +288,10 @@ def _regions_section(plan: Plan, mode: Mode, n_sizes: int) -> Section:
                 lines.append(f"  ... {len(regions) - _REGIONS_SHOWN - 1} more")
             else:
                 lines.append("  " + _region_line(region))
+        cut = [s for s in plan.segments if s.is_graph and s.breaks]
+        for segment in cut:  # how many calls a break gets is known only once the model runs
+            lines.append(f"  {segment.name} breaks at {', '.join(segment.breaks)}: one more graph per call, the "
+                         "call eager between")
     else:
         for region in regions:
             segments = [plan.segment(name) for name in region.segments]

@@ -26,6 +26,7 @@ import collections
 import enum
 import functools
 import inspect
+import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -347,6 +348,12 @@ def undeclared_buffers(plan: Plan) -> Iterator[Finding]:
             yield Finding("buffer", buffer.name,
                           f"buffer '{buffer.name}' is an alias of '{buffer.alias_of}', which is not declared",
                           "declare the target buffer or fix alias_of")
+    reference = plan.reference
+    if reference is not None:
+        for name in dict.fromkeys((*reference.inputs.values(), *reference.returns)):
+            if plan.buffer(name) is None:
+                yield Finding("reference", None, f"'{name}' is named by the reference {reference.call} but no buffer "
+                              f"'{name}' is declared", "declare it under buffers or fix the name", at="reference")
 
 
 @_rule("GF102", Severity.ERROR, "undeclared stream")
@@ -561,6 +568,45 @@ def bad_ranks(plan: Plan) -> Iterator[Finding]:
                           "list its ranks, or drop `ranks` to run on every rank")
 
 
+@_rule("GF114", Severity.ERROR, "keyword argument given twice")
+def repeated_keywords(plan: Plan) -> Iterator[Finding]:
+    """A segment or the reference passes one keyword argument from two of ``inputs``,
+    ``objects`` and ``constants``.
+
+    Only one value could reach the callable; which one the author meant is a guess.
+
+    Fix: give each argument in one place.
+    """
+    calls = [("segment", s.name, s, None) for s in plan.segments]
+    if plan.reference is not None:
+        calls.append(("reference", None, plan.reference, "reference"))
+    for kind, name, call, at in calls:
+        given: dict[str, str] = {}
+        for where in ("inputs", "objects", "constants"):
+            for keyword in getattr(call, where):
+                if keyword in given:
+                    yield Finding(kind, name, f"argument '{keyword}' of {call.call} is given by {given[keyword]} "
+                                  f"and by {where}", f"keep '{keyword}' in one of them", at=at)
+                given.setdefault(keyword, where)
+
+
+@_rule("GF115", Severity.WARNING, "breaks on an eager segment")
+def eager_breaks(plan: Plan) -> Iterator[Finding]:
+    """An eager segment names ``breaks``.
+
+    Breaks split a graph segment's PIECEWISE capture at submodule calls; an eager
+    segment runs all of its work eagerly already, so they change nothing, and usually
+    the segment was meant to be a graph segment.
+
+    Fix: make the segment ``kind: graph``, or drop ``breaks``.
+    """
+    for segment in plan.segments:
+        if segment.breaks and not segment.is_graph:
+            yield Finding("segment", segment.name, f"{_describe(segment)} names breaks "
+                          f"({_names(segment.breaks)}), which only split graph segments",
+                          "make it kind: graph, or drop breaks")
+
+
 # -- dataflow: GF2xx -----------------------------------------------------------------------
 
 
@@ -724,6 +770,107 @@ def unused_buffers(plan: Plan) -> Iterator[Finding]:
             for storage in plan.alias_chain(name)}
     yield from _unused("buffer", plan.buffers, used, "buffer '{}' is read or written by no segment",
                        "use it in a segment's reads or writes, or remove it")
+
+
+def _padded(plan: Plan) -> str | None:
+    """The batch sizes that run padded on a larger descriptor (those no captured mode
+    captures), as a short phrase; None when every batch size is captured."""
+    captured = set(_sizes(plan))
+    count = max(captured, default=0) - len(captured)
+    if count <= 0:
+        return None
+    first = list(itertools.islice((b for b in range(1, max(captured)) if b not in captured), 3))
+    return ", ".join(map(str, first)) + (f", … ({count} in all)" if count > len(first) else "")
+
+
+@_rule("GF206", Severity.WARNING, "batch-indexed state without a padding rule")
+def unpadded_state(plan: Plan) -> Iterator[Finding]:
+    """A ``state`` buffer has a dimension of the size symbol (one row per batch row) and
+    no ``pad`` rule, while some batch sizes run padded on a larger descriptor.
+
+    A batch of 3 replayed on the B=4 graph also runs row 3, which writes row 3 of the
+    state: the KV cache of whatever sequence owns that row is overwritten by padding.
+
+    Fix: declare ``pad: keep`` (the runtime saves the padded rows and puts them back
+    after the step), or index the state through an input whose padded rows point at a
+    scratch slot (``pad: N`` on that input), or capture every size.
+    """
+    padded = _padded(plan)
+    if not padded:
+        return
+    for buffer in plan.buffers:
+        if buffer.role is BufferRole.STATE and buffer.pad is None and plan.capture.size_symbol in buffer.symbols():
+            yield Finding("buffer", buffer.name,
+                          f"state buffer '{buffer.name}' has a row per batch row, and batches of "
+                          f"{padded} run padded: the padded rows write its rows",
+                          "declare pad: keep, or index it through an input with a scratch slot (pad: N)")
+
+
+@_rule("GF207", Severity.ERROR, "padding rule that does not apply")
+def misplaced_padding(plan: Plan) -> Iterator[Finding]:
+    """A buffer's ``pad`` does not fit it: ``keep`` on a buffer that is not ``state``, a
+    number on a buffer that is not an ``input``, or any rule on a buffer without a
+    dimension of the size symbol (it has no padded rows).
+
+    The runtime would never apply it, so the protection the author relied on is absent.
+
+    Fix: ``pad: keep`` on batch-indexed state, ``pad: N`` on batch-indexed inputs (a
+    scratch slot, a pad token), nothing elsewhere.
+    """
+    for buffer in plan.buffers:
+        if buffer.pad is None:
+            continue
+        if plan.capture.size_symbol not in buffer.symbols():
+            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' declares pad: {buffer.pad} but its shape "
+                          f"{list(buffer.shape)} has no {plan.capture.size_symbol} dimension, so no padded rows",
+                          "drop pad")
+        elif buffer.pad == "keep" and buffer.role is not BufferRole.STATE:
+            yield Finding("buffer", buffer.name, f"pad: keep on {buffer.role.value} buffer '{buffer.name}': only state "
+                          "persists across steps", "use pad: keep on state buffers; give an input a number")
+        elif buffer.pad != "keep" and buffer.role is not BufferRole.INPUT:
+            yield Finding("buffer", buffer.name, f"pad: {buffer.pad:g} on {buffer.role.value} buffer "
+                          f"'{buffer.name}': only inputs are filled by the runtime",
+                          "give the number to the input whose padded rows it fills, or use pad: keep on state")
+
+
+@_rule("GF208", Severity.ERROR, "bad adoption")
+def bad_adoption(plan: Plan) -> Iterator[Finding]:
+    """Two buffers adopt one tensor of the model, or an alias adopts one.
+
+    One tensor would be two buffers whose writes the DAG versions separately (their
+    order becomes undefined); an alias has no storage of its own to adopt.
+
+    Fix: adopt each tensor once, into a buffer without ``alias_of``.
+    """
+    seen: dict[str, str] = {}
+    for buffer in plan.buffers:
+        if buffer.adopt is None:
+            continue
+        if buffer.alias_of is not None:
+            yield Finding("buffer", buffer.name, f"alias '{buffer.name}' adopts {buffer.adopt}",
+                          "adopt it into the buffer that owns the storage")
+        if buffer.adopt in seen:
+            yield Finding("buffer", buffer.name, f"buffers '{seen[buffer.adopt]}' and '{buffer.name}' both adopt "
+                          f"{buffer.adopt}", "adopt it into one buffer and read the others through alias_of")
+        seen.setdefault(buffer.adopt, buffer.name)
+
+
+@_rule("GF209", Severity.ERROR, "reference output the step never writes")
+def unwritten_reference(plan: Plan) -> Iterator[Finding]:
+    """The reference's ``returns`` names a buffer that no segment writes.
+
+    Verify compares what the replay left in that buffer with the reference's output:
+    with no writer, the replay never changes it, and the comparison says nothing.
+
+    Fix: name buffers the step writes (its outputs), or write the buffer in a segment.
+    """
+    if plan.reference is None:
+        return
+    written = {plan.storage(w) for s in plan.segments for w in s.writes if plan.buffer(w) is not None}
+    for name in dict.fromkeys(plan.reference.returns):
+        if plan.buffer(name) is not None and plan.storage(name) not in written:
+            yield Finding("reference", None, f"the reference's output '{name}' is written by no segment",
+                          "compare a buffer the step writes, or write it in a segment", at="reference")
 
 
 def _unused(kind: str, elements: Iterable, used: set, message: str, fix: str) -> Iterator[Finding]:
@@ -917,6 +1064,29 @@ def unused_streams(plan: Plan) -> Iterator[Finding]:
     used = {segment.stream for segment in plan.segments}
     yield from _unused("stream", plan.streams, used, "stream {} is used by no segment",
                        "name it in a segment's stream, or remove it")
+
+
+@_rule("GF405", Severity.ERROR, "breaks in a region on several streams")
+def breaks_on_streams(plan: Plan) -> Iterator[Finding]:
+    """A segment with ``breaks`` is in a PIECEWISE region whose segments run on more than
+    one stream.
+
+    A break ends the region's capture on its stream and starts the next graph there; a
+    side stream joined into the capture would be left unjoined, which fails it.
+
+    Fix: run the region's segments on one stream, or put the segment with breaks in a
+    region of its own (between eager segments).
+    """
+    if Mode.PIECEWISE not in plan.capture.modes:
+        return
+    for region in plan.regions(Mode.PIECEWISE):
+        members = [plan.segment(n) for n in region.segments]
+        streams = {s.stream for s in members if s is not None}
+        for segment in members:
+            if segment is not None and segment.breaks and len(streams) > 1:
+                yield Finding("segment", segment.name, f"{_describe(segment)} has breaks, and region {region.name} "
+                              f"runs on streams {_names(sorted(str(s) for s in streams))}",
+                              "run the region on one stream, or give the segment a region of its own")
 
 
 # -- channels: GF5xx -----------------------------------------------------------------------

@@ -48,7 +48,7 @@ class TestSuccess:
         assert re.fullmatch(r"capture \d+\.\d\d s; total \d+\.\d\d s, reading the plan and timing included", lines[-2])
         assert lines[-1].startswith("ok: toy-piecewise: 4 descriptors, no graph captured (CPU backend: regions "
                                     "replayed eagerly), in ")
-        assert lines[-1].endswith(" s on cpu; verify 4/4 bit-exact")
+        assert lines[-1].endswith(" s on cpu; verify 4/4 bit-exact against the eager step")
         assert "Traceback" not in err
 
     def test_json_report(self, capsys):

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from graphflow.cli import CommandError, parse_sizes
-from graphflow.cli.source import add_plan_source_arguments, plan_source
+from graphflow.cli.source import add_plan_source_arguments, plan_source, with_modes
 from graphflow.distributed import in_job
 from graphflow.errors import CaptureError, InvalidPlanError
 
@@ -49,6 +50,9 @@ def register(subparsers) -> None:
     parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda when a GPU is present, else cpu (regions replayed eagerly)")
     parser.add_argument("--sizes", metavar="N,N,...", help="capture only these descriptor sizes, e.g. 1,2,4")
+    parser.add_argument("--modes", metavar="MODE,...",
+                        help="capture these modes instead of the plan's: PIECEWISE, FULL or both "
+                             "(GRAPHFLOW_MODES=... does the same)")
     parser.add_argument("--no-verify", action="store_true", help="skip comparing replay with eager")
     parser.add_argument("--detectors", choices=("first", "all", "off"), default="first",
                         help="watch graph segments for capture hazards on the first descriptor of each mode "
@@ -73,6 +77,10 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     plan = plan_source(args)
+    if args.modes is not None:
+        plan = with_modes(plan, args.modes, "--modes")
+    elif os.environ.get("GRAPHFLOW_MODES"):
+        plan = with_modes(plan, os.environ["GRAPHFLOW_MODES"], "GRAPHFLOW_MODES")
     source = args.plan or args.module
     options = _options(args)
     if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
@@ -244,7 +252,8 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
                "eager_ms": None, "graph_ms": None, "speedup": None}
         row.update({f"{t.phase.value}_s": t.seconds for t in report.times if t.descriptor == descriptor})
         if descriptor in verify:
-            row["verify"] = {"bit_exact": verify[descriptor].bit_exact, "max_abs_diff": verify[descriptor].max_abs_diff}
+            row["verify"] = {"bit_exact": verify[descriptor].bit_exact, "max_abs_diff": verify[descriptor].max_abs_diff,
+                             "against": list(verify[descriptor].against)}
         if descriptor in timings:
             eager_s, graph_s = timings[descriptor]
             row.update(eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3)
@@ -254,9 +263,10 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
     verified = report.verify
     exact = sum(r.bit_exact for r in verified)
     what = f"{report.graphs} graphs" if real else "no graph captured (CPU backend: regions replayed eagerly)"
+    against = " and ".join(dict.fromkeys(a for r in verified for a in r.against))
     result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {what}, "
               f"in {total_s:.2f} s on {report.backend}"
-              + (f"; verify {exact}/{len(verified)} bit-exact" if verified else "; not verified"))
+              + (f"; verify {exact}/{len(verified)} bit-exact against {against}" if verified else "; not verified"))
     return {
         "plan": engine.plan.name, "file": path, "ok": True, "backend": report.backend,
         "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,

@@ -20,6 +20,7 @@ from graphflow.engine.allocate import Allocation, step_items
 from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
 from graphflow.engine.execute import call_segment, run_eager
+from graphflow.engine.reference import check_reference, explain
 from graphflow.engine.warmup import DescriptorTime, Warmed, eager_step, fill_inputs
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
@@ -27,9 +28,9 @@ from graphflow.plan import BufferRole, Descriptor, Plan, Segment, WarmupPolicy
 
 __all__ = ["VerifyPlan", "VerifyResult", "verify"]
 
-#: What to do when replay differs from eager.
-HINT = ("replay differs from eager: look for data-dependent control flow or an undeclared buffer in the region; "
-        "mark such work eager, declare the buffer, or set capture.verify tolerances")
+#: What to do when replay differs from eager (``graphflow.engine.reference.explain`` says more).
+HINT = ("replay differs from eager: look for state outside the plan's buffers, data-dependent control flow or an "
+        "undeclared buffer in the region; declare the state or the buffer, or mark such work eager")
 
 
 @attrs.frozen
@@ -40,6 +41,8 @@ class VerifyResult:
     buffers: tuple[str, ...]
     max_abs_diff: float
     bit_exact: bool
+    #: What the replay was compared with: the plan's eager step, and the reference when the plan names one.
+    against: tuple[str, ...] = ("the eager step",)
 
 
 @attrs.frozen
@@ -89,7 +92,13 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
             else:
                 call()
         alloc.synchronize(ctx)
-        result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer)
+        try:
+            result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer)
+        except CaptureError as error:  # name the first segment that differs, and state outside the plan
+            raise explain(ctx, alloc, {descriptor: program}, descriptor, warmed.start, warmed.expected, error)
+        against = check_reference(ctx, alloc, descriptor, warmed.start)  # the model's own step, when named
+        if against is not None:
+            result = attrs.evolve(result, against=(against, *result.against))
         _restore(views, kept)
     return result, DescriptorTime(Phase.VERIFY, descriptor, block.seconds)
 
