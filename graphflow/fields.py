@@ -12,7 +12,7 @@ A field's *kind* (``Integer(minimum=1)``, ``Choice.of(BufferRole)``,
 
 Only facts about one value live here: its type, range, choices or spelling. Whether
 values agree with each other (a read of an undeclared buffer, a size above a capacity)
-is a rule of ``graphflow.validate``. Converters are lenient (a list becomes a tuple, an
+is a rule of ``graphflow.rules``. Converters are lenient (a list becomes a tuple, an
 enum's value string becomes the member) and never raise: what they cannot convert is
 left for the validator to name. This module imports no torch.
 """

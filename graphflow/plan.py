@@ -1,7 +1,7 @@
 """The capture plan: what a model declares, as small frozen attrs classes.
 
 A plan is data only. It knows nothing of YAML (see ``graphflow.loader``), of rules
-(see ``graphflow.validate``) or of GPUs (see ``graphflow.engine``), and it imports no
+(see ``graphflow.rules``) or of GPUs (see ``graphflow.engine``), and it imports no
 torch, so ``graphflow validate`` starts in milliseconds and runs where torch is absent.
 Each field declares what it may hold (``graphflow.fields``): building an element with a
 wrong type or a value out of range raises at once, naming the field, whether the plan

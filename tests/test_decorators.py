@@ -27,7 +27,7 @@ from graphflow.decorators import normalized, plan_from_module
 from graphflow.errors import PlanError
 from graphflow.loader import dump_plan, load_plan, loads_plan
 from graphflow.plan import Buffer, BufferRole, Mode, SegmentKind
-from graphflow.validate import validate
+from graphflow.rules import validate
 from tests.tiny_decorated import TINY_PLAN_YAML, DecoderLayer, TinyDecoder, build_model
 
 DEV = "cuda:0"

@@ -20,7 +20,7 @@ from graphflow.engine import RunOptions  # noqa: E402
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.session import Session  # noqa: E402
 from graphflow.integrations.hf import greedy  # noqa: E402
-from graphflow.validate import validate  # noqa: E402
+from graphflow.rules import validate  # noqa: E402
 from tests.hf_examples import EXAMPLES, MODELS, example, hf_greedy  # noqa: E402
 
 STEPS = 32

@@ -20,7 +20,7 @@ from graphflow.engine import RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 from graphflow.runtime import Runner
-from graphflow.validate import validate
+from graphflow.rules import validate
 
 G, E = SegmentKind.GRAPH, SegmentKind.EAGER
 CPU = RunOptions(backend="cpu")

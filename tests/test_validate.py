@@ -31,7 +31,7 @@ from graphflow.plan import (
     Stream,
     WarmupPolicy,
 )
-from graphflow.validate import RETIRED, RULES, Diagnostic, Report, Severity, rules_markdown, validate
+from graphflow.rules import RETIRED, RULES, Diagnostic, Report, Severity, rules_markdown, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 

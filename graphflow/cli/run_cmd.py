@@ -59,6 +59,10 @@ def register(subparsers) -> None:
                              "(default: a hazard is in the code, not in a size), on all of them, or not at all")
     parser.add_argument("--no-detectors", action="store_const", const="off", dest="detectors",
                         help="the same as --detectors off")
+    parser.add_argument("--lazy", action="store_true",
+                        help="be ready after the first warmup, serving eagerly, and capture the descriptors in a "
+                             "background thread, each switched in once verified (one rank, no channels); "
+                             "reports when all are live")
     parser.add_argument("--disable-check", action="append", default=[], metavar="NAME",
                         help="turn off one capture-safety check (repeat), e.g. host_sync")
     parser.add_argument("--steps", type=int, default=10, metavar="N",
@@ -84,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     source = args.plan or args.module
     options = _options(args)
     if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
+        if args.lazy:
+            raise CommandError("--lazy serves one process: under torchrun every rank captures in the foreground, "
+                               "so that all ranks capture the same descriptors in the same order")
         from graphflow.cli.ranks import run_ranks
 
         return run_ranks(args, plan, source, options)
@@ -113,9 +120,14 @@ def run(args: argparse.Namespace) -> int:
             raise
         except ValueError as err:  # sizes the plan does not have
             raise CommandError(str(err)) from err
+        ready_s = None
+        if options.lazy:
+            ready_s = time.perf_counter() - started
+            wait_lazy(engine, ready_s, say=not (args.quiet or args.json))
         captured_s = time.perf_counter() - started
         timings = time_steps(engine, args.steps)
         document = report_document(source, engine, timings, captured_s, time.perf_counter() - began)
+        document["ready_s"] = ready_s
     except BaseException:
         close(session)
         if report is not None:  # also after a rolled-back capture: it shows how far it got
@@ -133,6 +145,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(document)
     return 0
+
+
+def wait_lazy(engine, ready_s: float, *, say: bool) -> None:
+    """Wait for a lazy engine's capture thread; the first descriptor that failed fails the
+    run (the engine would go on serving it eagerly or on a larger one: a job that checks a
+    plan must hear of it)."""
+    background = engine.background
+    if say:
+        print(f"ready in {ready_s:.2f} s: serving eagerly while {len(engine.report.descriptors)} descriptors are "
+              "captured in the background", file=sys.stderr)
+    background.wait()
+    if background.failures:
+        descriptor, error = next(iter(background.failures.items()))
+        others = len(background.failures) - 1
+        if others:
+            error.add_note(f"{others} more descriptor(s) failed in the background: "
+                           + ", ".join(str(d) for d in list(background.failures)[1:]))
+        raise error
 
 
 def report_listener(path: str, plan, options):
@@ -173,7 +203,7 @@ def _options(args: argparse.Namespace):
     except ValueError as err:
         raise CommandError(f"--disable-check: {err}") from err
     return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=args.detectors,
-                      disabled_checks=checks, sizes=parse_sizes(args.sizes))
+                      disabled_checks=checks, sizes=parse_sizes(args.sizes), lazy=args.lazy)
 
 
 def check_backend(options) -> bool:
@@ -328,6 +358,9 @@ def print_report(document: dict) -> None:
         rows.add_row(*cells)
     console.print(rows)
     line()
+    if document.get("ready_s") is not None:
+        line(f"ready {document['ready_s']:.2f} s (serving eagerly), all descriptors live after "
+             f"{document['capture_s']:.2f} s")
     line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
          "included")
     line(document["result"])
