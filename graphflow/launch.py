@@ -25,6 +25,7 @@ forked). gloo ranks come from a forkserver that imported torch once, so a CPU la
 costs a fork per rank rather than an interpreter and a torch import each. A forkserver's
 children inherit the environment of the moment it started, not of this call, so each
 rank is handed the caller's environment and keeps on top of it what elastic set for it.
+They inherit its stderr too: what ranks print goes where the first launch's stderr went.
 """
 
 from __future__ import annotations
@@ -155,6 +156,11 @@ def _rank_main(fn, args: tuple, backend: str, group_timeout_s: float, folder: st
     An error is left too, then raised again, so elastic sees the rank fail and stops the others.
     """
     start = time.monotonic()
+    # Elastic stops the ranks with SIGINT when the launcher is interrupted (Ctrl-C). A rank
+    # started from a shell's background job inherits SIGINT ignored and would sit out the
+    # agent's grace period until SIGKILL: take it as KeyboardInterrupt, so the rank rolls
+    # back and leaves at once.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if server_env is not None:
         given = {k: v for k, v in os.environ.items() if server_env.get(k) != v}
         os.environ.clear()

@@ -35,6 +35,28 @@ def _environment(ctx, name: str):
     return os.environ.get(name), os.environ["RANK"], os.environ["LOCAL_RANK"]
 
 
+def _announce_and_sleep(ctx, folder: str):
+    from pathlib import Path
+
+    (Path(folder) / f"rank{ctx.rank}.started").write_text("")
+    time.sleep(120)
+    return ctx.rank
+
+
+_LAUNCHER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from graphflow.launch import launch
+from tests.test_launch import _announce_and_sleep
+if __name__ == "__main__":
+    start = time.monotonic()
+    try:
+        launch(_announce_and_sleep, 2, "gloo", args=({folder!r},), timeout_s=300)
+    except KeyboardInterrupt:
+        print(f"interrupted {{time.monotonic() - start:.1f}}")
+"""
+
+
 def _join_again(ctx):
     """A rank's code that runs graphflow's rank setup inside a job whose group exists."""
     import torch.distributed as dist
@@ -105,3 +127,32 @@ def test_nccl_without_enough_gpus_is_refused_before_starting():
 def test_an_unknown_backend_is_refused():
     with pytest.raises(ValueError, match=r"^backend 'mpi' is not one of gloo, nccl$"):
         launch(_sleep_on_rank_1, 2, "mpi")
+
+
+def test_ctrl_c_stops_every_rank_at_once_even_when_the_shell_ignored_sigint(tmp_path):
+    """A launcher started as a background job has SIGINT ignored, and so do its ranks.
+    Elastic stops the ranks with SIGINT when the launcher is interrupted: each must take
+    it, not sit out the agent's 30 s grace period until SIGKILL."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER.format(root=root, folder=str(tmp_path)))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"rank{r}.started").exists() for r in range(2)):
+            assert time.monotonic() < deadline and process.poll() is None, process.communicate()
+            time.sleep(0.1)
+        interrupted = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+        stopped_s = time.monotonic() - interrupted
+    finally:
+        process.kill()
+    assert out.startswith("interrupted"), (out, err)
+    assert stopped_s < 20, f"the ranks took {stopped_s:.1f} s to stop"
+    assert "Traceback" not in err

@@ -8,7 +8,9 @@ scenarios are module functions: tests/cuda/test_cuda_tp.py runs the same ones on
 from __future__ import annotations
 
 import gc
+import json
 import pathlib
+import re
 import time
 import weakref
 
@@ -427,6 +429,40 @@ class TestLaunchCommand:
         assert all("verify bit-exact" in line for line in lines[:2])
         assert lines[2] == "dsv4-tp-full: captured on 2 rank(s) (gloo)"
         assert main(["trace", "diff", str(tmp_path / "trace")]) == 0
+
+    def test_each_rank_shows_its_progress_on_the_launchers_stderr(self, tmp_path):
+        import subprocess
+        import sys
+
+        from graphflow.loader import dump_plan
+
+        path = tmp_path / "tp.yaml"
+        path.write_text(dump_plan(plan_for("full", 2)))
+        # A process of its own, as a user runs it: the ranks write to the stderr it started with.
+        done = subprocess.run([sys.executable, "-m", "graphflow", "launch", "--nproc", "2", "--sizes", "1", str(path)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        for rank in range(2):  # each rank's progress as it went, told apart by its prefix
+            assert f"rank {rank}: allocate: building the model, streams and static buffers" in done.stderr
+            assert re.search(rf"^rank {rank}: captured 1/1: FULL\(B=1\), 1 region, ", done.stderr, re.M), done.stderr
+            assert f"rank {rank}: captured 1 FULL descriptor (1 region) in " in done.stderr
+        assert done.stdout.splitlines()[-1] == "dsv4-tp-full: captured on 2 rank(s) (gloo)"
+
+    def test_json_reports_every_rank_and_quiet_only_the_result(self, tmp_path, capfd):
+        from graphflow.loader import dump_plan
+
+        path = tmp_path / "tp.yaml"
+        path.write_text(dump_plan(plan_for("full", 2)))
+        assert main(["launch", "--nproc", "2", "--sizes", "1", "--json", str(path)]) == 0
+        out, err = capfd.readouterr()
+        doc = json.loads(out)
+        assert (doc["ok"], doc["plan"], doc["backend"]) == (True, "dsv4-tp-full", "gloo")
+        assert [(r["rank"], r["ok"], r["descriptors"], r["verify"]) for r in doc["ranks"]] == [
+            (0, True, 1, "bit-exact"), (1, True, 1, "bit-exact")]
+        assert "captured 1/1" not in err  # no progress with --json
+        assert main(["launch", "--nproc", "2", "--sizes", "1", "--quiet", str(path)]) == 0
+        out, err = capfd.readouterr()
+        assert out == "dsv4-tp-full: captured on 2 rank(s) (gloo)\n" and "captured 1/1" not in err
 
     def test_a_plan_for_another_world_size_exits_2_naming_both(self, capsys):
         assert main(["launch", "--nproc", "3", str(PLANS / "dsv4_tp_full.yaml")]) == 2

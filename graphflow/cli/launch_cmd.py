@@ -4,7 +4,9 @@ The ranks are started by torch.distributed's elastic launcher (``graphflow.launc
 API torchrun runs), each with NVLink multicast off and, on NCCL, ``cuda:{rank}`` and its
 own stream; each loads the plan, places it on its device and captures it in a
 ``graphflow.session.Session`` over the world group, the plan's factory getting the
-rank, the world size and the channel handles. One line per rank, then the result.
+rank, the world size and the channel handles. While they capture, each rank prints its
+progress on stderr, a line per descriptor (``rank 1: captured 3/8: ...``); then one line
+per rank and the result (``--quiet``: the result only; ``--json``: the report as JSON).
 Exit 0 when every rank committed, 1 when the plan has errors or any rank failed
 (every rank rolled back), 2 when the plan cannot be read or the arguments are bad.
 For several nodes, start ``graphflow run`` with torchrun instead (docs/tp.md).
@@ -13,6 +15,8 @@ For several nodes, start ``graphflow run`` with torchrun instead (docs/tp.md).
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.ranks import rank_line, rank_summary, world_line
@@ -39,6 +43,8 @@ def register(subparsers) -> None:
     parser.add_argument("--trace", metavar="DIR", help="write one trace per rank, DIR/rank{N}.jsonl")
     parser.add_argument("--timeout-s", type=float, default=600.0, metavar="S",
                         help="kill ranks still running after S seconds (default 600)")
+    parser.add_argument("--quiet", action="store_true", help="print only the result line")
+    parser.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
     parser.set_defaults(func=run)
 
 
@@ -54,27 +60,41 @@ def run(args: argparse.Namespace) -> int:
     from graphflow.launch import launch
 
     try:
-        ranks = launch(capture_rank, args.nproc, args.backend, args=(args.plan, sizes, not args.no_verify, args.trace),
+        ranks = launch(capture_rank, args.nproc, args.backend,
+                       args=(args.plan, sizes, not args.no_verify, args.trace, not (args.quiet or args.json)),
                        timeout_s=args.timeout_s)
     except ValueError as err:
         raise CommandError(str(err)) from err
-    for result in ranks:
-        summary = result.value if result.ok else {"ok": False, "error": result.error}
-        print(rank_line(result.rank, summary, result.elapsed_s))
-    ok = all(r.ok and r.value.get("ok") for r in ranks)
-    print(world_line(plan.name, ok, args.nproc, args.backend))
+    summaries = [result.value if result.ok else {"ok": False, "error": result.error} for result in ranks]
+    ok = all(s.get("ok") for s in summaries)
+    if args.json:
+        json.dump({"plan": plan.name, "file": args.plan, "ok": ok, "backend": args.backend, "ranks": [
+            {"rank": r.rank, "elapsed_s": r.elapsed_s, **s} for r, s in zip(ranks, summaries)]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        if not args.quiet:
+            for result, summary in zip(ranks, summaries):
+                print(rank_line(result.rank, summary, result.elapsed_s))
+        print(world_line(plan.name, ok, args.nproc, args.backend))
     return 0 if ok else 1
 
 
-def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None) -> dict:
-    """One rank of ``graphflow launch``: load, place, capture, report, release."""
+def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None, progress: bool) -> dict:
+    """One rank of ``graphflow launch``: load, place, capture, report, release.
+
+    The ranks share the launcher's stderr: their progress is plain lines, each with the
+    rank, never a live bar (several bars on one terminal overwrite each other)."""
     from graphflow.engine import RunOptions
     from graphflow.errors import CaptureError
+    from graphflow.progress import ProgressDisplay
     from graphflow.session import Session
 
     plan = ctx.place(load_plan(path))
-    options = RunOptions(backend="cuda" if ctx.backend == "nccl" else "cpu", verify=verify, sizes=sizes)
-    with Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, trace=trace) as session:
+    nccl = ctx.backend == "nccl"
+    options = RunOptions(backend="cuda" if nccl else "cpu", verify=verify, sizes=sizes)
+    listeners = [ProgressDisplay(prefix=f"rank {ctx.rank}: ", force_terminal=False, graphs=nccl)] if progress else []
+    with Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, trace=trace,
+                 listeners=listeners) as session:
         try:
             return rank_summary(session.capture())
         except (CaptureError, ValueError) as err:

@@ -11,23 +11,37 @@ rollback stack the moment it succeeds. The steps:
    maps ``cuda:N`` to ``cpu``) and read each one's memory baseline; build the model
    (``factory(**model_args, **{k: v for k in (device, channels, rank, world_size, plan)
    if the factory accepts k})``) unless one is given, and bind it to the channels
-   (``channels.bind(model)``) so a channel's prewarm hook resolves on it; resolve every
-   ``call`` path; create the streams, one capture pool per device, the stream schedules
-   of the eager step and of every region with their events; allocate every static
-   buffer once, at its largest size; set up the detectors.
-3. **warmup** (``graphflow.engine.warmup``): per descriptor, largest first, the whole step
-   eagerly ``warmup_iters`` times on the streams capture uses, every graph segment under
-   the detectors' watch.
-4. **prewarm**: each declared prewarm hook once per specialization, with no
-   communication (skipped when the plan declares none).
-5. **capture** (``graphflow.engine.capture``): with the garbage collector frozen,
-   PIECEWISE then FULL descriptors, largest first, each region captured as one graph
-   into its device's shared pool.
-6. **verify** (``graphflow.engine.verify``): per descriptor, replay against the eager
-   step on the same random inputs and state; bit-exact unless the plan declares
-   tolerances (skipped with ``RunOptions(verify=False)``).
-7. **commit** (``graphflow.engine.engine``): publish the step programs in an ``Engine``,
+   (``channels.bind(model)``) so a channel's prewarm hook resolves on it; adopt the
+   model's tensors that buffers name, bind every segment's call; create the streams, one
+   capture pool per device, the stream schedules of the eager step and of every region
+   with their events; check that the static buffers and verify's copies fit in free
+   memory (``graphflow.engine.memory``), then allocate every buffer once, at its largest
+   size; set up the detectors.
+3. **per descriptor**, PIECEWISE then FULL, largest first, one descriptor at a time, so
+   only its snapshots exist and a broken step fails on the first descriptor:
+
+   a. **warmup** (``graphflow.engine.warmup``): the whole step eagerly ``warmup_iters``
+      times (1 unless the plan asks for more) on the streams capture uses, on verify's
+      seeded random inputs, keeping the buffers the last run started from and the ones
+      it wrote; the detectors watch graph segments on the first descriptor of each mode
+      (``Watch.FIRST``, the default) or on all; the run's very first step checks that
+      every segment writes what it declares (``graphflow.engine.written``).
+   b. **prewarm**, after the first warmup only: each declared prewarm hook once per
+      specialization, with no communication; then the garbage collector is frozen and
+      the JIT tripwires go in for the captures to come.
+   c. **capture** (``graphflow.engine.capture``): each region as one graph into its
+      device's shared pool; after each mode's two largest descriptors the pool the mode
+      will take is estimated and checked against free memory.
+   d. **verify** (``graphflow.engine.verify``): put warmup's start back, replay, compare
+      with what warmup wrote, bit for bit unless the plan declares tolerances, then with
+      the model's own ``reference`` when the plan names one (skipped with
+      ``RunOptions(verify=False)``).
+4. **commit** (``graphflow.engine.engine``): publish the step programs in an ``Engine``,
    which keeps the rollback stack and unwinds it on ``close()``.
+
+A lazy run (``RunOptions(lazy=True)``) commits after the first descriptor's warmup and
+prewarm, and a thread runs 3a, 3c and 3d for every descriptor while the engine serves
+(``graphflow.engine.background``).
 
 Every phase runs under ``torch.no_grad()`` (capture is for inference; autograd would
 record every op and refuse ``out=`` writes into buffers computed from weights) and
@@ -161,11 +175,11 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
                 prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
                 captured = open_capture(ctx)
             times.append(run_phase(ctx, results, Phase.CAPTURE,
-                                lambda: capture(ctx, alloc, captured, descriptor, index), pool=pool))
+                                   lambda: capture(ctx, alloc, captured, descriptor, index), pool=pool))
             if ctx.options.verify:
                 result, took = run_phase(ctx, results, Phase.VERIFY,
-                                      lambda: verify(ctx, alloc, captured.programs[descriptor], descriptor, index,
-                                                     warmed), pool=pool)
+                                         lambda: verify(ctx, alloc, captured.programs[descriptor], descriptor, index,
+                                                        warmed), pool=pool)
                 verified.append(result)
                 times.append(took)
             warmed = None  # its snapshots go before the next descriptor's are taken
@@ -173,7 +187,7 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
             captured = open_capture(ctx)
         captured.close()
         engine = run_phase(ctx, results, Phase.COMMIT,
-                        lambda: commit(ctx, alloc, captured, tuple(verified), tuple(times)), pool=pool)
+                           lambda: commit(ctx, alloc, captured, tuple(verified), tuple(times)), pool=pool)
     engine.report = attrs.evolve(engine.report, phases=summarize(results),
                                  prewarm=prewarmed if prewarmed is not False else None)
     jit_registry.detach(ctx.locus)
