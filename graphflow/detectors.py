@@ -335,7 +335,7 @@ class _Watch:
         self.eager = 0  # inside ``Detectors.eager()``: work that runs eagerly at replay too
 
     def record(self, check: Check, call: str, message: str, locate: bool = True) -> None:
-        if self.eager and check is Check.HOST_SYNC:
+        if self.eager:  # runs eagerly at replay too: nothing of capture's rules applies
             return
         if locate:
             call = _at(call, _user_frame())
@@ -490,6 +490,11 @@ def _stream_capturing(device: torch.device) -> bool:
 
 def _dispatch(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
+    if self.watch.eager:
+        # Work that runs eagerly at every replay (``Detectors.eager``) makes no capture
+        # hazard, and what it creates is no segment's own: a later graph piece that read
+        # it would read a stale address, which the foreign-tensor check must still see.
+        return func(*args, **kwargs)
     inputs = self.watch.before(func, args, kwargs)
     out = func(*args, **kwargs)
     self.watch.after(func, out, inputs)
@@ -633,8 +638,9 @@ class Detectors:
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Inside the segment being watched, work that runs eagerly at replay as well (a
-        submodule a segment breaks at, ``graphflow.engine.split``): it may read values
-        on the host and synchronize, as an eager segment may; every other check holds."""
+        submodule a segment breaks at, ``graphflow.engine.split``): it runs unwatched, as
+        an eager segment does (host reads, synchronization, kernels off the capture
+        stream, tensors of its own); the graph pieces around it stay watched."""
         watch = self._watch
         if watch is None:
             yield

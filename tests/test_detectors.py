@@ -534,3 +534,20 @@ class TestWatch:
         watched(det, seg)
         dispatch = modes[0].__torch_dispatch__
         assert getattr(dispatch, "__wrapped__", None) is not None  # torch._disable_dynamo's wrapper
+
+    def test_work_that_runs_eagerly_at_replay_is_not_watched_but_what_it_made_is_foreign_after(self, det, buf):
+        # A submodule a PIECEWISE segment breaks at runs eagerly between the graph pieces:
+        # its host reads and its own tensors are no hazard; a graph piece reading one of
+        # those tensors afterwards would replay a stale address.
+        foreign = torch.ones(8)
+        made = []
+
+        def seg():
+            with det.eager():
+                foreign.sum().item()  # a host read, of a tensor the plan does not know
+                made.append(foreign * 2)
+            # Back in the graph piece: the eager part's tensor is foreign here.
+            buf.add_(made[0])  # <stale>
+
+        findings = watched(det, seg, capturing=True)
+        assert calls(findings) == [(Check.FOREIGN_TENSOR, f"aten.add_ (Tensor.add_) at {at('stale')}")]

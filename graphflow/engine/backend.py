@@ -47,6 +47,7 @@ import contextlib
 import enum
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
@@ -451,6 +452,7 @@ class CudaBackend(Backend):
             if torch.cuda.current_stream(stream.device) != before:
                 torch.cuda.set_stream(before)
             graph.reset()
+            recover_generators(stream.device)
             raise
         if self.debug_graphs:
             graph.instantiate()  # kept graphs instantiate lazily: do it here, as capture_end would
@@ -519,6 +521,26 @@ class CudaBackend(Backend):
             return [start.elapsed_time(stop) / 1000.0 for start, stop in events]
 
         return run
+
+
+def recover_generators(device: torch.device) -> None:
+    """Put the device's CUDA random generator back outside capture after a capture that
+    failed to end.
+
+    A capture invalidated midway (a host sync in it) fails in ``capture_end`` before torch
+    runs its generator epilogue: the default generator still counts itself inside a
+    capture, and every later random op on the device fails with "Offset increment outside
+    graph capture encountered unexpectedly". An empty capture, begun and ended, runs the
+    prologue and the epilogue and sets it right; it records nothing and holds no memory.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream), contextlib.suppress(RuntimeError):
+            graph.capture_begin()
+            graph.capture_end()
+        graph.reset()
 
 
 def _host_available() -> int | None:

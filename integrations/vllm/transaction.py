@@ -135,8 +135,8 @@ def _release_frames(error: BaseException) -> None:
     ``CUDAGraph`` half made: the stream may still be capturing and torch's CUDA generator
     still counts itself inside a capture, so every later random op fails ("Offset
     increment outside graph capture"). vLLM's wrapper keeps that graph only in its frame,
-    so here, before the frame goes: end the capture if it is still open and reset the
-    graph, as graphflow's own backend does.
+    so here, before the frame goes: end the capture if it is still open, reset the graph
+    and set the generator right (``recover_generators``), as graphflow's own backend does.
     """
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
@@ -158,6 +158,8 @@ def _release_frames(error: BaseException) -> None:
 def _end_graphs(values) -> None:
     import torch
 
+    from graphflow.engine.backend import recover_generators
+
     for value in list(values):
         graph = value if isinstance(value, torch.cuda.CUDAGraph) else getattr(value, "cuda_graph", None)
         if not isinstance(graph, torch.cuda.CUDAGraph):
@@ -170,3 +172,4 @@ def _end_graphs(values) -> None:
                         graph.capture_end()
         with contextlib.suppress(RuntimeError):
             graph.reset()
+        recover_generators(torch.device("cuda", torch.cuda.current_device()))

@@ -223,8 +223,6 @@ def main():
     rank, port, diverge = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     session = CaptureSession(rank=rank, world=[0, 1], store=store, timeout_s=30, namespace="cuda")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
     x = torch.randn(128, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     stream, pool, graphs = torch.cuda.Stream(), torch.cuda.graph_pool_handle(), []
     txn = CaptureTransaction("two ranks")
@@ -233,6 +231,8 @@ def main():
     with torch.cuda.stream(stream):  # the warmup vLLM runs first: cuBLAS's handle for this stream
         (x @ x.T).relu()
     torch.cuda.synchronize()
+    # After the warmup: its cuBLAS workspace for the stream is the engine's, not the capture's.
+    base = torch.cuda.memory_allocated() - x.numel() * x.element_size()
     result = {}
     try:
         capture(session, x, stream, pool, graphs, rank, diverge)
