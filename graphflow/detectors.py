@@ -454,6 +454,12 @@ class _Watch:
         else:
             self.created[address] = None
 
+    def made_eagerly(self, out) -> None:
+        for item in out if isinstance(out, (tuple, list)) else (out,):
+            storage = _storage_of(item) if isinstance(item, torch.Tensor) else None
+            if storage is not None and storage.data_ptr():
+                self.created.setdefault(storage.data_ptr(), None)
+
     def check_escapes(self) -> None:
         for address, birth in self.created.items():
             if birth is not None and not birth.ref.expired() and address not in self.owner._known:
@@ -492,9 +498,11 @@ def _dispatch(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if self.watch.eager:
         # Work that runs eagerly at every replay (``Detectors.eager``) makes no capture
-        # hazard, and what it creates is no segment's own: a later graph piece that read
-        # it would read a stale address, which the foreign-tensor check must still see.
-        return func(*args, **kwargs)
+        # hazard; what it returns is the segment's own (the model goes on with a break's
+        # output), and no graph memory, so it cannot escape.
+        out = func(*args, **kwargs)
+        self.watch.made_eagerly(out)
+        return out
     inputs = self.watch.before(func, args, kwargs)
     out = func(*args, **kwargs)
     self.watch.after(func, out, inputs)
@@ -640,7 +648,8 @@ class Detectors:
         """Inside the segment being watched, work that runs eagerly at replay as well (a
         submodule a segment breaks at, ``graphflow.engine.split``): it runs unwatched, as
         an eager segment does (host reads, synchronization, kernels off the capture
-        stream, tensors of its own); the graph pieces around it stay watched."""
+        stream, tensors the plan does not know); what it makes counts as the segment's
+        own; the graph pieces around it stay watched."""
         watch = self._watch
         if watch is None:
             yield

@@ -535,10 +535,10 @@ class TestWatch:
         dispatch = modes[0].__torch_dispatch__
         assert getattr(dispatch, "__wrapped__", None) is not None  # torch._disable_dynamo's wrapper
 
-    def test_work_that_runs_eagerly_at_replay_is_not_watched_but_what_it_made_is_foreign_after(self, det, buf):
+    def test_work_that_runs_eagerly_at_replay_is_not_watched_and_what_it_made_is_the_segments(self, det, buf):
         # A submodule a PIECEWISE segment breaks at runs eagerly between the graph pieces:
-        # its host reads and its own tensors are no hazard; a graph piece reading one of
-        # those tensors afterwards would replay a stale address.
+        # its host reads and the tensors it reads are no hazard, and the model goes on
+        # with what it returns; after it, the graph piece is watched again.
         foreign = torch.ones(8)
         made = []
 
@@ -546,8 +546,8 @@ class TestWatch:
             with det.eager():
                 foreign.sum().item()  # a host read, of a tensor the plan does not know
                 made.append(foreign * 2)
-            # Back in the graph piece: the eager part's tensor is foreign here.
-            buf.add_(made[0])  # <stale>
+            buf.add_(made[0])  # the break's output: the segment's own
+            buf.add_(foreign)  # <after-break>
 
         findings = watched(det, seg, capturing=True)
-        assert calls(findings) == [(Check.FOREIGN_TENSOR, f"aten.add_ (Tensor.add_) at {at('stale')}")]
+        assert calls(findings) == [(Check.FOREIGN_TENSOR, f"aten.add_ (Tensor.add_) at {at('after-break')}")]
