@@ -193,6 +193,7 @@ class SegmentDecl:
     ranks: tuple[int, ...] | None = None
     after: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     kernels: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    compile: Any = None
 
     @property
     def decorator(self) -> str:
@@ -218,6 +219,7 @@ class StepDecl:
     barrier_timeout_s: Any = None
     families: Any = None
     world_size: Any = None
+    compile: Any = None
 
     decorator = "@graphflow.step"
 
@@ -319,17 +321,20 @@ def _decorate(decl: _MethodDecl) -> Callable[[F], F]:
 def segment(name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
             stream: str | None = None, channels: Iterable[str] = (), family: str = "target",
             data_dependent: bool = False, device: str | None = None, ranks: Iterable[int] | None = None,
-            after: Iterable[str] = (), kernels: Iterable[str] = ()) -> Callable[[F], F]:
+            after: Iterable[str] = (), kernels: Iterable[str] = (), compile=None) -> Callable[[F], F]:
     """Declare the method a capturable graph segment.
 
     The engine calls it as ``fn(*reads, *writes_not_in_reads)`` with buffer views.
     ``name`` (default: the call path) and every buffer, stream, channel and segment
     name may use the module's positions, e.g. ``"L{layer}.pre"``, ``"x{layer+1}"``.
-    ``kernels`` names the JIT kernels the method launches (docs/jit.md).
+    ``kernels`` names the JIT kernels the method launches (docs/jit.md). ``compile``
+    wraps it with ``torch.compile`` before warmup (``"inductor"``, ``False``, or a mapping
+    of ``graphflow.plan.Compile``'s fields; docs/compile.md).
     """
     _check_called("segment", name)
     return _decorate(SegmentDecl(SegmentKind.GRAPH, name, reads, writes, stream, channels, family,
-                                 data_dependent, device, None if ranks is None else tuple(ranks), after, kernels))
+                                 data_dependent, device, None if ranks is None else tuple(ranks), after, kernels,
+                                 compile))
 
 
 def eager_break(name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
@@ -351,16 +356,17 @@ def _check_called(decorator: str, name) -> None:
 
 def step(fn: F | None = None, *, name=None, sizes=None, modes=None, size_symbol=None, symbols=None,
          warmup_iters=None, atol=None, rtol=None, barrier_timeout_s=None, families=None,
-         world_size=None):
+         world_size=None, compile=None):
     """Mark the method that calls the segments in order (``@step`` or ``@step(sizes=...)``).
 
     It also serves as the model's eager step. While recording, each parameter without
     a default receives a placeholder (indexable, attribute-able), decorated methods
     return one, and nothing runs: a step may only route arguments to decorated
-    methods and loop over submodules.
+    methods and loop over submodules. ``compile`` is the plan's ``capture.compile``:
+    ``torch.compile`` for every graph segment (docs/compile.md).
     """
     decl = StepDecl(name, sizes, modes, size_symbol, symbols, warmup_iters, atol, rtol, barrier_timeout_s,
-                    families, world_size)
+                    families, world_size, compile)
     return _decorate(decl)(fn) if fn is not None else _decorate(decl)
 
 
@@ -693,6 +699,7 @@ def _segment(call: _Call) -> Segment:
             ranks=decl.ranks,
             after=[expand(n) for n in decl.after],
             kernels=[expand(n) for n in decl.kernels],
+            compile=site.resolve(decl.compile),
         )
     except FieldError as exc:
         raise site.error(call.method, f"bad {decl.decorator} declaration: {exc}", origin) from exc
@@ -793,7 +800,7 @@ def plan_from_module(model, *, step: str | None = None, factory: str | None = No
                      size_symbol: str | None = None, symbols: Mapping[str, int] | None = None,
                      warmup_iters: int | None = None, atol: float | None = None, rtol: float | None = None,
                      barrier_timeout_s: float | None = None, families: Iterable[str] | None = None,
-                     world_size: int | None = None) -> Plan:
+                     world_size: int | None = None, compile=None) -> Plan:
     """The plan a decorated model declares: walk its tree, record its steps, check, build.
 
     ``step`` names the ``@step`` method whose plan to build (needed when the model has
@@ -843,6 +850,7 @@ def plan_from_module(model, *, step: str | None = None, factory: str | None = No
             atol=_first(setting(atol, "atol"), defaults.atol),
             rtol=_first(setting(rtol, "rtol"), defaults.rtol),
             barrier_timeout_s=_first(setting(barrier_timeout_s, "barrier_timeout_s"), defaults.barrier_timeout_s),
+            compile=setting(compile, "compile"),
         )
         return Plan(
             name=_first(setting(name, "name"), type(model).__name__),

@@ -33,6 +33,7 @@ from graphflow.plan import (
     CaptureSettings,
     Channel,
     ChannelKind,
+    Compile,
     Family,
     Mode,
     Plan,
@@ -60,6 +61,10 @@ _SIZES = st.lists(st.sampled_from(SIZES), min_size=1, max_size=5, unique=True).m
 _MODES = st.sampled_from([(Mode.PIECEWISE,), (Mode.PIECEWISE,), (Mode.FULL,), (Mode.PIECEWISE, Mode.FULL)])
 _FAMILIES = st.lists(st.sampled_from(FAMILIES), min_size=1, max_size=3, unique=True)
 _NAME = st.sampled_from(["decode", "dsv4-mini", "spec"])
+# torch.compile settings: mostly none; a plan-wide one; a segment's own, over it or alone.
+_PLAN_COMPILE = st.sampled_from([None, None, "inductor", Compile(mode="max-autotune-no-cudagraphs", dynamic=True),
+                                 Compile(backend="aot_eager", strict=True)])
+_SEGMENT_COMPILE = st.sampled_from([None] * 6 + [False, "eager", Compile(fullgraph=True, options={"x": 1})])
 
 
 @functools.cache
@@ -168,6 +173,7 @@ class _Builder:
     def _segment(self, name, graph, device, reads, writes, *, copy=False, **kwargs) -> Segment:
         if graph:
             stream = f"s{device}"
+            kwargs.setdefault("compile", self.draw(_SEGMENT_COMPILE))
         elif copy or not self.draw(_BOOL):
             stream = None
         else:
@@ -216,6 +222,7 @@ def valid_plans(draw) -> Plan:
     used = {n for s in builder.segments for n in (*s.reads, *s.writes)}
     used |= {b.alias_of for b in builder.buffers if b.name in used and b.alias_of is not None}
     streams = {s.stream for s in builder.segments}
+    compile = draw(_PLAN_COMPILE)
     return Plan(
         name=draw(_NAME),
         buffers=[b for b in builder.buffers if b.name in used],
@@ -226,7 +233,9 @@ def valid_plans(draw) -> Plan:
         prewarm=builder.prewarm,
         symbols=symbols,
         capture=CaptureSettings(modes=modes, sizes=sizes, warmup_iters=draw(st.integers(1, 3)),
-                                mode_sizes=draw(_mode_sizes(modes, sizes))),
+                                mode_sizes=draw(_mode_sizes(modes, sizes)), compile=compile,
+                                # compiled segments are not verified bit-exact (GF703)
+                                atol=1e-3 if compile is not None or any(s.compile for s in builder.segments) else 0.0),
         world_size=builder.world_size,
     )
 
@@ -476,6 +485,19 @@ def no_sizes(plan: Plan) -> Plan:
     return attrs.evolve(plan, capture=attrs.evolve(plan.capture, sizes=()))
 
 
+def compiled_eager_segment(plan: Plan) -> Plan:
+    index = _first(plan, lambda s: not s.is_graph)
+    return _replace(plan, index, compile="inductor")
+
+
+def compile_own_graphs(plan: Plan) -> Plan:
+    return _capture(plan, compile=Compile(mode="reduce-overhead"))
+
+
+def compiled_bit_exact(plan: Plan) -> Plan:
+    return _replace(_capture(plan, atol=0.0, rtol=0.0), _graph(plan), compile="inductor")
+
+
 #: One mutation per conflict class, keyed by the code that must report it.
 MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF101": undeclared_buffer,
@@ -514,6 +536,9 @@ MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF603": duplicated_size,
     "GF604": size_above_capacity,
     "GF605": no_sizes,
+    "GF701": compiled_eager_segment,
+    "GF702": compile_own_graphs,
+    "GF703": compiled_bit_exact,
 }
 
 #: What ``validate`` needs besides the plan to judge a mutation (by code).
@@ -548,4 +573,5 @@ FIELD_MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "atol": lambda plan: _capture(plan, atol=-1e-3),
     "barrier_timeout_s": lambda plan: _capture(plan, barrier_timeout_s=0.0),
     "kind": lambda plan: _replace(plan, 0, kind="capturable"),
+    "compile": lambda plan: _capture(plan, compile={"mode": "fastest"}),
 }
