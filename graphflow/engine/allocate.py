@@ -17,6 +17,7 @@ import torch
 
 from graphflow.engine.binding import build_model, resolve
 from graphflow.engine.buffers import StaticBuffers
+from graphflow.engine.compiled import compile_segments
 from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
 from graphflow.engine.memory import MemoryNeed, check_fits, memory_need
@@ -35,8 +36,9 @@ class Allocation:
 
     ``streams`` maps each segment to the stream it runs on; ``schedules`` maps a
     sequence of segment names (the eager step, each region) to its bound schedule.
-    The model and what is bound to it (``fns``: each segment's resolved callable,
-    ``hooks``: each prewarm hook, ``detectors``) live in ``owned``, which rollback
+    The model and what is bound to it (``fns``: each segment's callable as warmup and
+    capture call it, compiled where the plan says so; ``uncompiled``: the same before
+    ``torch.compile``; ``hooks``: each prewarm hook, ``detectors``) live in ``owned``, which rollback
     empties: the record may outlive the run in a traceback, the model must not.
     """
 
@@ -55,6 +57,12 @@ class Allocation:
     @property
     def fns(self) -> Mapping[str, Callable[..., object]]:
         return self.owned.fns
+
+    @property
+    def uncompiled(self) -> Mapping[str, Callable[..., object]]:
+        """Each segment's callable as the model defines it, before ``torch.compile``
+        (the same as ``fns`` for a segment the plan does not compile)."""
+        return self.owned.uncompiled
 
     @property
     def hooks(self) -> Mapping[str, Callable[..., object]]:
@@ -120,7 +128,9 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
         stack.push("unbind the model from the channels", functools.partial(bind, None))
     for segment in ctx.segments:
         with ctx.locus.segment(segment.name):
-            owned.fns[segment.name] = resolve(model, segment.call, kind="segment", name=segment.name, plan=plan)
+            owned.uncompiled[segment.name] = resolve(model, segment.call, kind="segment", name=segment.name,
+                                                     plan=plan)
+    owned.fns.update(compile_segments(ctx, owned.uncompiled))
     for hook in plan.prewarm:
         owned.hooks[hook.name] = resolve(model, hook.call, kind="prewarm", name=hook.name, plan=plan)
     streams = _streams(ctx, devices, first)
@@ -147,12 +157,14 @@ class _Owned:
 
     model: object = None
     fns: dict = attrs.field(factory=dict)
+    uncompiled: dict = attrs.field(factory=dict)
     hooks: dict = attrs.field(factory=dict)
     detectors: object = None
 
     def drop(self) -> None:
         self.model = None
         self.fns.clear()
+        self.uncompiled.clear()
         self.hooks.clear()
         self.detectors = None
 
