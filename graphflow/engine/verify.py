@@ -4,11 +4,14 @@ The eager reference is the descriptor's warmup (``graphflow.engine.warmup.Warmed
 ran on verify's random inputs and kept the buffers it started from and the buffers it
 wrote. Verify keeps the state buffers as it finds them, puts the start back, runs the
 captured step program, compares every buffer the step writes — bit for bit unless the
-plan declares tolerances — and puts the state back. One exception: when a channel the
-step uses does not communicate in warmup (``prepare``, ``placeholder``), warmup's outputs
-are not the step's, so verify runs the eager step itself first, as its reference. Buffers are compared in the order
-of their last write, so a mismatch names the first buffer to differ and the segment
-that last wrote it.
+plan declares tolerances — and puts the state back. Two exceptions, where warmup's
+outputs are not the reference, so verify runs the eager step itself first, from the
+same inputs: when a channel the step uses does not communicate in warmup (``prepare``,
+``placeholder``), and when the plan compiles segments (``torch.compile``: warmup ran the
+compiled callables, which is what compiled them; the reference runs the model's
+uncompiled ones, so verify compares the compiled capture with the model's own code,
+within the plan's tolerance). Buffers are compared in the order of their last write,
+so a mismatch names the first buffer to differ and the segment that last wrote it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class VerifyResult:
     buffers: tuple[str, ...]
     max_abs_diff: float
     bit_exact: bool
+    #: What the replay was compared with.
+    against: tuple[str, ...] = ("the eager step",)
 
 
 @attrs.frozen
@@ -50,7 +55,8 @@ class VerifyPlan:
     ``written``: what it writes, in the order of each buffer's last write, with the
     segment that last writes each in ``last_writer``; ``state``: the state buffers.
     ``reuses_warmup``: whether warmup's run is the reference (every channel the step
-    uses communicates in warmup).
+    uses communicates in warmup, and no segment is compiled); ``compiled``: the
+    reference runs the uncompiled callables of compiled segments.
     """
 
     start: tuple[str, ...]
@@ -58,17 +64,18 @@ class VerifyPlan:
     state: tuple[str, ...]
     last_writer: dict[str, str] = attrs.field(eq=False)
     reuses_warmup: bool = True
+    compiled: bool = False
 
     @classmethod
-    def of(cls, plan: Plan, segments: tuple[Segment, ...]) -> VerifyPlan:
+    def of(cls, plan: Plan, segments: tuple[Segment, ...], *, compiled: bool = False) -> VerifyPlan:
         last_writer = {w: s.name for s in segments for w in s.writes}
         position = {s.name: i for i, s in enumerate(segments)}
         written = tuple(sorted(last_writer, key=lambda b: position[last_writer[b]]))
         read = tuple(dict.fromkeys(r for s in segments for r in s.reads))
         state = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE)
         silent = {c.name for c in plan.channels if c.warmup is not WarmupPolicy.REAL}
-        reuses = not any(silent.intersection(s.channels) for s in segments)
-        return cls(tuple(dict.fromkeys((*read, *state))), written, state, last_writer, reuses)
+        reuses = not compiled and not any(silent.intersection(s.channels) for s in segments)
+        return cls(tuple(dict.fromkeys((*read, *state))), written, state, last_writer, reuses, compiled)
 
 
 def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descriptor: Descriptor, index: int,
@@ -90,6 +97,8 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
                 call()
         alloc.synchronize(ctx)
         result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer)
+        if needs.compiled:
+            result = attrs.evolve(result, against=("the uncompiled eager step",))
         _restore(views, kept)
     return result, DescriptorTime(Phase.VERIFY, descriptor, block.seconds)
 
@@ -108,13 +117,15 @@ def _kept_state(ctx: Context, views: dict[str, torch.Tensor], warmed: Warmed) ->
 
 
 def _reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, warmed: Warmed) -> Warmed:
-    """The eager step run here, from warmup's inputs, with every collective communicating."""
+    """The eager step run here, from warmup's inputs, with every collective communicating
+    and every segment uncompiled."""
     views = alloc.buffers.views(descriptor.size)
     needs = ctx.verify_plan
     fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=True)
     start = {n: views[n].clone() for n in needs.start}
     run_eager(ctx.backend, alloc.schedules[tuple(s.name for s in ctx.segments)],
-              eager_step(ctx, alloc, descriptor.size), lambda segment, call: call_segment(ctx, segment, call))
+              eager_step(ctx, alloc, descriptor.size, alloc.uncompiled),
+              lambda segment, call: call_segment(ctx, segment, call))
     alloc.synchronize(ctx)
     return attrs.evolve(warmed, start=start, expected={n: views[n].clone() for n in needs.written})
 
