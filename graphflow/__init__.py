@@ -36,6 +36,7 @@ from graphflow.plan import (
     CaptureSettings,
     Channel,
     ChannelKind,
+    Compile,
     Descriptor,
     Family,
     Mode,
@@ -67,7 +68,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Buffer", "BufferRole", "CaptureError", "CaptureRegion", "CaptureSettings", "Channel",
-    "ChannelKind", "Descriptor", "Diagnostic", "DivergenceError", "Family", "GraphflowError",
+    "ChannelKind", "Compile", "Descriptor", "Diagnostic", "DivergenceError", "Family", "GraphflowError",
     "Mode", "Plan", "PlanError", "Prewarm", "Report", "Segment", "SegmentKind", "Severity",
     "Stream", "WarmupPolicy", "dump_plan", "load_plan", "loads_plan", "validate",
     "buffer", "channel", "eager_break", "plan_from_module", "position", "prewarm", "segment", "step",

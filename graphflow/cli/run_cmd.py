@@ -50,6 +50,8 @@ def register(subparsers) -> None:
                         help="auto: cuda when a GPU is present, else cpu (regions replayed eagerly)")
     parser.add_argument("--sizes", metavar="N,N,...", help="capture only these descriptor sizes, e.g. 1,2,4")
     parser.add_argument("--no-verify", action="store_true", help="skip comparing replay with eager")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="run the segments the plan compiles (torch.compile) uncompiled, to compare")
     parser.add_argument("--detectors", choices=("first", "all", "off"), default="first",
                         help="watch graph segments for capture hazards on the first descriptor of each mode "
                              "(default: a hazard is in the code, not in a size), on all of them, or not at all")
@@ -165,7 +167,7 @@ def _options(args: argparse.Namespace):
     except ValueError as err:
         raise CommandError(f"--disable-check: {err}") from err
     return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=args.detectors,
-                      disabled_checks=checks, sizes=parse_sizes(args.sizes))
+                      disabled_checks=checks, sizes=parse_sizes(args.sizes), compile=not args.no_compile)
 
 
 def check_backend(options) -> bool:
@@ -244,7 +246,9 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
                "eager_ms": None, "graph_ms": None, "speedup": None}
         row.update({f"{t.phase.value}_s": t.seconds for t in report.times if t.descriptor == descriptor})
         if descriptor in verify:
-            row["verify"] = {"bit_exact": verify[descriptor].bit_exact, "max_abs_diff": verify[descriptor].max_abs_diff}
+            checked = verify[descriptor]
+            row["verify"] = {"bit_exact": checked.bit_exact, "max_abs_diff": checked.max_abs_diff,
+                             "against": list(checked.against)}
         if descriptor in timings:
             eager_s, graph_s = timings[descriptor]
             row.update(eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3)
@@ -254,9 +258,23 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
     verified = report.verify
     exact = sum(r.bit_exact for r in verified)
     what = f"{report.graphs} graphs" if real else "no graph captured (CPU backend: regions replayed eagerly)"
+    if verified and report.compile is not None:  # fusion rounds differently: the tolerance is what applies
+        worst = max(r.max_abs_diff for r in verified)
+        checked = (f"; verify {len(verified)}/{len(verified)} within atol={engine.plan.capture.atol:g}, "
+                   f"rtol={engine.plan.capture.rtol:g} of the uncompiled eager step (max |diff| {worst:.3g}, "
+                   f"{exact} bit-exact)")
+    else:
+        checked = f"; verify {exact}/{len(verified)} bit-exact" if verified else "; not verified"
     result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {what}, "
-              f"in {total_s:.2f} s on {report.backend}"
-              + (f"; verify {exact}/{len(verified)} bit-exact" if verified else "; not verified"))
+              f"in {total_s:.2f} s on {report.backend}" + checked)
+    compiled = report.compile
+    compile_doc = None if compiled is None else {
+        "summary": compiled.summary(), "seconds": compiled.seconds,
+        "segments": [{"segment": c.segment, "backend": c.setting.backend, "mode": c.setting.mode,
+                      "dynamic": c.setting.dynamic, "compiles": c.compiles, "graphs": c.graphs,
+                      "graph_breaks": list(c.graph_breaks), "recompiles": list(c.recompiles), "seconds": c.seconds,
+                      "cache_hits": c.cache_hits, "cache_misses": c.cache_misses, "fallback": c.fallback,
+                      "reuses": c.shares if c.reused else None} for c in compiled.segments]}
     return {
         "plan": engine.plan.name, "file": path, "ok": True, "backend": report.backend,
         "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,
@@ -264,7 +282,7 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
         "pool_estimate": report.pool_estimate,
         "capture_s": captured_s, "total_s": total_s,
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
-        "descriptors": descriptors, "result": result,
+        "descriptors": descriptors, "compile": compile_doc, "result": result,
     }
 
 
@@ -304,6 +322,14 @@ def print_report(document: dict) -> None:
          + f"static buffers {format_bytes(document['buffer_bytes'])}")
     if document.get("trace"):
         line(f"trace {document['trace']}")
+    compiled = document.get("compile")
+    if compiled is not None:
+        line(compiled["summary"])
+        for segment in compiled["segments"]:
+            if segment["reuses"] is None:
+                line("  " + _compile_line(segment))
+        line("  verify compares the compiled capture with the uncompiled eager step: fusion reorders "
+             "floating-point work, so bit-exact is not expected; the plan's tolerance applies")
     line()
     rows = table("descriptor", "verify", "eager ms", *(("graph ms", "speed-up") if real else ("replay ms",)))
     for row in document["descriptors"]:
@@ -321,6 +347,15 @@ def print_report(document: dict) -> None:
     line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
          "included")
     line(document["result"])
+
+
+def _compile_line(segment: dict) -> str:
+    if segment["fallback"] is not None:
+        return f"{segment['segment']}: runs uncompiled ({segment['fallback']})"
+    breaks = f", graph breaks: {'; '.join(segment['graph_breaks'])}" if segment["graph_breaks"] else ""
+    return (f"{segment['segment']}: {segment['compiles']} compile(s), {segment['graphs']} graph(s), "
+            f"{len(segment['recompiles'])} recompile(s), {segment['seconds']:.2f} s, cache "
+            f"{segment['cache_hits']} hit(s)/{segment['cache_misses']} miss(es){breaks}")
 
 
 def _dump(document: dict) -> None:

@@ -96,9 +96,7 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
             else:
                 call()
         alloc.synchronize(ctx)
-        result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer)
-        if needs.compiled:
-            result = attrs.evolve(result, against=("the uncompiled eager step",))
+        result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer, compiled=needs.compiled)
         _restore(views, kept)
     return result, DescriptorTime(Phase.VERIFY, descriptor, block.seconds)
 
@@ -130,10 +128,17 @@ def _reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, warmed: 
     return attrs.evolve(warmed, start=start, expected={n: views[n].clone() for n in needs.written})
 
 
+#: What to do when the replay of compiled segments differs from the uncompiled step.
+COMPILED_HINT = ("the compiled segments' replay differs from the model's uncompiled code beyond the plan's tolerance: "
+                 "if the difference is rounding (fusion reorders floating-point work), raise capture.verify atol/rtol; "
+                 "else set compile: false on the segment named (graphflow run --no-compile compares)")
+
+
 def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-             last_writer: dict[str, str]) -> VerifyResult:
+             last_writer: dict[str, str], *, compiled: bool = False) -> VerifyResult:
     """Compare in order of each buffer's final write, so the first mismatch is the earliest seen."""
     atol, rtol = plan.capture.atol, plan.capture.rtol
+    against = "the uncompiled eager step" if compiled else "the eager step"
     worst = 0.0
     bit_exact = True
     for name, want in expected.items():
@@ -147,11 +152,12 @@ def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor],
         if not ok:
             bad = int((_comparable(got) != _comparable(want)).sum())
             raise CaptureError(
-                f"graph replay of {descriptor} differs from eager in buffer {name!r} (last written by "
+                f"graph replay of {descriptor} differs from {'the uncompiled eager step' if compiled else 'eager'} "
+                f"in buffer {name!r} (last written by "
                 f"{last_writer[name]}; it or an earlier segment diverged): {bad} of {got.numel()} "
                 f"elements, max |diff| {diff:.3g} (allowed atol={atol}, rtol={rtol})",
-                segment=last_writer[name], hint=HINT)
-    return VerifyResult(descriptor, tuple(expected), worst, bit_exact)
+                segment=last_writer[name], hint=COMPILED_HINT if compiled else HINT)
+    return VerifyResult(descriptor, tuple(expected), worst, bit_exact, (against,))
 
 
 def _comparable(t: torch.Tensor) -> torch.Tensor:
