@@ -216,15 +216,16 @@ class Probe(nn.Module):
         y.copy_(x * float(x.abs().sum().item() > 0))
 
 
-def probe_plan(*calls: str, compile=None, segment_compile=None, sizes=(2, 1), atol=1e-3, modes=(Mode.FULL,)):
+def probe_plan(*calls: str, compile=None, segment_compile=None, sizes=(2, 1), atol=1e-3, modes=(Mode.FULL,),
+               device="cuda:0"):
     """x -> b1 -> b2 ... one graph segment per call, each reading the previous buffer."""
     names = ["x"] + [f"b{i}" for i in range(1, len(calls) + 1)]
-    buffers = [Buffer("x", ("B", HIDDEN), "float32", "cuda:0", role=BufferRole.INPUT)]
-    buffers += [Buffer(n, ("B", HIDDEN), "float32", "cuda:0", role=BufferRole.OUTPUT if n == names[-1] else
+    buffers = [Buffer("x", ("B", HIDDEN), "float32", device, role=BufferRole.INPUT)]
+    buffers += [Buffer(n, ("B", HIDDEN), "float32", device, role=BufferRole.OUTPUT if n == names[-1] else
                        BufferRole.INTERNAL) for n in names[1:]]
     segments = [Segment(f"s{i}", SegmentKind.GRAPH, call, reads=[names[i]], writes=[names[i + 1]], stream="s0",
                         compile=(segment_compile or {}).get(i)) for i, call in enumerate(calls)]
-    return Plan("probe", buffers=buffers, streams=[Stream("s0", "cuda:0")], segments=segments,
+    return Plan("probe", buffers=buffers, streams=[Stream("s0", device)], segments=segments,
                 capture=CaptureSettings(modes=modes, sizes=sizes, compile=compile, atol=atol, rtol=atol))
 
 
