@@ -162,9 +162,9 @@ def _guard(record: dict, key: str, measure) -> None:
         record.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:800]
 
 
-def _pipeline(plan: Plan, decode: Decode, backend: str) -> tuple[object, dict]:
+def _pipeline(plan: Plan, decode: Decode, args) -> tuple[object, dict]:
     start = time.perf_counter()
-    engine = run_pipeline(plan, RunOptions(backend=backend), model=decode)
+    engine = run_pipeline(plan, RunOptions(backend=args.backend, detectors=args.detectors), model=decode)
     _sync()
     report = engine.report
     info = {"pipeline_s": time.perf_counter() - start, "graphs": report.graphs,
@@ -229,7 +229,7 @@ def run_model(family: str, args, result: dict, save) -> None:
     for mode, plan in (("FULL", decode_plan(vocab, sizes)),
                        ("FULL compiled", decode_plan(vocab, sizes, compile=setting, atol=args.atol))):
         done: dict = {}
-        _guard(done, mode, lambda: _pipeline(plan, decode, args.backend))
+        _guard(done, mode, lambda: _pipeline(plan, decode, args))
         if mode in done:
             engines[mode], record[mode] = done[mode]
         else:
@@ -299,7 +299,8 @@ def _restarts(family: str, args) -> dict:
                 command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--start-child", str(out),
                            "--models", family, "--sizes", args.sizes, "--backend", args.backend,
                            "--compile-backend", args.compile_backend, "--compile-mode", args.compile_mode,
-                           "--atol", str(args.atol), *(["--dynamic"] if args.dynamic else []),
+                           "--atol", str(args.atol), "--detectors", args.detectors,
+                           *(["--dynamic"] if args.dynamic else []),
                            *(["--smoke"] if args.smoke else [])]
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
                        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
@@ -320,8 +321,7 @@ def _start_child(args) -> int:
     sizes = tuple(int(s) for s in args.sizes.split(","))
     decode = Decode(family, config, sizes, device, torch.bfloat16 if cuda else torch.float32)
     setting = Compile(backend=args.compile_backend, mode=args.compile_mode, dynamic=args.dynamic)
-    engine, info = _pipeline(decode_plan(config["vocab_size"], sizes, compile=setting, atol=args.atol), decode,
-                             args.backend)
+    engine, info = _pipeline(decode_plan(config["vocab_size"], sizes, compile=setting, atol=args.atol), decode, args)
     engine.close()
     pathlib.Path(args.start_child).write_text(json.dumps(info))
     return 0
@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure a cold and a second start of the compiled pipeline in fresh processes")
     parser.add_argument("--restart-timeout", type=float, default=300.0)
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--detectors", choices=("first", "all", "off"), default="first",
+                        help="graphflow's capture-safety detectors (default: the first descriptor)")
     parser.add_argument("--smoke", action="store_true", help="CPU, fp32, 2 tiny layers, B=1,2, few iterations")
     parser.add_argument("--start-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
