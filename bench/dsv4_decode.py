@@ -64,6 +64,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# torch's FX graph and AOT autograd caches for the compiled rows, in the checkout (git-ignored)
+# unless set: a second run's compile is served from it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 
 import attrs  # noqa: E402
 

@@ -52,6 +52,9 @@ from torch import nn
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# torch's FX graph and AOT autograd caches, in the checkout (git-ignored) unless set; the
+# restarts measure a fresh one of their own.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 
 from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
