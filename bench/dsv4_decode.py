@@ -57,7 +57,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 
@@ -77,6 +76,7 @@ from graphflow.plan import BufferRole, Compile  # noqa: E402
 from graphflow.integrations.dsv4 import build_model  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
 from graphflow.runtime import Runner  # noqa: E402
+from bench.timing import guard as _guard, sync as _sync, time_ms as _time  # noqa: E402
 
 STARTED = time.perf_counter()
 POSITION = 200  # sequence b decodes token POSITION + 1 + b % compress_every: ~50 compressed entries + a short tail
@@ -85,23 +85,6 @@ FULL_PLAN = ROOT / "plans/dsv4_61l_full.yaml"
 #: --smoke: the 61-layer plans' structure and dtype with the mini model's widths, on the CPU.
 SMOKE_ARGS = {"vocab_size": 512, "hidden_size": 64, "n_heads": 4, "kv_dim": 32, "rope_dim": 16, "n_experts": 8,
               "moe_inter": 64, "shared_inter": 128}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _time(step, iters: int, warmup: int = 3) -> float:
-    """Milliseconds per call, synchronized around the timed loop only."""
-    for _ in range(warmup):
-        step()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    _sync()
-    return (time.perf_counter() - start) * 1e3 / iters
 
 
 def _rounds(steps: dict, rounds: int, iters: int) -> dict[str, list[float]]:
@@ -117,15 +100,6 @@ def _rounds(steps: dict, rounds: int, iters: int) -> dict[str, list[float]]:
         for mode, step in steps.items():
             samples[mode].append(_time(step, max(3, iters // 4) if mode == "eager" else iters))
     return samples
-
-
-def _guard(record: dict, key: str, measure) -> None:
-    """``record[key] = measure()``; a failure is recorded under ``errors`` instead of ending the run."""
-    try:
-        record[key] = measure()
-    except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the others
-        traceback.print_exc()
-        record.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:800]
 
 
 def _inputs(size: int, vocab: int, every: int, device: str) -> dict[str, torch.Tensor]:

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 from torch import nn
@@ -60,6 +59,7 @@ from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Compile, Mode, Plan, Segment, SegmentKind, Stream  # noqa: E402
 from graphflow.runtime import Runner  # noqa: E402
+from bench.timing import guard as _guard, sync as _sync, time_ms as _time  # noqa: E402
 
 STARTED = time.perf_counter()
 #: The benchmarked models (the sizes the compiled-segments issue measured: 4 layers, hidden 256).
@@ -138,31 +138,6 @@ def decode_plan(vocab: int, sizes: tuple[int, ...], device: str = "cuda:0", *, c
                 segments=[segment],
                 capture=CaptureSettings(modes=(Mode.FULL,), sizes=tuple(sorted(sizes)), warmup_iters=2,
                                         atol=atol, rtol=atol, compile=compile))
-
-
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _time(step, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        step()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    _sync()
-    return (time.perf_counter() - start) * 1e3 / iters
-
-
-def _guard(record: dict, key: str, measure) -> None:
-    """``record[key] = measure()``; a failure is recorded under ``errors`` instead of ending the run."""
-    try:
-        record[key] = measure()
-    except Exception as exc:  # noqa: BLE001 - one failed part must not lose the others
-        traceback.print_exc()
-        record.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:800]
 
 
 def _pipeline(plan: Plan, decode: Decode, args) -> tuple[object, dict]:
