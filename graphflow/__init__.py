@@ -5,9 +5,11 @@ Layers, from data to GPU:
 * ``graphflow.plan``: the capture plan as frozen attrs classes (no torch).
 * ``graphflow.loader``: YAML in and out, with ``for_each`` templating (no torch).
 * ``graphflow.decorators``: the same plan declared on the model's classes (no torch).
-* ``graphflow.validate``: the rule table run before any GPU work (no torch).
+* ``graphflow.rules``: the rule table run before any GPU work (no torch); its runner is
+  ``graphflow.validate(plan)``.
 * ``graphflow.engine``: the phase pipeline with rollback, over a CUDA or CPU backend.
 * ``graphflow.runtime``: dispatch a batch to its captured descriptor and replay.
+* ``graphflow.session``: the one way to compose a run (channels, trace, engine, runner).
 
 Importing ``graphflow`` imports no torch; engine names load on first use.
 """
@@ -27,35 +29,18 @@ from graphflow.decorators import (
     step,
     stream,
 )
-from graphflow.errors import CaptureError, DivergenceError, GraphflowError, PlanError
+from graphflow.errors import CaptureError, DivergenceError, GraphflowError, InvalidPlanError, PlanError
 from graphflow.loader import dump_plan, load_plan, loads_plan
-from graphflow.plan import (
-    Buffer,
-    BufferRole,
-    CaptureRegion,
-    CaptureSettings,
-    Channel,
-    ChannelKind,
-    Compile,
-    Descriptor,
-    Family,
-    Mode,
-    Plan,
-    Prewarm,
-    Segment,
-    SegmentKind,
-    Stream,
-    WarmupPolicy,
-)
-from graphflow.validate import Diagnostic, Report, Severity, validate
+from graphflow.plan import Descriptor, Mode, Plan, Reference
+from graphflow.rules import validate
 
 __version__ = "0.1.0"
 
 #: Names that need torch, imported from their module on first access.
 _LAZY = {
-    "Engine": "graphflow.engine",
-    "run_pipeline": "graphflow.engine",
+    "RunOptions": "graphflow.engine.options",
     "Runner": "graphflow.runtime",
+    "Session": "graphflow.session",
 }
 
 
@@ -66,12 +51,17 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module), name)
 
 
+#: What a user of YAML plans, decorators and the runtime needs; the plan's parts
+#: (``graphflow.plan``), the rule table (``graphflow.rules``) and the engine's phases
+#: (``graphflow.engine``) are imported from their modules.
 __all__ = [
-    "Buffer", "BufferRole", "CaptureError", "CaptureRegion", "CaptureSettings", "Channel",
-    "ChannelKind", "Compile", "Descriptor", "Diagnostic", "DivergenceError", "Family", "GraphflowError",
-    "Mode", "Plan", "PlanError", "Prewarm", "Report", "Segment", "SegmentKind", "Severity",
-    "Stream", "WarmupPolicy", "dump_plan", "load_plan", "loads_plan", "validate",
-    "buffer", "channel", "eager_break", "plan_from_module", "position", "prewarm", "segment", "step",
+    # plans: read, write, check
+    "Descriptor", "Mode", "Plan", "dump_plan", "load_plan", "loads_plan", "validate",
+    # plans declared on the model
+    "Reference", "buffer", "channel", "eager_break", "plan_from_module", "position", "prewarm", "segment", "step",
     "stream",
+    # capture and run
     *_LAZY,
+    # errors
+    "CaptureError", "DivergenceError", "GraphflowError", "InvalidPlanError", "PlanError",
 ]

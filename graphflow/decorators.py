@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import attrs
 
 from graphflow import templates
-from graphflow.errors import FieldError, PlanError
+from graphflow.errors import FieldError, FieldTypeError, FieldValueError, PlanError
 from graphflow.plan import (
     Buffer,
     BufferRole,
@@ -52,6 +52,7 @@ from graphflow.plan import (
     Origin,
     Plan,
     Prewarm,
+    Reference,
     Segment,
     SegmentKind,
     Stream,
@@ -117,17 +118,21 @@ class BufferDecl(_ClassLevel):
     capacity: Any = attrs.field(factory=dict)
     alias_of: Any = None
     values: Any = None
+    adopt: Any = None
+    pad: Any = None
     origin: Origin | None = attrs.field(default=None, eq=False, repr=False)
 
     element = "buffer"
 
     def build(self, name: str, resolve: Callable[[Any], Any], expand: Callable[[str], str]) -> Buffer:
         alias = resolve(self.alias_of)
+        adopt = resolve(self.adopt)
         shape = resolve(self.shape)
         return Buffer(name=name, shape=[resolve(dim) for dim in shape] if isinstance(shape, (list, tuple)) else shape,
                       dtype=resolve(self.dtype), device=resolve(self.device), role=resolve(self.role),
                       capacity=resolve(self.capacity) or {}, alias_of=None if alias is None else expand(alias),
-                      values=resolve(self.values))
+                      values=resolve(self.values), adopt=None if adopt is None else expand(adopt),
+                      pad=resolve(self.pad))
 
 
 @attrs.frozen
@@ -193,6 +198,11 @@ class SegmentDecl:
     ranks: tuple[int, ...] | None = None
     after: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     kernels: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    inputs: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    objects: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    constants: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    returns: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    breaks: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     compile: Any = None
 
     @property
@@ -219,6 +229,7 @@ class StepDecl:
     barrier_timeout_s: Any = None
     families: Any = None
     world_size: Any = None
+    reference: Any = None
     compile: Any = None
 
     decorator = "@graphflow.step"
@@ -239,9 +250,15 @@ _MethodDecl = SegmentDecl | StepDecl | PrewarmDecl
 
 
 def buffer(name: str | None = None, *, shape, dtype, device, role="internal", capacity=None, alias_of=None,
-           values=None) -> BufferDecl:
-    """Declare a static buffer; ``name`` defaults to the attribute's and may use ``{layer}``."""
-    return BufferDecl(name, shape, dtype, device, role, capacity or {}, alias_of, values, _caller_origin())
+           values=None, adopt=None, pad=None) -> BufferDecl:
+    """Declare a static buffer; ``name`` defaults to the attribute's and may use ``{layer}``.
+
+    ``adopt`` names the model's tensor this buffer is (a path from the root model, e.g.
+    ``"cache.layers.{layer}.keys"``); ``pad`` what its padded rows hold (a number for an
+    input, ``"keep"`` for batch-indexed state).
+    """
+    return BufferDecl(name, shape, dtype, device, role, capacity or {}, alias_of, values, adopt, pad,
+                      _caller_origin())
 
 
 def stream(name: str | None = None, *, device) -> StreamDecl:
@@ -321,30 +338,39 @@ def _decorate(decl: _MethodDecl) -> Callable[[F], F]:
 def segment(name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
             stream: str | None = None, channels: Iterable[str] = (), family: str = "target",
             data_dependent: bool = False, device: str | None = None, ranks: Iterable[int] | None = None,
-            after: Iterable[str] = (), kernels: Iterable[str] = (), compile=None) -> Callable[[F], F]:
+            after: Iterable[str] = (), kernels: Iterable[str] = (), inputs: Mapping[str, str] | None = None,
+            objects: Mapping[str, str] | None = None, constants: Mapping[str, Any] | None = None,
+            returns: Iterable[str] = (), breaks: Iterable[str] = (), compile=None) -> Callable[[F], F]:
     """Declare the method a capturable graph segment.
 
-    The engine calls it as ``fn(*reads, *writes_not_in_reads)`` with buffer views.
-    ``name`` (default: the call path) and every buffer, stream, channel and segment
-    name may use the module's positions, e.g. ``"L{layer}.pre"``, ``"x{layer+1}"``.
-    ``kernels`` names the JIT kernels the method launches (docs/jit.md). ``compile``
-    wraps it with ``torch.compile`` before warmup (``"inductor"``, ``False``, or a mapping
-    of ``graphflow.plan.Compile``'s fields; docs/compile.md).
+    The engine calls it as ``fn(*reads, *writes_not_in_reads)`` with buffer views, less
+    the buffers it fills from the return value (``returns``) or the model holds
+    (adopted); with ``inputs`` (argument to buffer) it passes buffers by keyword only.
+    ``objects`` (argument to a path on the root model) and ``constants`` go by keyword. ``breaks`` names
+    submodules (paths from the root model, ``*`` for any part) run eagerly between
+    graphs in PIECEWISE capture. ``name`` (default: the call path) and every buffer,
+    stream, channel and segment name may use the module's positions, e.g.
+    ``"L{layer}.pre"``, ``"x{layer+1}"``. ``kernels`` names the JIT kernels the method
+    launches (docs/jit.md).
     """
     _check_called("segment", name)
     return _decorate(SegmentDecl(SegmentKind.GRAPH, name, reads, writes, stream, channels, family,
                                  data_dependent, device, None if ranks is None else tuple(ranks), after, kernels,
-                                 compile))
+                                 inputs or {}, objects or {}, constants or {}, returns, breaks, compile))
 
 
 def eager_break(name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
                 stream: str | None = None, channels: Iterable[str] = (), family: str = "target",
                 data_dependent: bool = False, device: str | None = None, ranks: Iterable[int] | None = None,
-                after: Iterable[str] = (), kernels: Iterable[str] = ()) -> Callable[[F], F]:
-    """Declare the method an eager break: it runs between graphs, never inside one."""
+                after: Iterable[str] = (), kernels: Iterable[str] = (), inputs: Mapping[str, str] | None = None,
+                objects: Mapping[str, str] | None = None, constants: Mapping[str, Any] | None = None,
+                returns: Iterable[str] = ()) -> Callable[[F], F]:
+    """Declare the method an eager break: it runs between graphs, never inside one
+    (same calling convention as ``segment``)."""
     _check_called("eager_break", name)
     return _decorate(SegmentDecl(SegmentKind.EAGER, name, reads, writes, stream, channels, family,
-                                 data_dependent, device, None if ranks is None else tuple(ranks), after, kernels))
+                                 data_dependent, device, None if ranks is None else tuple(ranks), after, kernels,
+                                 inputs or {}, objects or {}, constants or {}, returns))
 
 
 def _check_called(decorator: str, name) -> None:
@@ -356,17 +382,19 @@ def _check_called(decorator: str, name) -> None:
 
 def step(fn: F | None = None, *, name=None, sizes=None, modes=None, size_symbol=None, symbols=None,
          warmup_iters=None, atol=None, rtol=None, barrier_timeout_s=None, families=None,
-         world_size=None, compile=None):
+         world_size=None, reference=None, compile=None):
     """Mark the method that calls the segments in order (``@step`` or ``@step(sizes=...)``).
 
     It also serves as the model's eager step. While recording, each parameter without
     a default receives a placeholder (indexable, attribute-able), decorated methods
     return one, and nothing runs: a step may only route arguments to decorated
-    methods and loop over submodules. ``compile`` is the plan's ``capture.compile``:
-    ``torch.compile`` for every graph segment (docs/compile.md).
+    methods and loop over submodules. ``reference`` is the model's own eager step that
+    verify compares replay with: a ``graphflow.Reference`` or its fields as a mapping
+    (``{"call": "forward", "inputs": {"x": "x"}, "returns": ["y"]}``). ``compile`` is the
+    plan's ``capture.compile``: ``torch.compile`` for every graph segment (docs/compile.md).
     """
     decl = StepDecl(name, sizes, modes, size_symbol, symbols, warmup_iters, atol, rtol, barrier_timeout_s,
-                    families, world_size, compile)
+                    families, world_size, reference, compile)
     return _decorate(decl)(fn) if fn is not None else _decorate(decl)
 
 
@@ -655,16 +683,20 @@ def _declarations(sites: list[_Site]) -> dict[str, _Table]:
     return tables
 
 
-def _check_arity(call: _Call, segment: Segment, origin: Origin | None) -> None:
-    """The engine calls ``fn(*reads, *writes_not_in_reads)``: say so now if that cannot bind."""
-    count = len(segment.reads) + len([w for w in dict.fromkeys(segment.writes) if w not in segment.reads])
+def _check_arity(call: _Call, segment: Segment, origin: Origin | None, adopted: set[str]) -> None:
+    """The engine calls ``fn(*reads, *writes_not_in_reads)`` (less keyword, returned and
+    adopted buffers) plus the keyword arguments: say so now if that cannot bind."""
+    skip = {*segment.returns, *adopted}
+    names = [] if segment.inputs else [n for n in dict.fromkeys((*segment.reads, *segment.writes)) if n not in skip]
+    keywords = {**dict.fromkeys(segment.inputs), **dict.fromkeys(segment.objects), **dict.fromkeys(segment.constants)}
     try:
-        inspect.signature(call.fn).bind(None, *([None] * count))
+        inspect.signature(call.fn).bind(None, *([None] * len(names)), **keywords)
     except TypeError as exc:
-        names = ", ".join(dict.fromkeys((*segment.reads, *segment.writes))) or "none"
-        raise call.site.error(call.method, f"the engine calls it with {count} buffer arguments "
-                                           f"(fn(*reads, *writes_not_in_reads): {names}), which its signature "
-                                           f"cannot take: {exc}", origin) from exc
+        given = ", ".join(names) or "none"
+        by_keyword = f" and keywords {', '.join(keywords)}" if keywords else ""
+        raise call.site.error(call.method, f"the engine calls it with {len(names)} buffer arguments "
+                                           f"(fn(*reads, *writes_not_in_reads): {given}){by_keyword}, which its "
+                                           f"signature cannot take: {exc}", origin) from exc
 
 
 def _check_references(call: _Call, built: Segment, tables: Mapping[str, _Table], origin: Origin | None) -> None:
@@ -699,6 +731,11 @@ def _segment(call: _Call) -> Segment:
             ranks=decl.ranks,
             after=[expand(n) for n in decl.after],
             kernels=[expand(n) for n in decl.kernels],
+            inputs={k: expand(v) for k, v in decl.inputs.items()},
+            objects={k: expand(v) for k, v in decl.objects.items()},
+            constants=dict(decl.constants),
+            returns=[expand(n) for n in decl.returns],
+            breaks=[expand(n) for n in decl.breaks],
             compile=site.resolve(decl.compile),
         )
     except FieldError as exc:
@@ -717,7 +754,7 @@ def _segments(calls: list[_Call], tables: Mapping[str, _Table]) -> list[Segment]
                                                f"{other.site.element(other.method)}: segment names must be "
                                                "unique — use the module's position, e.g. 'L{layer}.pre'", origin)
         _check_references(call, built, tables, origin)
-        _check_arity(call, built, origin)
+        _check_arity(call, built, origin, {n for n, b in tables["buffer"].items.items() if b.adopt is not None})
         seen[built.name] = call
         segments.append(built)
     return segments
@@ -865,10 +902,25 @@ def plan_from_module(model, *, step: str | None = None, factory: str | None = No
             model=factory,
             model_args=dict(model_args or {}),
             world_size=_first(setting(world_size, "world_size"), 1),
+            reference=_reference(root.resolve(step_decl.reference)),
             origins=origins,
         )
     except FieldError as exc:
         raise root.error(chosen, f"bad {step_decl.decorator} settings: {exc}", _method_origin(step_fn)) from exc
+
+
+def _reference(value: Reference | Mapping[str, Any] | None) -> Reference | None:
+    if value is None or isinstance(value, Reference):
+        return value
+    if not isinstance(value, Mapping):
+        raise FieldTypeError("reference", "a graphflow.Reference or a mapping of its fields", value)
+    try:
+        return Reference(**value)
+    except FieldError:
+        raise
+    except TypeError as exc:
+        raise FieldValueError("reference", "a mapping of call, inputs, objects, constants and returns",
+                              dict(value)) from exc
 
 
 def _torch_nn():

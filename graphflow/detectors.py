@@ -332,8 +332,11 @@ class _Watch:
         # address -> _Birth when tracking escapes, else None: storages made by ops here
         self.created: dict[int, _Birth | None] = {}
         self.flagged: set[int] = set()
+        self.eager = 0  # inside ``Detectors.eager()``: work that runs eagerly at replay too
 
     def record(self, check: Check, call: str, message: str, locate: bool = True) -> None:
+        if self.eager and check is Check.HOST_SYNC:
+            return
         if locate:
             call = _at(call, _user_frame())
         self.owner._add(Finding(check, self.segment, call, message, self.phase))
@@ -485,17 +488,34 @@ def _stream_capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
+def _dispatch(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    inputs = self.watch.before(func, args, kwargs)
+    out = func(*args, **kwargs)
+    self.watch.after(func, out, inputs)
+    return out
+
+
 class _DispatchMode(TorchDispatchMode):
     def __init__(self, watch: _Watch):
         super().__init__()
         self.watch = watch
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = self.watch.before(func, args, kwargs)
-        out = func(*args, **kwargs)
-        self.watch.after(func, out, inputs)
-        return out
+
+class _DynamoSafeDispatchMode(_DispatchMode):
+    """The mode while TorchDynamo is loaded: compiled code may run under it, and Dynamo
+    must not trace the mode's own frames."""
+
+
+# Torch wraps every mode's __torch_dispatch__ to keep Dynamo out of it, and that wrapper
+# imports Dynamo on the first op (a second or more at start-up). Dynamo can only be
+# tracing once it is imported, so the plain function serves until then.
+_DispatchMode.__torch_dispatch__ = _dispatch
+_DynamoSafeDispatchMode.__torch_dispatch__ = torch._disable_dynamo(_dispatch, recursive=True)
+
+
+def _dispatch_mode(watch: _Watch) -> _DispatchMode:
+    return (_DynamoSafeDispatchMode if "torch._dynamo" in sys.modules else _DispatchMode)(watch)
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -576,6 +596,7 @@ class Detectors:
         self._known = _Known()
         self._known.add(known)
         self._kinds: dict[int, _OpKind] = {}  # id(op overload) -> kind; overloads live forever
+        self._watch: _Watch | None = None  # the watch open now, for ``eager``
 
     def add_known(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count these tensors (and every view of their storage) as declared."""
@@ -595,17 +616,34 @@ class Detectors:
             yield
             return
         watch = _Watch(self, segment, phase, capturing, device)
+        self._watch = watch
         try:
             with contextlib.ExitStack() as stack:
                 if watch.host_sync:
                     _patch_syncs(stack, watch)
                 stack.enter_context(_FunctionMode(watch))
-                stack.enter_context(_DispatchMode(watch))
+                stack.enter_context(_dispatch_mode(watch))
                 yield
         finally:
             watch.open = False
+            self._watch = None
         if watch.escape:
             watch.check_escapes()
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Inside the segment being watched, work that runs eagerly at replay as well (a
+        submodule a segment breaks at, ``graphflow.engine.split``): it may read values
+        on the host and synchronize, as an eager segment may; every other check holds."""
+        watch = self._watch
+        if watch is None:
+            yield
+            return
+        watch.eager += 1
+        try:
+            yield
+        finally:
+            watch.eager -= 1
 
     def clear(self) -> None:
         self.findings.clear()

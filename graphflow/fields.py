@@ -12,7 +12,7 @@ A field's *kind* (``Integer(minimum=1)``, ``Choice.of(BufferRole)``,
 
 Only facts about one value live here: its type, range, choices or spelling. Whether
 values agree with each other (a read of an undeclared buffer, a size above a capacity)
-is a rule of ``graphflow.validate``. Converters are lenient (a list becomes a tuple, an
+is a rule of ``graphflow.rules``. Converters are lenient (a list becomes a tuple, an
 enum's value string becomes the member) and never raise: what they cannot convert is
 left for the validator to name. This module imports no torch.
 """
@@ -40,6 +40,7 @@ __all__ = [
     "Integer",
     "Kind",
     "Number",
+    "OneOf",
     "Optional",
     "Sequence",
     "Table",
@@ -266,6 +267,39 @@ class Optional(_Kind):
 
 
 @attrs.frozen
+class OneOf(_Kind):
+    """A value of the first of ``kinds`` that takes it (``pad: 64`` or ``pad: keep``)."""
+
+    kinds: tuple[Kind, ...]
+
+    @property
+    def expected(self) -> str:
+        return " or ".join(kind.expected for kind in self.kinds)
+
+    def convert(self, value):
+        for kind in self.kinds:
+            converted = kind.convert(value)
+            try:
+                kind.check("value", converted)
+            except FieldError:
+                continue
+            return converted
+        return value
+
+    def check(self, path: str, value) -> None:
+        errors = []
+        for kind in self.kinds:
+            try:
+                kind.check(path, value)
+            except FieldError as exc:
+                errors.append(exc)
+                continue
+            return
+        kind = FieldTypeError if all(isinstance(e, FieldTypeError) for e in errors) else FieldValueError
+        raise kind(path, self.expected, value)
+
+
+@attrs.frozen
 class Bounds(_Kind):
     """A half-open range ``[low, high)`` of two numbers with ``low < high``."""
 
@@ -402,8 +436,8 @@ class Data(_Kind):
             raise FieldTypeError(path, self.expected, value)
 
 
-Kind = Union[Text, Integer, Number, Flag, Choice, Dimension, Sequence, Table, Optional, Bounds, Elements, Instance,
-             Setting, Data]
+Kind = Union[Text, Integer, Number, Flag, Choice, Dimension, Sequence, Table, Optional, OneOf, Bounds, Elements,
+             Instance, Setting, Data]
 
 
 @attrs.frozen

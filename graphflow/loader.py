@@ -41,6 +41,7 @@ from graphflow.plan import (
     Origin,
     Plan,
     Prewarm,
+    Reference,
     Segment,
     Stream,
 )
@@ -186,7 +187,9 @@ def _closest(word: str, choices: Iterable[str]) -> str:
 
 # -- the format: keys of each element ---------------------------------------------------
 _TOP_KEYS = ("graphflow", "name", "model", "model_args", "world_size", "symbols", "for_each", "families",
-             "streams", "buffers", "channels", "prewarm", "segments", "capture")
+             "streams", "buffers", "channels", "prewarm", "segments", "reference", "capture")
+#: ``{*var}`` in a list item: one item per value of ``var`` (``reads: ["k{*layer}"]``).
+_EACH = re.compile(r"\{\*\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}")
 #: Sections of named elements: section key -> (element class, kind of element).
 _SECTIONS = {"streams": (Stream, "stream"), "buffers": (Buffer, "buffer"), "channels": (Channel, "channel"),
              "prewarm": (Prewarm, "prewarm")}
@@ -295,6 +298,13 @@ class _Reader:
                 except FieldError:
                     self.fail(f"expected {kind.key.expected} as a key, got {key!r}", node.key_lines[key], where)
             return {key: self.read(kind.value, item, f"{where}.{key}") for key, item in entries.items()}
+        if isinstance(kind, fields.OneOf):
+            for inner in kind.kinds:
+                try:
+                    return self.read(inner, node, where)
+                except PlanError:
+                    continue
+            self.fail(f"expected {kind.expected}, got {_describe(value)}", node.line, where)
         if isinstance(kind, fields.Bounds):
             bounds = self.sequence(node, where, "two numbers [low, high)") if node.is_list else None
             if bounds is None:
@@ -408,17 +418,43 @@ class _Reader:
             raise PlanError(str(exc), file=self.file, line=line, element=where) from exc
 
     def substitute(self, node: _Node, env: Mapping, where: str, owner: str) -> _Node:
-        """A copy of an element's body with every string expanded (lines kept)."""
+        """A copy of an element's body with every string expanded (lines kept).
+
+        A list item using ``{*var}`` becomes one item per value of ``var`` (a head
+        reading every layer's buffer: ``reads: ["q{*layer}"]``); elsewhere it is an error.
+        """
         if isinstance(node.value, str):
             if "{" not in node.value and "}" not in node.value:
                 return node
+            if _EACH.search(node.value):
+                self.fail(f"{node.value!r} uses {{*var}}, which makes one list item per value: use it as an item of "
+                          "a list (reads, writes, returns...)", node.line, where)
             return _Node(self.expand(node.value, env, node.line, where, owner), node.line)
         if node.is_list:
-            return _Node(tuple(self.substitute(item, env, where, owner) for item in node.value), node.line)
+            items: list[_Node] = []
+            for item in node.value:
+                if isinstance(item.value, str) and _EACH.search(item.value):
+                    items += self.each(item, env, where, owner)
+                else:
+                    items.append(self.substitute(item, env, where, owner))
+            return _Node(tuple(items), node.line)
         if node.is_map:
             return _Node({k: self.substitute(v, env, f"{where}.{k}", owner) for k, v in node.value.items()},
                          node.line, node.key_lines)
         return node
+
+    def each(self, item: _Node, env: Mapping, where: str, owner: str) -> list[_Node]:
+        """The items a ``{*var}`` list item stands for, in ``for_each`` order."""
+        starred = tuple(dict.fromkeys(_EACH.findall(item.value)))
+        for var in starred:
+            if var not in self.variables:
+                self.fail(self.unknown_variable(var, item.value), item.line, where)
+            if var in env:
+                self.fail(f"{item.value!r} uses {{*{var}}} in an element that {var} already expands: write "
+                          f"{{{var}}} for this element's own value", item.line, where)
+        text = _EACH.sub(lambda m: "{" + m.group(1) + "}", item.value)
+        return [_Node(self.expand(text, {**env, **dict(zip(starred, combo))}, item.line, where, owner), item.line)
+                for combo in self.combinations(starred, item.line, where)]
 
     def combinations(self, variables: tuple[str, ...], line: int, where: str) -> Iterable[tuple]:
         """Every combination of the variables' values, the first variable varying slowest."""
@@ -518,6 +554,10 @@ class _Reader:
             kwargs["segments"] = self.segments(top["segments"])
         named = [(self.origins[f"{kind}:{element.name}"].line, element.family)
                  for kind in ("channel", "segment") for element in kwargs.get(f"{kind}s", ())]
+        if "reference" in top and top["reference"].value is not None:
+            node = self.substitute(top["reference"], {}, "reference", "the reference")
+            kwargs["reference"] = self.element(Reference, node, "reference")
+            self.origins["reference:reference"] = Origin(self.file, top["reference"].line)
         kwargs["families"] = self.families(top.get("families"), root, named)
         kwargs["capture"] = self.capture(top.get("capture"), constants, size_list)
         return self.build(Plan, {"name": name, "origins": self.origins, **kwargs}, root.line, None)
@@ -681,6 +721,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             data[section] = {templates.escape(element.name): _fields(element) for element in elements}
     if plan.segments:
         data["segments"] = [_fields(segment, skip=()) for segment in plan.segments]
+    if plan.reference is not None:
+        data["reference"] = _fields(plan.reference, skip=())
     def sizes(values: tuple[int, ...]) -> Any:
         return capture.size_symbol if by_symbol and values == capture.sizes else list(values)
 

@@ -1,7 +1,7 @@
 """The capture plan: what a model declares, as small frozen attrs classes.
 
 A plan is data only. It knows nothing of YAML (see ``graphflow.loader``), of rules
-(see ``graphflow.validate``) or of GPUs (see ``graphflow.engine``), and it imports no
+(see ``graphflow.rules``) or of GPUs (see ``graphflow.engine``), and it imports no
 torch, so ``graphflow validate`` starts in milliseconds and runs where torch is absent.
 Each field declares what it may hold (``graphflow.fields``): building an element with a
 wrong type or a value out of range raises at once, naming the field, whether the plan
@@ -43,6 +43,7 @@ from graphflow.fields import (
     Instance,
     Integer,
     Number,
+    OneOf,
     Optional,
     Sequence as Items,
     Setting,
@@ -67,11 +68,13 @@ __all__ = [
     "Origin",
     "Plan",
     "Prewarm",
+    "Reference",
     "Segment",
     "SegmentKind",
     "Stream",
     "WarmupPolicy",
     "DTYPE_BYTES",
+    "PAD_KEEP",
     "alias_chain",
     "dataflow_edges",
     "eval_dim",
@@ -178,6 +181,16 @@ _DEVICE = Text(r"cpu|cuda:\d+", "'cpu' or 'cuda:N' with the GPU's index (a bare 
                                 "current)")
 _SIZES = Items(Integer(minimum=1), "descriptor sizes (ints >= 1)")
 _FACTORY = Text(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "a factory 'package.module:function'")
+#: A keyword argument of the callable a segment or reference calls.
+_KEYWORD = Text(IDENTIFIER, "a keyword argument name")
+#: An attribute path on the model (digits index ModuleLists): ``cache.layers.0.keys``.
+_PATH = Text(r"[A-Za-z_0-9][\w]*(?:\.[A-Za-z_0-9][\w]*)*", "an attribute path on the model, e.g. cache.layers.0.keys")
+#: A submodule path pattern: attribute names, indices or ``*`` (any one), joined by dots.
+_PATTERN = Text(r"(?:[\w]+|\*)(?:\.(?:[\w]+|\*))*", "a submodule path such as model.layers.*.self_attn")
+#: What a padded row of a buffer holds: a number (an input's fill value, such as a scratch
+#: slot index) or ``keep`` (a state buffer's padded rows are saved and restored around the step).
+PAD_KEEP = "keep"
+_PAD = OneOf((Number(), Choice((PAD_KEEP,))))
 
 
 @attrs.frozen
@@ -203,6 +216,16 @@ class Buffer:
     writes to both; the target may itself be an alias (``Plan.storage`` follows the
     chain). ``values`` is the half-open range ``[low, high)`` that verify draws random
     inputs from (token ids need ``[0, vocab)``); floats default to a standard normal.
+
+    ``adopt`` makes a tensor the model holds (``cache.layers.0.keys``) this buffer: the
+    model's tensor is the storage when it has the buffer's allocated shape, else the
+    engine allocates the buffer and sets the attribute to it; either way the model's
+    own code and the plan see one tensor, which is counted, snapshotted by verify and
+    ordered by the DAG like any buffer (``graphflow.engine.adopt``). ``pad`` says what
+    the rows a smaller batch does not use hold when it runs on a larger descriptor: a
+    number for an input (a scratch slot index its padded rows map to; zero without
+    it), ``keep`` for a state buffer indexed by batch row (those rows are saved before
+    the step and put back after, so padding never changes another sequence's state).
     """
 
     name: str = field(_NAME)
@@ -216,6 +239,11 @@ class Buffer:
     alias_of: str | None = field(Optional(_NAME), default=None, doc="the buffer whose storage this one views")
     values: tuple[float, float] | None = field(Optional(Bounds()), default=None,
                                                doc="[low, high) that verify draws random inputs from")
+    adopt: str | None = field(Optional(_PATH), default=None,
+                              doc="the model's tensor this buffer is: an attribute path such as cache.layers.0.keys")
+    pad: float | str | None = field(Optional(_PAD), default=None,
+                                    doc="what padded rows hold: a number (an input's fill value) or keep (a state "
+                                        "buffer's rows are saved and restored around the step)")
 
     def symbols(self) -> tuple[str, ...]:
         return tuple(s for dim in self.shape for s in dim_symbols(dim))
@@ -323,6 +351,25 @@ _COMPILE = Setting(Compile, "backend", "enabled",
                    "fullgraph, strict, options")
 
 _NAMES = {what: Items(_NAME, what) for what in ("buffer names", "channel names", "segment names", "JIT kernel names")}
+#: What a call by keyword (a segment's, the reference's) passes, by field: the kind and its doc.
+_BY_KEYWORD = {
+    "inputs": (Table(_KEYWORD, _NAME, "keyword arguments to buffer names"),
+               "buffers passed by keyword: argument name to buffer"),
+    "objects": (Table(_KEYWORD, _PATH, "keyword arguments to attribute paths on the model"),
+                "model attributes passed by keyword (a cache object): argument name to path"),
+    "constants": (Table(_KEYWORD, Data(), "keyword arguments to plain values"),
+                  "plain values passed by keyword: argument name to value"),
+}
+
+
+def _by_keyword(name: str):
+    kind, doc = _BY_KEYWORD[name]
+    return field(kind, factory=dict, hash=False, doc=doc)
+
+
+def _returns(what: str):
+    return field(_NAMES["buffer names"], default=(),
+                 doc=f"buffers {what} (a tensor, a tuple in order, or a mapping or object by the buffers' names)")
 
 
 @attrs.frozen
@@ -337,6 +384,16 @@ class Segment:
     warms them before capture, and a cold one inside capture names the segment.
     ``compile`` wraps a graph segment's callable with ``torch.compile`` before warmup
     (``Compile``; ``Plan.compile_of`` says what applies).
+
+    The calling convention (``graphflow.engine.execute.bind``): the callable gets the
+    buffers of ``reads`` and then of ``writes`` not read, positionally, except those
+    filled from its return value (``returns``) and those the model holds itself
+    (adopted); a segment with ``inputs`` gets buffers by keyword only (argument name to
+    buffer). ``objects`` pass attributes of the model (a cache object) and
+    ``constants`` plain values by keyword. ``inputs`` buffers are
+    reads and ``returns`` buffers are writes, listed or not. ``breaks`` names submodules
+    (``model.layers.*.self_attn``) whose calls run eagerly between graphs when the
+    segment is captured PIECEWISE (``graphflow.engine.split``); FULL captures them.
     """
 
     name: str = field(_NAME)
@@ -354,8 +411,24 @@ class Segment:
     after: tuple[str, ...] = field(_NAMES["segment names"], default=(), doc="segments it must follow")
     kernels: tuple[str, ...] = field(_NAMES["JIT kernel names"], default=(),
                                      doc="the JIT kernels it launches (graphflow.jit), for prewarm")
+    inputs: Mapping[str, str] = _by_keyword("inputs")
+    objects: Mapping[str, str] = _by_keyword("objects")
+    constants: Mapping[str, object] = _by_keyword("constants")
+    returns: tuple[str, ...] = _returns("filled from what the callable returns")
+    breaks: tuple[str, ...] = field(Items(_PATTERN, "submodule paths"), default=(),
+                                    doc="submodules run eagerly between graphs in PIECEWISE capture")
     compile: Compile | None = field(Optional(_COMPILE), default=None,
                                     doc="torch.compile for this graph segment, over the plan's capture.compile")
+
+    def __attrs_post_init__(self) -> None:
+        # One spelling per meaning: a buffer passed by keyword is read, one filled from
+        # the return value is written, whether or not the lists name it.
+        reads = tuple(b for b in dict.fromkeys(self.inputs.values()) if b not in self.reads)
+        writes = tuple(b for b in dict.fromkeys(self.returns) if b not in self.writes)
+        if reads:
+            object.__setattr__(self, "reads", self.reads + reads)
+        if writes:
+            object.__setattr__(self, "writes", self.writes + writes)
 
     @property
     def is_graph(self) -> bool:
@@ -363,6 +436,24 @@ class Segment:
 
     def runs_on(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+
+@attrs.frozen
+class Reference:
+    """The model's own eager step, which verify compares graph replay with.
+
+    A plan that computes the wrong thing in the same way eagerly and replayed passes a
+    replay-against-eager check twice; its model's own forward does not. ``call`` is
+    called by keyword like a segment (``inputs``, ``objects``, ``constants``) and its
+    return value gives the ``returns`` buffers' expected contents; the state buffers
+    the step writes are compared too.
+    """
+
+    call: str = field(_NAME, doc="an attribute path on the model, e.g. forward")
+    inputs: Mapping[str, str] = _by_keyword("inputs")
+    objects: Mapping[str, str] = _by_keyword("objects")
+    constants: Mapping[str, object] = _by_keyword("constants")
+    returns: tuple[str, ...] = _returns("its return value is compared with")
 
 
 @attrs.frozen
@@ -486,6 +577,8 @@ class Plan:
     model_args: Mapping[str, object] = field(Table(_NAME, Data(), "factory arguments"), factory=dict,
                                              hash=False, doc="keyword arguments of the factory")
     world_size: int = field(Integer(minimum=1), default=1, doc="the number of ranks")
+    reference: Reference | None = field(Optional(Instance(Reference, "a reference mapping (call, inputs, returns)")),
+                                        default=None, doc="the model's own eager step verify compares replay with")
     origins: Mapping[str, Origin] = attrs.field(factory=dict, eq=False, repr=False)
 
     # -- lookups -------------------------------------------------------------------
@@ -627,6 +720,17 @@ class Plan:
                     continue
                 memory.setdefault(buffer.device, {})[buffer.name] = size
         return memory
+
+    def with_modes(self, modes: Sequence[Mode | str]) -> Plan:
+        """This plan captured in ``modes`` instead (``graphflow run --modes FULL``).
+
+        A mode keeps its own sizes when the plan gives it some; the sizes of a mode no
+        longer captured are dropped, so the variant validates as if written that way.
+        """
+        chosen = tuple(m if isinstance(m, Mode) else Mode(str(m).strip().upper()) for m in modes)
+        capture = self.capture
+        own = {m: s for m, s in capture.mode_sizes.items() if m in chosen}
+        return attrs.evolve(self, capture=attrs.evolve(capture, modes=chosen, mode_sizes=own))
 
     # -- derived graph views ---------------------------------------------------------
     def dag(self) -> nx.DiGraph:

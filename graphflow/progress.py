@@ -64,6 +64,7 @@ class ProgressDisplay:
         self._began = time.perf_counter()
         self._last_line = float("-inf")
         self._modes: dict[str, _Mode] = {}
+        self._ended = False
 
     def on_event(self, event: Event) -> None:
         if self.quiet:
@@ -78,6 +79,8 @@ class ProgressDisplay:
             self._line(f"allocate: done in {event.elapsed_s:.2f} s")
             self._start_bar()
         elif kind is EventKind.DESCRIPTOR_BEGIN and event.descriptor is not None:
+            if self._progress is None and not self._ended:  # a lazy engine's capture thread has no allocate
+                self._start_bar()
             self._update(f"{event.descriptor} {event.phase.value if event.phase else ''}")
         elif kind is EventKind.REGION_END:
             self._graphs += 1
@@ -85,7 +88,10 @@ class ProgressDisplay:
             self._descriptor_end(event)
         elif kind is EventKind.PIPELINE_END:
             self._stop()
+            self._ended = True
             for mode, done in self._modes.items():
+                if not done.descriptors:  # a lazy engine's first warmup: its capture thread reports them
+                    continue
                 self._line(f"captured {plural(done.descriptors, mode + ' descriptor')} "
                            f"({plural(done.graphs, self.noun)}) in {done.seconds:.1f} s{self._pool_text(event.pool_bytes)}")
         elif kind is EventKind.ROLLBACK:

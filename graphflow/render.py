@@ -22,7 +22,7 @@ __all__ = [
     "Group",
     "Section",
     "Summary",
-    "Table",
+    "SummaryTable",
     "compact_sizes",
     "format_bytes",
     "format_summary",
@@ -148,7 +148,7 @@ def heaviest(sizes: Mapping[str, int], n: int = 3) -> str:
 
 
 @attrs.frozen
-class Table:
+class SummaryTable:
     columns: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
     #: column indexes aligned right (numbers)
@@ -159,7 +159,7 @@ class Table:
 class Section:
     title: str
     lines: tuple[str, ...] = ()
-    table: Table | None = None
+    table: SummaryTable | None = None
 
 
 @attrs.frozen
@@ -288,6 +288,10 @@ def _regions_section(plan: Plan, mode: Mode, n_sizes: int) -> Section:
                 lines.append(f"  ... {len(regions) - _REGIONS_SHOWN - 1} more")
             else:
                 lines.append("  " + _region_line(region))
+        cut = [s for s in plan.segments if s.is_graph and s.breaks]
+        for segment in cut:  # how many calls a break gets is known only once the model runs
+            lines.append(f"  {segment.name} breaks at {', '.join(segment.breaks)}: one more graph per call, the "
+                         "call eager between")
     else:
         for region in regions:
             segments = [plan.segment(name) for name in region.segments]
@@ -319,7 +323,7 @@ def _buffers_section(plan: Plan, sizes: list[int]) -> Section:
             cells.append("?" if total is None else format_bytes(total))
         rows.append((group.label, str(len(group.members)), _shape(first), first.dtype, first.device, role, *cells))
     lines = (f"{plural(len(plan.buffers), 'buffer')}; a row of a group shows the group's total bytes",)
-    return Section("buffers", lines, Table(columns, tuple(rows), frozenset({1, 6, 7})))
+    return Section("buffers", lines, SummaryTable(columns, tuple(rows), frozenset({1, 6, 7})))
 
 
 def _channels_section(plan: Plan) -> Section:
@@ -375,7 +379,7 @@ def format_summary(summary: Summary) -> str:
     return "\n".join(out) + "\n"
 
 
-def _format_table(table: Table) -> list[str]:
+def _format_table(table: SummaryTable) -> list[str]:
     widths = [len(c) for c in table.columns]
     for row in table.rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]

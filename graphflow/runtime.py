@@ -8,8 +8,11 @@ regions.
 
 * A batch of ``b`` rows runs on the smallest captured size ``>= b``: FULL when that
   size was captured FULL, else PIECEWISE. Inputs are copied into the leading ``b`` rows
-  of the static input buffers and the padded rows are zeroed, so a padded step is
-  deterministic.
+  of the static input buffers and the padded rows are filled with the input's ``pad``
+  value (zero by default; a scratch slot index for an input that indexes a cache), so
+  a padded step is deterministic. Padded rows never change the state of other rows: a
+  state buffer with ``pad: keep`` has its padded rows saved before the step and put
+  back after it (preallocated copies, only on padded batches).
 * A batch larger than every descriptor runs eagerly (on the static buffers where they
   are large enough, on fresh tensors otherwise) and is counted in ``fallbacks`` under
   its ``FallbackReason``.
@@ -26,6 +29,7 @@ string, no validation, no events.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 from collections.abc import Callable
 
@@ -33,7 +37,7 @@ import attrs
 import torch
 
 from graphflow.engine import Engine
-from graphflow.plan import BufferRole, Descriptor, Mode, dim_symbols
+from graphflow.plan import PAD_KEEP, BufferRole, Descriptor, Mode, dim_symbols
 
 __all__ = ["FallbackReason", "Runner"]
 
@@ -48,9 +52,10 @@ class FallbackReason(enum.Enum):
 class _Program:
     descriptor: Descriptor
     inputs: tuple[torch.Tensor, ...]  # static input views at the batch size, in Runner.inputs order
-    pads: tuple[torch.Tensor, ...]  # the rows between the batch size and the descriptor's, zeroed
+    pads: tuple[tuple[torch.Tensor, float], ...]  # the rows between the batch size and the descriptor's, and their fill
     calls: tuple[Callable[[], object], ...]
     outputs: tuple[torch.Tensor, ...]  # static output views at the batch size
+    keeps: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (padded rows of a pad: keep state, their copy)
 
 
 class Runner:
@@ -68,6 +73,8 @@ class Runner:
             raise ValueError(f"no input buffer has a plain {symbol!r} dimension, so the runner cannot tell a "
                              f"batch's size — give one input a dimension equal to {symbol!r}")
         self._size_of = self.inputs.index(batched[0]), self._dims[batched[0]]
+        self._kept = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE and b.pad == PAD_KEEP)
+        self._scratch: dict[str, torch.Tensor] = {}
         self.fallbacks: collections.Counter[FallbackReason] = collections.Counter()
         self._build()
 
@@ -79,6 +86,9 @@ class Runner:
             if descriptor.size not in best or descriptor.mode is Mode.FULL:
                 best[descriptor.size] = descriptor
         sizes = sorted(best)
+        #: The most rows any batch pads: what a pad: keep copy must hold.
+        self._max_pad = max((next(s for s in sizes if s >= b) - b for b in range(1, sizes[-1] + 1)), default=0) \
+            if sizes else 0
         self._programs: list[_Program | None] = [None] * (sizes[-1] + 1 if sizes else 1)
         for batch in range(1, len(self._programs)):
             size = next(s for s in sizes if s >= batch)
@@ -94,12 +104,15 @@ class Runner:
         return self._programs[batch].descriptor if 0 < batch < len(self._programs) else None
 
     @torch.no_grad()
-    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One step. Inputs in ``self.inputs`` order; outputs in ``self.outputs`` order.
+    def run(self, *inputs: torch.Tensor, **named: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One step. Inputs in ``self.inputs`` order, or by name (``run(tokens=t)``);
+        outputs in ``self.outputs`` order.
 
         The outputs are views of static buffers, valid until the next ``run``. Runs
         without autograd, like the pipeline that captured it.
         """
+        if named:
+            inputs = self._ordered(inputs, named)
         if self.engine.lock is not None:
             return self._run_live(inputs)
         return self._step(inputs)
@@ -114,10 +127,14 @@ class Runner:
             raise ValueError("a batch needs at least one row")
         for static, value in zip(program.inputs, inputs):
             static.copy_(value)
-        for pad in program.pads:
-            pad.zero_()
+        for pad, value in program.pads:
+            pad.fill_(value)
+        for rows, saved in program.keeps:
+            saved.copy_(rows)
         for call in program.calls:
             call()
+        for rows, saved in program.keeps:
+            rows.copy_(saved)
         return program.outputs
 
     def _run_live(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -131,7 +148,27 @@ class Runner:
                 self._build()
             return self._step(inputs)
 
+    def clear_state(self) -> None:
+        """Zero every state buffer (the model's caches start empty: new sequences)."""
+        plan = self.engine.plan
+        with self.engine.lock or contextlib.nullcontext():  # a lazy engine's capture thread uses them too
+            for name, tensor in self.engine.buffers.tensors.items():
+                if plan.buffer(name).role is BufferRole.STATE and plan.buffer(name).alias_of is None:
+                    tensor.zero_()
+
+    def _ordered(self, inputs: tuple, named: dict) -> tuple:
+        if inputs:
+            raise TypeError("give the inputs in order or by name, not both")
+        unknown = sorted(set(named) - set(self.inputs))
+        missing = [n for n in self.inputs if n not in named]
+        if unknown or missing:
+            problems = ([f"no input named {', '.join(unknown)}"] if unknown else []) + (
+                [f"missing {', '.join(missing)}"] if missing else [])
+            raise TypeError(f"{'; '.join(problems)}: the inputs are {', '.join(self.inputs)}")
+        return tuple(named[n] for n in self.inputs)
+
     def _program(self, descriptor: Descriptor, batch: int) -> _Program:
+        plan = self.engine.plan
         views = self.engine.buffers.views(descriptor.size)
         pad = descriptor.size - batch
         inputs, pads = [], []
@@ -143,10 +180,24 @@ class Runner:
                 continue
             inputs.append(view.narrow(dim, 0, batch))
             if pad:
-                pads.append(view.narrow(dim, batch, pad))
+                fill = plan.buffer(name).pad
+                pads.append((view.narrow(dim, batch, pad), 0 if fill is None else fill))
         outputs = tuple(views[n] if self._dims[n] is None else views[n].narrow(self._dims[n], 0, batch)
                         for n in self.outputs)
-        return _Program(descriptor, tuple(inputs), tuple(pads), self.engine.programs[descriptor], outputs)
+        keeps = tuple(self._keep(name, views[name], batch, pad) for name in self._kept if pad)
+        return _Program(descriptor, tuple(inputs), tuple(pads), self.engine.programs[descriptor], outputs, keeps)
+
+    def _keep(self, name: str, view: torch.Tensor, batch: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded rows of a ``pad: keep`` state buffer and a copy to save them in: one
+        scratch tensor per buffer, as large as the most rows any batch pads."""
+        dim = _batch_dim(self.engine.plan.buffer(name).shape, self.engine.plan.capture.size_symbol, name)
+        rows = view.narrow(dim, batch, pad)
+        scratch = self._scratch.get(name)
+        if scratch is None or scratch.shape[dim] < pad:  # a lazy engine's sizes grow as it captures
+            shape = list(rows.shape)
+            shape[dim] = self._max_pad
+            scratch = self._scratch[name] = torch.empty(shape, dtype=rows.dtype, device=rows.device)
+        return rows, scratch.narrow(dim, 0, pad)
 
     def _fallback(self, inputs: tuple[torch.Tensor, ...], batch: int) -> tuple[torch.Tensor, ...]:
         """An eager step for a batch no descriptor holds (slow path, counted)."""

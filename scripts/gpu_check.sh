@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark, in one call on the device machine:
-#   device run: bash scripts/gpu_check.sh [quick]
+# Every GPU test and benchmark, on the device machine (carry .whl for CuTe DSL):
+#   bash scripts/gpu_check.sh            # the CUDA tests, then every benchmark
+#   bash scripts/gpu_check.sh tests      # the CUDA tests only
+#   bash scripts/gpu_check.sh benches    # the benchmarks only (scripts/gpu_benches.txt)
 # Results land under $OUT (or ./out here): pytest logs, benchmark tables and JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -8,12 +10,23 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+stage=${1:-all}
 status=0
+# CuTe DSL is not on the GPU machine's image: unpack the archive ../shared/tools/cute_bundle.sh built.
+if [ -f .whl/cute-cu13-cp312.tar.xz ]; then
+  mkdir -p /tmp/site && tar -xJf .whl/cute-cu13-cp312.tar.xz -C /tmp/site &&
+    export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+fi
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
-python3 -m pytest -m cuda -q -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
-[ "${1:-}" = quick ] && exit $status
-for bench in $(cat scripts/gpu_benches.txt 2>/dev/null); do
-  echo "== $bench"
-  python3 $bench --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || status=1
-done
+if [ "$stage" != benches ]; then
+  python3 -m pytest -m cuda -q -rs -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/cuda_tests.log" || status=1
+fi
+if [ "$stage" != tests ]; then
+  # Each line: a benchmark script and its arguments (--out is added).
+  while read -r bench; do
+    [ -z "$bench" ] && continue
+    echo "== $bench"
+    python3 $bench --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || status=1
+  done < scripts/gpu_benches.txt
+fi
 exit $status

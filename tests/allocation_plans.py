@@ -43,7 +43,7 @@ def cache_plan() -> Plan:
         buffers=[Buffer("x", ("B", 16), "float32", "cuda:0", role=BufferRole.INPUT),
                  Buffer("kv", ("B", 16), "float32", "cuda:0"),
                  Buffer("cache", ("B", "S", 16), "float32", "cuda:0", role=BufferRole.STATE,
-                        capacity={"B": 64, "S": 8}),
+                        capacity={"B": 64, "S": 8}, pad="keep"),
                  Buffer("y", ("B", 16), "float32", "cuda:0", role=BufferRole.OUTPUT)],
         streams=[Stream("s0", "cuda:0")],
         segments=[Segment("project", GRAPH, "project", reads=["x"], writes=["kv"], stream="s0"),

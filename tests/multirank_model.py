@@ -35,7 +35,7 @@ from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, Channe
                             Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.session import Session
 from graphflow.trace import CallPath
-from graphflow.validate import validate
+from graphflow.rules import validate
 
 H = 4  # hidden size
 SIZES = tuple(range(1, 68))  # 67 batch sizes: 67 PIECEWISE descriptors, then FULL ones

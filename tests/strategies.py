@@ -38,6 +38,7 @@ from graphflow.plan import (
     Mode,
     Plan,
     Prewarm,
+    Reference,
     Segment,
     SegmentKind,
     Stream,
@@ -105,7 +106,10 @@ class _Builder:
         """Append one family's chain of segments; returns the next free channel id."""
         draw = self.draw
         device = draw(st.integers(0, self.devices - 1))
-        current = self.new_buffer(f"{family}.in", device, BufferRole.INPUT).name
+        first = self.new_buffer(f"{family}.in", device, BufferRole.INPUT)
+        if "B" in first.shape and draw(_BOOL):  # its padded rows hold a scratch value
+            self.buffers[-1] = first = attrs.evolve(first, pad=float(draw(st.integers(0, 7))))
+        current = first.name
         read_as = current  # the name the next segment reads ``current`` through (maybe an alias view)
         written = [current]
         channels = []
@@ -141,6 +145,12 @@ class _Builder:
                 role = BufferRole.OUTPUT if last else BufferRole.INTERNAL
                 target = self.new_buffer(f"{family}.b{step}", device, role)
                 reads = [read_as, *(e for e in extra if e not in (read_as, current) and action == "new")]
+                if action == "new" and draw(_BOOL):  # the same call by keyword, the result returned
+                    common.update(inputs={"x": reads[0]}, constants={"scale": draw(st.integers(1, 3))})
+                    if draw(_BOOL):
+                        common.update(returns=(target.name,))
+                    if graph and draw(_BOOL):
+                        common.update(breaks=("layers.*.attn",))
                 segment = self._segment(name, graph, device, reads, [target.name], copy=action == "switch", **common)
                 self.segments.append(segment)
                 current = read_as = target.name
@@ -152,7 +162,14 @@ class _Builder:
                     read_as = view.name
             elif action == "inplace":
                 reads = [current, *(e for e in extra if e != current)]
-                self.segments.append(self._segment(name, graph, device, reads, [current], **common))
+                writes = [current]
+                if draw(_BOOL):  # a cache the model holds, adopted: one row per batch row, kept when padded
+                    state = Buffer(f"{family}.cache{step}", ("B", 4), "float32", f"cuda:{device}",
+                                   role=BufferRole.STATE, adopt=f"{family}.layers.{step}.cache", pad="keep")
+                    self.buffers.append(state)
+                    reads.append(state.name)
+                    writes.append(state.name)
+                self.segments.append(self._segment(name, graph, device, reads, writes, **common))
                 read_as = current
             elif action == "probe":
                 ranks = _subset(draw, self.world_size)
@@ -222,8 +239,15 @@ def valid_plans(draw) -> Plan:
     used = {n for s in builder.segments for n in (*s.reads, *s.writes)}
     used |= {b.alias_of for b in builder.buffers if b.name in used and b.alias_of is not None}
     streams = {s.stream for s in builder.segments}
-    compile = draw(_PLAN_COMPILE)
+    outputs = [b.name for b in builder.buffers if b.role is BufferRole.OUTPUT]
+    inputs = [b.name for b in builder.buffers if b.role is BufferRole.INPUT]
+    reference = Reference("forward", inputs={"x": inputs[0]}, returns=(outputs[0],)) if draw(_BOOL) else None
+    # A segment with breaks is never compiled (GF704): no plan-wide setting, none of its own.
+    split = any(s.breaks for s in builder.segments)
+    builder.segments = [attrs.evolve(s, compile=None) if s.breaks else s for s in builder.segments]
+    compile = None if split else draw(_PLAN_COMPILE)
     return Plan(
+        reference=reference,
         name=draw(_NAME),
         buffers=[b for b in builder.buffers if b.name in used],
         streams=[Stream(f"s{i}", f"cuda:{i}") for i in range(devices) if f"s{i}" in streams],
@@ -485,6 +509,63 @@ def no_sizes(plan: Plan) -> Plan:
     return attrs.evolve(plan, capture=attrs.evolve(plan.capture, sizes=()))
 
 
+def keyword_twice(plan: Plan) -> Plan:
+    segment = plan.segments[0]
+    return _replace(plan, 0, inputs={**segment.inputs, "x": segment.reads[0]}, constants={"x": 1})
+
+
+def breaks_on_eager(plan: Plan) -> Plan:
+    return _replace(plan, _first(plan, lambda s: not s.is_graph), breaks=("layers.*.attn",))
+
+
+def _padded(plan: Plan) -> bool:
+    sizes = plan.capture.all_sizes
+    return bool(sizes) and max(sizes) > len(sizes)
+
+
+def unpadded_state(plan: Plan) -> Plan:
+    assume(_padded(plan))
+    segment = plan.segments[0]
+    state = Buffer(_fresh(plan.buffers, "kv"), ("B", 4), "float32", _device_of(plan, segment), role=BufferRole.STATE)
+    plan = attrs.evolve(plan, buffers=[*plan.buffers, state])
+    return _replace(plan, 0, reads=[*segment.reads, state.name], writes=[*segment.writes, state.name])
+
+
+def keep_on_an_input(plan: Plan) -> Plan:
+    index, buffer = next((i, b) for i, b in enumerate(plan.buffers) if b.role is BufferRole.INPUT)
+    assume("B" in buffer.shape)
+    buffers = list(plan.buffers)
+    buffers[index] = attrs.evolve(buffer, pad="keep")
+    return attrs.evolve(plan, buffers=buffers)
+
+
+def adopted_twice(plan: Plan) -> Plan:
+    plain = [i for i, b in enumerate(plan.buffers) if b.alias_of is None]
+    assume(len(plain) > 1)
+    buffers = list(plan.buffers)
+    for i in plain[:2]:
+        buffers[i] = attrs.evolve(buffers[i], adopt="shared.tensor")
+    return attrs.evolve(plan, buffers=buffers)
+
+
+def reference_of_an_unwritten_buffer(plan: Plan) -> Plan:
+    written = {plan.storage(w) for s in plan.segments for w in s.writes}
+    name = next((b.name for b in plan.buffers if b.role is BufferRole.INPUT and plan.storage(b.name) not in written),
+                None)
+    assume(name is not None)
+    return attrs.evolve(plan, reference=Reference("forward", returns=(name,)))
+
+
+def breaks_across_streams(plan: Plan) -> Plan:
+    """A break on one graph segment of a region whose other graph segment moves to a side stream."""
+    region = next((r for r in plan.regions(Mode.PIECEWISE) if len(r.segments) > 1), None)
+    assume(region is not None and Mode.PIECEWISE in plan.capture.modes)
+    names = [s.name for s in plan.segments]
+    first, second = names.index(region.segments[0]), names.index(region.segments[1])
+    device = plan.stream(plan.segments[second].stream).device
+    plan = attrs.evolve(plan, streams=[*plan.streams, Stream(_fresh(plan.streams, "s_side"), device)])
+    plan = _replace(plan, second, stream=plan.streams[-1].name)
+    return _replace(plan, first, breaks=("layers.*.attn",))
 def compiled_eager_segment(plan: Plan) -> Plan:
     index = _first(plan, lambda s: not s.is_graph)
     return _replace(plan, index, compile="inductor")
@@ -492,6 +573,10 @@ def compiled_eager_segment(plan: Plan) -> Plan:
 
 def compile_own_graphs(plan: Plan) -> Plan:
     return _capture(plan, compile=Compile(mode="reduce-overhead"))
+
+
+def compiled_breaks(plan: Plan) -> Plan:
+    return _replace(plan, _graph(plan), compile="inductor", breaks=("layers.*.attn",))
 
 
 def compiled_bit_exact(plan: Plan) -> Plan:
@@ -512,11 +597,17 @@ MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF110": after_later,
     "GF112": stream_on_the_cpu,
     "GF113": rank_outside_world,
+    "GF114": keyword_twice,
+    "GF115": breaks_on_eager,
     "GF201": read_before_write,
     "GF202": unordered_writers,
     "GF203": unread_graph_output,
     "GF204": alias_larger_than_target,
     "GF205": unused_buffer,
+    "GF206": unpadded_state,
+    "GF207": keep_on_an_input,
+    "GF208": adopted_twice,
+    "GF209": reference_of_an_unwritten_buffer,
     "GF301": capacity_on_an_unused_symbol,
     "GF302": buffer_on_other_gpu,
     "GF303": above_device_memory,
@@ -525,6 +616,7 @@ MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF402": stream_on_other_gpu,
     "GF403": region_spans_gpus,
     "GF404": unused_stream,
+    "GF405": breaks_across_streams,
     "GF501": shared_channel_id,
     "GF502": foreign_channel,
     "GF503": placeholder_reaches_routing,
@@ -539,6 +631,7 @@ MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF701": compiled_eager_segment,
     "GF702": compile_own_graphs,
     "GF703": compiled_bit_exact,
+    "GF704": compiled_breaks,
 }
 
 #: What ``validate`` needs besides the plan to judge a mutation (by code).

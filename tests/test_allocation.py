@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.plan import Plan
-from graphflow.validate import validate
+from graphflow.rules import validate
 from strategies import valid_plans
 from tests.allocation_plans import CACHE_BYTES, Cache, Chain, cache_plan, chain_plan, shown_static_bytes
 

@@ -75,6 +75,9 @@ class TestLazy:
             assert engine.background.wait(60)
             assert sorted(engine.programs) == sorted(Descriptor(P, s) for s in SIZES)
             assert all(r.bit_exact for r in engine.background.verified) and engine.background.failures == {}
+            report = engine.report  # once done, it reads as a foreground run's
+            assert sorted(report.descriptors) == sorted(engine.programs) and len(report.verify) == len(SIZES)
+            assert report.phase(Phase.CAPTURE).outcome.value == "passed" and report.graphs == 4 * len(SIZES)  # 3 layers: 4 regions
             for batch in (1, 3, 8):
                 x = torch.randn(batch, 32)
                 (out,) = runner.run(x)
@@ -114,15 +117,21 @@ class TestLazy:
             gate.release.set()
             engine.close()
 
-    def test_a_descriptor_that_fails_is_rolled_back_alone_and_its_batches_served_by_a_larger_one(self):
+    # The capture thread calls head at B=2 in warmup, in capture (the CPU backend runs
+    # the region) and in verify: fail at the first or, once its graphs exist, the last.
+    @pytest.mark.parametrize(("call", "phase"), [(1, "warmup"), (3, "verify")])
+    def test_a_descriptor_that_fails_is_rolled_back_alone_and_its_batches_served_by_a_larger_one(self, call, phase):
         model = build_toy(2)
         head = model.head
         fail = threading.Event()
+        calls = []
 
         def head_failing_at_two(x, logits):
             if x.shape[0] == 2 and threading.current_thread().name == "graphflow-background-capture":
-                fail.set()
-                raise RuntimeError("capture of B=2 broke")
+                calls.append(1)
+                if len(calls) == call:
+                    fail.set()
+                    raise RuntimeError("capture of B=2 broke")
             head(x, logits)
 
         model.head = head_failing_at_two
@@ -133,8 +142,10 @@ class TestLazy:
             (failed,) = engine.background.failures
             error = engine.background.failures[failed]
             assert failed == Descriptor(P, 2) and isinstance(error, CaptureError)
-            assert (error.phase, error.segment) == ("warmup", "head") and "capture of B=2 broke" in error.message
+            assert error.phase == phase and "capture of B=2 broke" in error.message
             assert sorted(d.size for d in engine.programs) == [1, 4, 8]
+            assert sorted(d.size for d in engine.report.descriptors) == [1, 4, 8]
+            assert engine.report.graphs == 3 * 3  # B=2's regions were destroyed: 3 regions of 3 descriptors
             runner = Runner(engine)
             runner.run(torch.randn(2, 32))
             assert runner.descriptor_for(2) == Descriptor(P, 4)

@@ -443,6 +443,7 @@ class TestWithTheEngine:
             def broken(dx, dy):
                 if session.channels.site.phase is Phase.CAPTURE:
                     raise RuntimeError("capture failed")
+                dy.copy_(dx)
 
             model.d = broken
             with pytest.raises(CaptureError, match="capture failed"):

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from graphflow.chrome_trace import chrome_trace
 from graphflow.cli import main
 from graphflow.trace import TraceLog, Tracer, diff_traces, read_trace
+
+# The GPU machine lacks jsonschema: skip this CPU-only module there instead of failing collection.
+jsonschema = pytest.importorskip("jsonschema")
 
 #: The Trace Event Format's JSON object form, for the event types the exporter writes.
 SCHEMA = {

@@ -30,7 +30,7 @@ from graphflow.loader import dump_plan, loads_plan
 from graphflow.plan import (COMPILE_DEFAULTS, Buffer, BufferRole, CaptureSettings, Compile, Mode, Plan, Segment,
                             SegmentKind, Stream)
 from graphflow.runtime import Runner
-from graphflow.validate import validate
+from graphflow.rules import validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HIDDEN = 8
@@ -350,7 +350,7 @@ class TestCompiledCapture:
 
     def test_the_engines_eager_step_is_the_models_own_code(self):
         with run(probe_plan("marked", compile="eager")) as engine:
-            assert engine.segments[0][1] == engine.model.marked  # not the compiled callable
+            assert engine.segments[0][1].fn == engine.model.marked  # not the compiled callable
             views = engine.buffers.views(2)
             for call in engine.eager_calls(2):
                 call()

@@ -27,7 +27,7 @@ from graphflow.decorators import normalized, plan_from_module
 from graphflow.errors import PlanError
 from graphflow.loader import dump_plan, load_plan, loads_plan
 from graphflow.plan import Buffer, BufferRole, Mode, SegmentKind
-from graphflow.validate import validate
+from graphflow.rules import validate
 from tests.tiny_decorated import TINY_PLAN_YAML, DecoderLayer, TinyDecoder, build_model
 
 DEV = "cuda:0"
@@ -795,3 +795,76 @@ class TestDsv4DeclaresItsPlans:
                     *(by_segments[n] for n in (*seg.reads, *writes)))
         assert torch.equal(bufs["logits"], by_segments["logits"])
         assert bool(bufs["logits"].abs().sum() > 0)
+
+
+class TestRealModelArguments:
+    """Keyword calls, breaks, adoption, padding and the reference, declared on the model."""
+
+    class Cached(nn.Module):
+        tokens = graphflow.buffer(shape=("B", 1), dtype="int64", device=DEV, role="input", values=(0, 9), pad=0)
+        logits = graphflow.buffer(shape=("B", 9), dtype="float32", device=DEV, role="output")
+        keys = graphflow.buffer(shape=("B", 4), dtype="float32", device=DEV, role="state", adopt="cache.keys",
+                                pad="keep")
+        s0 = graphflow.stream(device=DEV)
+
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Identity()
+
+        @graphflow.segment("decode", inputs={"input_ids": "tokens"}, objects={"cache": "cache"},
+                           constants={"use_cache": True}, returns=["logits"], reads=["keys"], writes=["keys"],
+                           stream="s0", breaks=["attn"])
+        def forward(self, *, input_ids, cache, use_cache):
+            return input_ids
+
+        @graphflow.step(sizes=(1, 2), reference={"call": "forward", "inputs": {"input_ids": "tokens"},
+                                                 "returns": ["logits"]})
+        def step(self, bufs):
+            self.forward(bufs)
+
+    YAML = """
+        graphflow: 1
+        name: Cached
+        symbols: {B: [1, 2]}
+        streams: {s0: {device: "cuda:0"}}
+        buffers:
+          tokens: {shape: [B, 1], dtype: int64, device: "cuda:0", role: input, values: [0, 9], pad: 0}
+          logits: {shape: [B, 9], dtype: float32, device: "cuda:0", role: output}
+          keys: {shape: [B, 4], dtype: float32, device: "cuda:0", role: state, adopt: cache.keys, pad: keep}
+        segments:
+          - {name: decode, kind: graph, call: forward, inputs: {input_ids: tokens}, objects: {cache: cache},
+             constants: {use_cache: true}, returns: [logits], reads: [keys], writes: [keys], stream: s0,
+             breaks: [attn]}
+        reference: {call: forward, inputs: {input_ids: tokens}, returns: [logits]}
+    """
+
+    def test_the_declarations_equal_the_yaml(self):
+        import textwrap
+
+        assert normalized(plan_from_module(self.Cached())) == normalized(loads_plan(textwrap.dedent(self.YAML)))
+
+    def test_the_signature_check_counts_keywords_and_skips_adopted_and_returned_buffers(self):
+        class Wrong(nn.Module):
+            x = graphflow.buffer(shape=("B",), dtype="float32", device=DEV, role="input")
+            y = graphflow.buffer(shape=("B",), dtype="float32", device=DEV, role="output")
+
+            @graphflow.segment("s", inputs={"value": "x"}, returns=["y"])
+            def forward(self, x):
+                return x
+
+            @graphflow.step
+            def step(self, bufs):
+                self.forward(bufs)
+
+        error = _error(Wrong())
+        assert "the engine calls it with 0 buffer arguments (fn(*reads, *writes_not_in_reads): none) and keywords " \
+               "value, which its signature cannot take" in error.message
+
+    def test_a_reference_that_is_no_mapping_is_a_settings_error(self):
+        class Bad(self.Cached):
+            @graphflow.step(reference="forward")
+            def step(self, bufs):
+                self.forward(bufs)
+
+        assert "bad @graphflow.step settings: 'reference' must be a graphflow.Reference or a mapping of its " \
+               "fields (got 'forward')" in _error(Bad()).message

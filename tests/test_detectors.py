@@ -504,3 +504,33 @@ class TestWatch:
 
         watched(det, seg)
         assert torch.equal(result[0], expected)
+
+    def test_watching_ops_does_not_import_dynamo(self):
+        # Importing TorchDynamo costs a second or more of start-up; a watch must not
+        # pull it in for a model that never compiles.
+        import subprocess
+        import sys
+
+        code = ("import sys, torch\n"
+                "from graphflow.detectors import Detectors\n"
+                "from graphflow.events import Phase\n"
+                "buf = torch.ones(4)\n"
+                "det = Detectors(known=[buf])\n"
+                "with det.watch('L0.pre', Phase.WARMUP, False, 'cpu'):\n"
+                "    torch.nn.functional.layer_norm(buf, (4,)).add_(1)\n"
+                "print('torch._dynamo' in sys.modules)\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "False"
+
+    def test_once_dynamo_is_loaded_the_mode_keeps_dynamo_out_of_its_frames(self, det, buf):
+        import torch._dynamo  # noqa: F401  (a compiled model has loaded it)
+
+        modes = []
+
+        def seg():
+            modes.append(type(torch.utils._python_dispatch._get_current_dispatch_mode()))
+            (buf * 2).sum()
+
+        watched(det, seg)
+        dispatch = modes[0].__torch_dispatch__
+        assert getattr(dispatch, "__wrapped__", None) is not None  # torch._disable_dynamo's wrapper

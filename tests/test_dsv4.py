@@ -25,7 +25,7 @@ from graphflow.integrations.dsv4.weights import WeightSource
 from graphflow.loader import load_plan
 from graphflow.plan import Mode
 from graphflow.runtime import Runner
-from graphflow.validate import validate
+from graphflow.rules import validate
 
 PLANS = pathlib.Path(__file__).resolve().parents[1] / "plans"
 MINI = DSV4Config()

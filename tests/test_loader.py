@@ -26,6 +26,7 @@ from graphflow.plan import (
     Origin,
     Plan,
     Prewarm,
+    Reference,
     Segment,
     SegmentKind,
     Stream,
@@ -350,7 +351,8 @@ class TestErrors:
     @pytest.mark.parametrize("body, line, element, message", [
         ("segments:\n  - {name: a, kind: graph, call: a,\n     reeds: [x]}\n", 5, "segments[0] 'a'",
          "unknown key 'reeds' (did you mean 'reads'?); known keys: name, kind, call, reads, writes, stream, "
-         "channels, family, data_dependent, device, ranks, after, kernels, compile"),
+         "channels, family, data_dependent, device, ranks, after, kernels, inputs, objects, constants, returns, "
+         "breaks, compile"),
         ("segments:\n  - {name: a, kind: graph, call: a, writes: 5}\n", 4, "segments[0] 'a'.writes",
          "expected a list of buffer names, got int 5"),
         ("segments:\n  - {name: a, kind: graph, call: a, reads: [x, 3]}\n", 4, "segments[0] 'a'.reads",
@@ -377,7 +379,7 @@ class TestErrors:
         ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, values: [0]}\n", 4, "buffers 'x'.values",
          "expected two numbers [low, high), got 1 items"),
         ("buffers:\n  x: [1]\n", 4, "buffers 'x'",
-         "expected a mapping with keys shape, dtype, device, role, capacity, alias_of, values, got a list"),
+         "expected a mapping with keys shape, dtype, device, role, capacity, alias_of, values, adopt, pad, got a list"),
         ("streams: [s0]\n", 3, "streams", "expected a mapping of stream names to their fields, got a list"),
         ("families: [a, a]\n", 3, "families", "duplicate family name 'a' (first declared at line 3)"),
         ("for_each: {i: [1, 1]}\n", 3, "for_each.i", "values repeat: the elements using it would be declared twice"),
@@ -396,7 +398,7 @@ class TestErrors:
          5, "segments[0] 'a{i}{j}'", "i x j expand to more than 100000 copies"),
         ("graphflow_unused: 0\n", 3, None, "unknown key 'graphflow_unused' (did you mean 'graphflow'?); known keys: "
          "graphflow, name, model, model_args, world_size, symbols, for_each, families, streams, buffers, channels, "
-         "prewarm, segments, capture"),
+         "prewarm, segments, reference, capture"),
         ("symbols: [B]\n", 3, "symbols", "expected a mapping, got a list"),
         ("buffers:\n  x: {shape: [B], dtype: int8, device: cpu, capacity: 4}\n", 4, "buffers 'x'.capacity",
          "expected a mapping of symbols to the rows the buffer holds, got int 4"),
@@ -617,10 +619,11 @@ class TestSchema:
 
         defs = SCHEMA["$defs"]
         assert tuple(SCHEMA["properties"]) == loader._TOP_KEYS
-        for key, names in (("buffer", "shape dtype device role capacity alias_of values"), ("stream", "device"),
+        for key, names in (("buffer", "shape dtype device role capacity alias_of values adopt pad"), ("stream", "device"),
                            ("channel", "kind group id family warmup prewarm jit"), ("prewarm", "call per_size"),
                            ("segment", "name kind call reads writes stream channels family data_dependent device "
-                                       "ranks after kernels compile"),
+                                       "ranks after kernels inputs objects constants returns breaks compile"),
+                           ("reference", "call inputs objects constants returns"),
                            ("capture", "modes sizes size_symbol warmup_iters verify barrier_timeout_s compile"),
                            ("compile", "enabled backend mode dynamic fullgraph strict options")):
             assert tuple(defs[key]["properties"]) == tuple(names.split()), key
@@ -672,3 +675,70 @@ class TestDocs:
         assert [s.name for s in plan.segments] == [
             "L0.pre", "L0.attn", "L1.pre", "L1.attn", "L2.pre", "L2.attn", "L3.pre", "L3.attn", "head"]
         assert (plan.symbols, plan.capture.sizes) == ({"H": 8}, (1, 2, 4, 8))
+
+
+class TestRealModelFields:
+    """Keyword calls, breaks, adopted and padded buffers, the reference, and ``{*var}`` items."""
+
+    HF = """
+        symbols: {B: [1, 2]}
+        for_each: {layer: "range(2)"}
+        buffers:
+          tokens: {shape: [B, 1], dtype: int64, device: "cuda:0", role: input, values: [0, 9], pad: 3}
+          logits: {shape: [B, 9], dtype: float32, device: "cuda:0", role: output}
+          "k{layer}": {shape: [B, 4], dtype: float32, device: "cuda:0", role: state, pad: keep,
+                       adopt: "cache.layers.{layer}.keys"}
+        segments:
+          - {name: decode, kind: graph, call: forward, inputs: {input_ids: tokens},
+             objects: {past_key_values: cache}, constants: {use_cache: true, window: [1, 2]},
+             returns: [logits], reads: ["k{*layer}"], writes: ["k{*layer}"], breaks: [model.layers.*.self_attn]}
+        reference: {call: forward, inputs: {input_ids: tokens}, returns: [logits]}
+    """
+
+    def test_every_field_reads_into_the_plan(self):
+        plan = loads_plan(plan_text(self.HF))
+        decode = plan.segment("decode")
+        assert decode.reads == ("k0", "k1", "tokens")  # an input passed by keyword is a read
+        assert decode.writes == ("k0", "k1", "logits")  # a returned buffer is a write
+        assert (decode.inputs, decode.objects) == ({"input_ids": "tokens"}, {"past_key_values": "cache"})
+        assert decode.constants == {"use_cache": True, "window": [1, 2]}
+        assert (decode.returns, decode.breaks) == (("logits",), ("model.layers.*.self_attn",))
+        assert plan.buffer("k1").adopt == "cache.layers.1.keys" and plan.buffer("k1").pad == "keep"
+        assert plan.buffer("tokens").pad == 3.0
+        assert plan.reference == Reference("forward", inputs={"input_ids": "tokens"}, returns=("logits",))
+
+    def test_they_round_trip_and_match_the_schema(self):
+        plan = loads_plan(plan_text(self.HF))
+        assert loads_plan(dump_plan(plan)) == plan
+        jsonschema.validate(yaml.safe_load(plan_text(self.HF)), SCHEMA)
+
+    @pytest.mark.parametrize("body, line, element, message", [
+        ('buffers: {x: {shape: [B], dtype: int8, device: cpu, pad: kept}}\n', 3, "buffers 'x'.pad",
+         "expected a number or one of keep, got str 'kept'"),
+        ('segments:\n  - {name: a, kind: graph, call: a, inputs: {1x: y}}\n', 4, "segments[0] 'a'.inputs",
+         "expected a keyword argument name as a key, got '1x'"),
+        ('segments:\n  - {name: a, kind: graph, call: a, breaks: ["layers[0]"]}\n', 4, "segments[0] 'a'.breaks[0]",
+         "expected a submodule path such as model.layers.*.self_attn, got 'layers[0]'"),
+        ('for_each: {i: "range(2)"}\nsegments:\n  - {name: a, kind: graph, call: "f{*i}"}\n', 5,
+         "segments[0] 'a'.call", "'f{*i}' uses {*var}, which makes one list item per value: use it as an item of a "
+                                "list (reads, writes, returns...)"),
+        ('for_each: {i: "range(2)"}\nsegments:\n  - {name: "a{i}", kind: graph, call: a, reads: ["x{*i}"]}\n', 5,
+         "segments[0] 'a{i}'.reads", "'x{*i}' uses {*i} in an element that i already expands: write {i} for this "
+                                     "element's own value"),
+        ('segments:\n  - {name: a, kind: graph, call: a, reads: ["x{*j}"]}\n', 4, "segments[0] 'a'.reads",
+         "unknown template variable 'j' in 'x{*j}' (declare it under for_each, or write {{ }} for literal braces)"),
+        ('reference: {inputs: {x: x}}\n', 3, "reference", "missing required key 'call'"),
+    ])
+    def test_bad_values_name_their_line(self, body, line, element, message):
+        error = load_error(plan_text(body))
+        assert (error.line, error.element, error.message) == (line, element, message)
+
+    def test_each_item_expands_in_for_each_order_beside_the_elements_own_value(self):
+        plan = loads_plan(plan_text("""
+            for_each: {i: "range(2)", j: [a, b]}
+            segments:
+              - {name: "s{i}", kind: graph, call: f, reads: ["x{i}{*j}", "y"]}
+              - {name: head, kind: graph, call: h, reads: ["x{*i}{*j}"]}
+        """))
+        assert plan.segment("s1").reads == ("x1a", "x1b", "y")
+        assert plan.segment("head").reads == ("x0a", "x0b", "x1a", "x1b")

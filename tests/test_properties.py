@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from graphflow.errors import FieldError
 from graphflow.loader import dump_plan, loads_plan
 from graphflow.plan import Mode, Plan
-from graphflow.validate import RETIRED, RULES, Severity, validate
+from graphflow.rules import RETIRED, RULES, Severity, validate
 from strategies import FIELD_MUTATIONS, MUTATIONS, VALIDATE_ARGS, valid_plans
 
 

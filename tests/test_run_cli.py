@@ -48,7 +48,7 @@ class TestSuccess:
         assert re.fullmatch(r"capture \d+\.\d\d s; total \d+\.\d\d s, reading the plan and timing included", lines[-2])
         assert lines[-1].startswith("ok: toy-piecewise: 4 descriptors, no graph captured (CPU backend: regions "
                                     "replayed eagerly), in ")
-        assert lines[-1].endswith(" s on cpu; verify 4/4 bit-exact")
+        assert lines[-1].endswith(" s on cpu; verify 4/4 bit-exact against the eager step")
         assert "Traceback" not in err
 
     def test_json_report(self, capsys):
@@ -108,6 +108,58 @@ class TestFailure:
         assert error.endswith("— the step fails when run eagerly: fix the segment, or run it without "
                               "graphflow to debug")
         assert "Traceback" not in err
+
+    def test_lazy_is_ready_before_the_descriptors_are_captured_and_reports_them_all(self, capsys):
+        status, out, err = run(capsys, TOY, "--lazy", "--json", "--steps", "0")
+        doc = json.loads(out)
+        assert status == 0 and doc["ok"]
+        assert 0 < doc["ready_s"] <= doc["capture_s"]
+        assert [(d["size"], d["verify"]["bit_exact"]) for d in doc["descriptors"]] == [(8, True), (4, True),
+                                                                                        (2, True), (1, True)]
+        assert {p["phase"]: p["outcome"] for p in doc["phases"]}["capture"] == "passed"
+
+    def test_lazy_progress_shows_the_background_capture(self, capsys):
+        status, out, err = run(capsys, TOY, "--lazy", "--steps", "0")
+        assert status == 0
+        lines = err.splitlines()
+        assert re.fullmatch(r"ready in \d+\.\d\d s: serving eagerly while 4 descriptors are captured in the "
+                            r"background", lines[2])
+        assert lines[-1].startswith("captured 4 PIECEWISE descriptors (16 regions) in ")
+        assert re.search(r"^ready \d+\.\d\d s \(serving eagerly\), all descriptors live after ", out, re.M)
+
+    def test_lazy_exits_1_naming_a_descriptor_that_failed_in_the_background(self, capsys, tmp_path, monkeypatch):
+        import functools
+        import threading
+
+        from graphflow import toy
+
+        build = toy.build_toy
+
+        @functools.wraps(build)  # the plan's model keeps its signature: it is offered what it takes
+        def failing_at_two(*args, **kwargs):
+            model = build(*args, **kwargs)
+            head = model.head
+
+            def head_at_two(x, logits):
+                if x.shape[0] == 2 and threading.current_thread().name == "graphflow-background-capture":
+                    raise RuntimeError("head breaks at B=2")
+                head(x, logits)
+
+            model.head = head_at_two
+            return model
+
+        monkeypatch.setattr(toy, "build_toy", failing_at_two)
+        status, out, err = run(capsys, TOY, "--lazy", "--no-detectors")
+        assert status == 1 and out == ""
+        assert err.splitlines()[-1].startswith("graphflow: capture failed, rolled back: [phase=warmup "
+                                               "descriptor=PIECEWISE(B=2) segment=head rank=0] RuntimeError: head "
+                                               "breaks at B=2")
+
+    def test_lazy_under_torchrun_exits_2(self, capsys, monkeypatch):
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        status, _, err = run(capsys, TOY, "--lazy")
+        assert status == 2 and "--lazy serves one process" in err
 
     def test_capture_failure_as_json(self, capsys, tmp_path):
         plan = tmp_path / "missing_call.yaml"

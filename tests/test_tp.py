@@ -28,7 +28,7 @@ from graphflow.launch import NVLS_ENV, launch
 from graphflow.plan import Channel, ChannelKind, WarmupPolicy
 from graphflow.session import Session
 from graphflow.trace import CallPath, Tracer, diff_traces, read_trace
-from graphflow.validate import validate
+from graphflow.rules import validate
 
 #: Objects the interpreter holds frozen before graphflow runs: torch 2.11's import leaves
 #: 375 frozen on the GPU machine (Python 3.12), none here. A pipeline, failed or not,

@@ -25,12 +25,13 @@ from graphflow.plan import (
     Origin,
     Plan,
     Prewarm,
+    Reference,
     Segment,
     SegmentKind,
     Stream,
     WarmupPolicy,
 )
-from graphflow.validate import RETIRED, RULES, Diagnostic, Report, Severity, rules_markdown, validate
+from graphflow.rules import RETIRED, RULES, Diagnostic, Report, Severity, rules_markdown, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -773,7 +774,7 @@ class TestUnusedStreams:
 def with_cache(rows: int) -> Plan:
     """The base plan plus a state cache of ``rows`` x 1024 float32 (its capacity), read by head."""
     plan = attrs.evolve(base(), buffers=[*base().buffers, buf("cache", ("B", 1024), role=BufferRole.STATE,
-                                                              dtype="float32", capacity={"B": rows})])
+                                                              dtype="float32", capacity={"B": rows}, pad="keep")])
     return replace_segment(plan, "head", reads=["x", "cache"])
 
 
@@ -827,3 +828,43 @@ class TestAliasChainsAreOneStorage:
         plan = replace_segment(plan, "L0.attn", reads=["q0"], writes=["o0", "q0vv"])
         d = only(plan, "GF204")
         assert d.element == "buffer q0" and "written through 'q0' (by L0.pre), 'q0vv' (by L0.attn)" in d.message
+
+
+# -- keyword calls, breaks, adoption, the reference ----------------------------------------------
+
+
+class TestRealModelRules:
+    def test_gf114_a_keyword_given_twice(self):
+        plan = replace_segment(base(), "head", inputs={"x": "x"}, constants={"x": 2})
+        d = only(plan, "GF114")
+        assert (d.severity, d.element) == (Severity.ERROR, "segment head")
+        assert d.message == "argument 'x' of model.head is given by inputs and by constants"
+
+    def test_gf115_breaks_on_an_eager_segment(self):
+        d = only(replace_segment(base(), "L0.attn", breaks=["layers.*.attn"]), "GF115")
+        assert (d.severity, d.message) == (Severity.WARNING, "eager segment L0.attn names breaks (layers.*.attn), "
+                                                             "which only split graph segments")
+
+    def test_gf208_one_tensor_adopted_twice_or_by_an_alias(self):
+        plan = replace_buffer(replace_buffer(base(), "q0", adopt="cache.k"), "q1", adopt="cache.k")
+        assert only(plan, "GF208").message == "buffers 'q0' and 'q1' both adopt cache.k"
+        view = buf("view", alias_of="x", adopt="cache.v")
+        plan = replace_segment(attrs.evolve(base(), buffers=[*base().buffers, view]), "head", reads=["x", "view"])
+        assert only(plan, "GF208").message == "alias 'view' adopts cache.v"
+
+    def test_gf209_and_gf101_the_reference_names_buffers_the_step_writes(self):
+        plan = attrs.evolve(base(), reference=Reference("forward", inputs={"x": "x"}, returns=["x", "y"]))
+        assert only(plan, "GF101").message == "'y' is named by the reference forward but no buffer 'y' is declared"
+        assert found(plan, "GF209") == []  # x is written in place by L0.post
+        plan = attrs.evolve(base(), reference=Reference("forward", returns=["q0"]))
+        assert found(plan, "GF209") == []
+        plan = replace_segment(attrs.evolve(base(), reference=Reference("forward", returns=["o0"])),
+                               "L0.attn", writes=["o1"])
+        assert only(plan, "GF209").message == "the reference's output 'o0' is written by no segment"
+
+    def test_gf405_breaks_in_a_region_on_two_streams(self):
+        plan = attrs.evolve(base(), streams=[*base().streams, Stream("s1", "cuda:0")])
+        plan = replace_segment(replace_segment(plan, "head", stream="s1"), "L1.post", breaks=["layers.*.attn"])
+        d = only(plan, "GF405")
+        assert d.message == ("graph segment L1.post has breaks, and region target:L1.post..head runs on streams s0, "
+                             "s1")

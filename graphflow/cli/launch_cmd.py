@@ -18,7 +18,7 @@ from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.ranks import rank_line, rank_summary, world_line
 from graphflow.errors import InvalidPlanError
 from graphflow.loader import load_plan
-from graphflow.validate import validate
+from graphflow.rules import validate
 
 __all__ = ["register"]
 

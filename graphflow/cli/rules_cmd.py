@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from graphflow.validate import RULES
+from graphflow.rules import RULES
 
 __all__ = ["register"]
 

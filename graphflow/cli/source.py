@@ -14,7 +14,7 @@ from graphflow.decorators import plan_from_module
 from graphflow.errors import PlanError
 from graphflow.plan import Mode, Plan
 
-__all__ = ["add_plan_source_arguments", "plan_source"]
+__all__ = ["add_plan_source_arguments", "plan_source", "with_modes"]
 
 
 def add_plan_source_arguments(parser: argparse.ArgumentParser, *, settings: bool = True) -> None:
@@ -93,3 +93,20 @@ def _csv(text: str | None, convert: Callable[[str], Any], option: str) -> tuple 
         return tuple(convert(part.strip()) for part in text.split(",") if part.strip())
     except ValueError as exc:
         raise PlanError(f"cannot read {text!r}: {exc}", element=option) from exc
+
+
+def with_modes(plan: Plan, text: str | None, option: str) -> Plan:
+    """``plan`` captured in the modes ``text`` lists (``PIECEWISE,FULL``; None: as written),
+    so switching modes needs no edit of the plan (``graphflow run --modes``,
+    ``GRAPHFLOW_MODES``). A mode the plan cannot capture is then a validation error, as
+    if written in the file (an eager segment in a FULL step)."""
+    if text is None:
+        return plan
+    names = [part.strip().upper() for part in text.split(",") if part.strip()]
+    known = ", ".join(m.value for m in Mode)
+    bad = [n for n in names if n not in {m.value for m in Mode}]
+    if not names or bad:
+        from graphflow.cli import CommandError
+
+        raise CommandError(f"{option}: expected modes among {known}, comma-separated (got {text!r})")
+    return plan.with_modes([Mode(n) for n in dict.fromkeys(names)])

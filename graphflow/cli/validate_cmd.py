@@ -17,7 +17,7 @@ import sys
 from graphflow.errors import PlanError
 from graphflow.loader import load_plan
 from graphflow.render import plural
-from graphflow.validate import RULES, Report, unknown_codes, validate
+from graphflow.rules import RULES, Report, unknown_codes, validate
 
 __all__ = ["register"]
 

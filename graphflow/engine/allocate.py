@@ -15,8 +15,10 @@ from collections.abc import Callable, Mapping
 import attrs
 import torch
 
+from graphflow.engine.adopt import adopt, attach
 from graphflow.engine.binding import build_model, resolve
 from graphflow.engine.buffers import StaticBuffers
+from graphflow.engine.calls import prepare, reference
 from graphflow.engine.compiled import compile_segments
 from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
@@ -72,6 +74,11 @@ class Allocation:
     def detectors(self):
         return self.owned.detectors
 
+    @property
+    def reference(self):
+        """The plan's reference step, bound like a segment (``graphflow.engine.calls``), or None."""
+        return self.owned.reference
+
     def device_of(self, ctx: Context, segment: Segment) -> torch.device:
         """A segment's device: the plan's answer, else the first device the plan names."""
         name = ctx.plan.segment_device(segment)
@@ -126,11 +133,11 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
     if bind is not None:  # so a channel's prewarm hook resolves on this model
         bind(model)
         stack.push("unbind the model from the channels", functools.partial(bind, None))
-    for segment in ctx.segments:
-        with ctx.locus.segment(segment.name):
-            owned.uncompiled[segment.name] = resolve(model, segment.call, kind="segment", name=segment.name,
-                                                     plan=plan)
+    largest = max((d.size for d in ctx.descriptors), default=max(plan.max_size, 1))
+    adopted = adopt(ctx, model, largest, devices.__getitem__)
+    owned.uncompiled.update(prepare(ctx, model, adopted, lambda: owned.detectors))
     owned.fns.update(compile_segments(ctx, owned.uncompiled))
+    owned.reference = reference(ctx, model, adopted)
     for hook in plan.prewarm:
         owned.hooks[hook.name] = resolve(model, hook.call, kind="prewarm", name=hook.name, plan=plan)
     streams = _streams(ctx, devices, first)
@@ -143,10 +150,11 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
         if segment.is_graph and device not in pools:
             pools[device] = backend.new_pool(device)
             stack.push(f"release the pool on {device}", functools.partial(_release_pool, backend, pools, device))
-    largest = max((d.size for d in ctx.descriptors), default=max(plan.max_size, 1))
-    _check_memory(ctx, devices, largest)
-    buffers = StaticBuffers(plan, largest, lambda n: devices[n])
+    given = {n: a.existing for n, a in adopted.items() if a.existing is not None}
+    _check_memory(ctx, devices, largest, given)
+    buffers = StaticBuffers(plan, largest, lambda n: devices[n], given=given)
     stack.push("free the static buffers", buffers.clear)
+    attach(adopted, buffers.tensors)
     if ctx.options.detectors is not Watch.OFF:
         owned.detectors = _detectors(ctx, buffers, model)
     return Allocation(devices, baseline, streams, pools, schedules, buffers, owned)
@@ -160,6 +168,7 @@ class _Owned:
     uncompiled: dict = attrs.field(factory=dict)
     hooks: dict = attrs.field(factory=dict)
     detectors: object = None
+    reference: object = None
 
     def drop(self) -> None:
         self.model = None
@@ -167,6 +176,7 @@ class _Owned:
         self.uncompiled.clear()
         self.hooks.clear()
         self.detectors = None
+        self.reference = None
 
 
 def _check_verifiable(ctx: Context) -> None:
@@ -179,9 +189,10 @@ def _check_verifiable(ctx: Context) -> None:
                                     "or run with --no-verify")
 
 
-def _check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: int) -> None:
+def _check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: int, given: Mapping[str, object]) -> None:
     """The static buffers and verify's copies against each device's free memory, before
-    any buffer is allocated (``graphflow.engine.memory``)."""
+    any buffer is allocated (``graphflow.engine.memory``); ``given`` buffers (adopted
+    from the model) are allocated already."""
     needs = ctx.verify_plan
     copied = ()
     if ctx.options.verify:  # graphflow.engine.verify: the start, the expected, and (some) kept state
@@ -193,6 +204,7 @@ def _check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: in
         device = devices.get(name)
         if device is None:
             continue
+        need = attrs.evolve(need, buffers={b: n for b, n in need.buffers.items() if b not in given})
         known = by_device.get(device)
         by_device[device] = need if known is None else MemoryNeed(
             str(device), {**known.buffers, **need.buffers}, known.verify + need.verify)

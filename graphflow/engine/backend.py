@@ -29,7 +29,10 @@ Lifecycle of a backend, as the pipeline drives it:
    returns a ``Graph``: its ``replay`` is a bare callable the runtime calls in its hot
    loop. ``side`` are the region's other streams: if ``recording`` raises with one of
    them still joined into the capture, the backend joins it back and ends the capture,
-   so no stream is left capturing.
+   so no stream is left capturing. Inside ``recording``, ``cut(between)`` ends the
+   graph being recorded and starts the next one: the call ``between()`` returns runs
+   eagerly between them at replay (a submodule a segment ``breaks`` at,
+   ``graphflow.engine.split``); a backend that records no graph does not cut.
 7. ``Graph.destroy()`` on rollback or close; then ``release_pool(pool)`` per device.
 8. ``synchronize(device)`` at phase boundaries (nothing to wait for on the host);
    ``is_capturing(stream)`` for checks.
@@ -42,6 +45,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
@@ -125,6 +129,14 @@ class Backend(abc.ABC):
         ``calls`` are the same calls bare, in step order: a backend that cannot record
         replays them.
         """
+
+    def cut(self, between: Callable[[], tuple[Call, object]]) -> object | None:
+        """Inside ``capture``'s recording: end the graph being recorded, call ``between()``
+        outside any capture (it returns the eager call to run here at replay and a value
+        for the recording to go on with), start the next graph on the same stream and
+        pool, and return that value. None, without calling ``between``, when this
+        backend records no graph or no capture is open: the caller then runs the work."""
+        return None
 
     @abc.abstractmethod
     def release_pool(self, pool: object) -> None: ...
@@ -259,7 +271,7 @@ class _CpuPool:
 class _CudaGraph(Graph):
     __slots__ = ("graph", "replay")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph):
+    def __init__(self, graph):
         self.graph = graph
         self.replay = graph.replay
 
@@ -268,6 +280,72 @@ class _CudaGraph(Graph):
             self.graph.reset()
             self.graph = None
             self.replay = _destroyed
+
+
+class _Pieces:
+    """What ``torch.cuda.graph`` captures into when a region may be cut: one
+    ``CUDAGraph`` per piece, with the eager calls between them.
+
+    ``torch.cuda.graph`` calls ``capture_begin`` on entry and ``capture_end`` on exit;
+    ``cut`` ends the current piece and begins the next with the same pool and options,
+    so the context manager ends whichever piece is open last. Replay runs the pieces
+    and the calls between them in order; a region never cut is its one graph.
+    """
+
+    def __init__(self, keep_graph: bool):
+        self.keep_graph = keep_graph
+        self.graphs = [torch.cuda.CUDAGraph(keep_graph=keep_graph)]
+        self.between: list[Call] = []
+        self._begin: tuple[tuple, dict] = ((), {})
+        self._steps: tuple[Call, ...] = ()
+        self._capturing = False
+
+    def capture_begin(self, *pool, **options) -> None:
+        self._begin = (pool, options)
+        self.graphs[-1].capture_begin(*pool, **options)
+        self._capturing = True
+
+    def capture_end(self) -> None:
+        # After a cut that failed between two pieces nothing is capturing: the failure,
+        # not a second capture_end, is what the caller must see.
+        if self._capturing:
+            self.graphs[-1].capture_end()  # when this raises, the capture may be open still: a retry ends it
+            self._capturing = False
+
+    def cut(self, between: Callable[[], tuple[Call, object]]) -> object:
+        self.capture_end()
+        call, value = between()
+        self.between.append(call)
+        graph = torch.cuda.CUDAGraph(keep_graph=self.keep_graph)
+        self.graphs.append(graph)
+        pool, options = self._begin
+        graph.capture_begin(*pool, **options)
+        self._capturing = True
+        return value
+
+    def instantiate(self) -> None:
+        for graph in self.graphs:
+            graph.instantiate()
+
+    def reset(self) -> None:
+        for graph in self.graphs:
+            graph.reset()
+        self.between.clear()  # the eager calls hold the kept arguments and outputs: let them go
+        self._steps = ()
+
+    def result(self):
+        """The captured graph: the one ``CUDAGraph`` itself when never cut, else this."""
+        if not self.between:
+            return self.graphs[0]
+        steps = [self.graphs[0].replay]
+        for call, graph in zip(self.between, self.graphs[1:]):
+            steps += [call, graph.replay]
+        self._steps = tuple(steps)
+        return self
+
+    def replay(self) -> None:
+        for step in self._steps:
+            step()
 
 
 class CudaBackend(Backend):
@@ -290,6 +368,9 @@ class CudaBackend(Backend):
         #: Keep each graph's definition after capture (``CUDAGraph(keep_graph=True)``), so
         #: ``graph.graph.debug_dump(path)`` writes it as Graphviz DOT to inspect what was captured.
         self.debug_graphs = debug_graphs
+        # The region this thread records, which ``cut`` ends a piece of. Per thread: a lazy
+        # engine's server runs the model eagerly (through the same cut points) meanwhile.
+        self._recording = threading.local()
 
     def device(self, name: str) -> torch.device:
         device = torch.device(name)
@@ -347,10 +428,11 @@ class CudaBackend(Backend):
 
     def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object,
                 side: Sequence[object] = ()) -> Graph:
-        graph = torch.cuda.CUDAGraph(keep_graph=self.debug_graphs)
+        graph = _Pieces(self.debug_graphs)
         before = torch.cuda.current_stream(stream.device)
         try:
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode):
+                self._recording.open = graph
                 try:
                     recording()
                 except BaseException:
@@ -358,6 +440,8 @@ class CudaBackend(Backend):
                     # as "unjoined": join it back first, so the capture ends cleanly.
                     self._rejoin(stream, side)
                     raise
+                finally:
+                    self._recording.open = None
         except BaseException:
             # torch.cuda.graph skips restoring the stream when capture_end raises; end a
             # capture still open so no stream is left capturing, then drop the graph.
@@ -370,7 +454,11 @@ class CudaBackend(Backend):
             raise
         if self.debug_graphs:
             graph.instantiate()  # kept graphs instantiate lazily: do it here, as capture_end would
-        return _CudaGraph(graph)
+        return _CudaGraph(graph.result())
+
+    def cut(self, between: Callable[[], tuple[Call, object]]) -> object | None:
+        graph = getattr(self._recording, "open", None)
+        return None if graph is None else graph.cut(between)
 
     def _rejoin(self, origin: object, side: Sequence[object]) -> None:
         """Make ``origin`` wait for every side stream still capturing. An invalidated

@@ -28,6 +28,11 @@ Why it is safe beside serving:
   records name its descriptor and segment, and the JIT tripwires fire only for a stream
   capturing in that thread.
 
+While a capture runs, the serving side must not synchronize the whole device
+(``torch.cuda.synchronize()``): that waits for the capturing stream, which CUDA refuses
+(``operation not permitted when stream is capturing``); synchronize its own stream
+(``torch.cuda.current_stream().synchronize()``) instead. The runtime itself never does.
+
 Limits: one rank and no channels (ranks would capture in orders their own traffic
 decides, and their barriers would disagree); capture them in the foreground.
 """
@@ -43,12 +48,12 @@ import attrs
 from graphflow.engine.allocate import Allocation
 from graphflow.engine.capture import Captured, capture
 from graphflow.engine.context import Context
-from graphflow.engine.phase import PhaseResult, run_phase
+from graphflow.engine.phase import PhaseResult, run_phase, summarize
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.verify import VerifyResult, verify
 from graphflow.engine.warmup import DescriptorTime, warmup
 from graphflow.errors import CaptureError
-from graphflow.events import Phase
+from graphflow.events import EventKind, Phase
 from graphflow.locus import Locus
 from graphflow.plan import BufferRole, Descriptor
 
@@ -118,6 +123,10 @@ class BackgroundCapture:
     def _run(self) -> None:
         from graphflow.jit import registry as jit_registry
 
+        # Listeners see the thread's work as a pipeline of its own: a progress display
+        # draws it as it would a foreground run.
+        events = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
+        events.emit(EventKind.PIPELINE_BEGIN, total=len(self._pending))
         try:
             while not self._stopping:
                 descriptor = self._next()
@@ -127,16 +136,31 @@ class BackgroundCapture:
                     self._pending.remove(descriptor)
                 ctx = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
                 jit_registry.attach(ctx.locus)
+                graphs = len(self._captured.graphs)
                 try:
                     self._one(ctx, descriptor)
                 except Exception as error:  # noqa: BLE001 - rolled back alone; serving goes on
                     self._failed(ctx, descriptor, error)
+                    del self._captured.graphs[graphs:]  # destroyed by the rollback: not the engine's
                 finally:
                     jit_registry.detach(ctx.locus)
         finally:
             with self.lock:
                 self._captured.close()  # gc unfrozen, tripwires removed
+                self._engine.report = self._final_report()
+                self._engine._adopt(events.stack)
             self.finished_at = time.perf_counter()
+            events.emit(EventKind.PIPELINE_END, total=len(self._ctx.descriptors), pool_bytes=self._engine.report.pool_bytes)
+
+    def _final_report(self):
+        """The engine's report with what the thread did: once ``done``, ``engine.report``
+        reads as a foreground run's would, with the descriptors that went live."""
+        report, ctx = self._engine.report, self._ctx
+        live = tuple(d for d in ctx.descriptors if d in self._engine.programs)
+        return attrs.evolve(report, descriptors=live, graphs=len(self._captured.graphs),
+                            phases=summarize([*report.phases, *self.phases]),
+                            verify=(*report.verify, *self.verified), times=(*report.times, *self.times),
+                            pool_bytes=self._alloc.pool_bytes(ctx), pool_estimate=dict(self._captured.pool_estimate))
 
     def _one(self, ctx: Context, descriptor: Descriptor) -> None:
         index = ctx.descriptors.index(descriptor) + 1

@@ -3,12 +3,19 @@
 This is the only place graphflow imports code a plan names. Resolution happens once, in
 the allocate phase, so a typo in ``call`` fails before any warmup or capture, naming
 the segment, the path and how far it got.
+
+A factory's module that is not importable as it stands is looked for in the plan file's
+directory, then in the current directory (``model: model:build`` beside the plan works
+without ``PYTHONPATH``): those directories are appended to ``sys.path``, after every
+installed package, only when the module is not found otherwise.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping
 
 from graphflow.errors import PlanError
@@ -27,9 +34,12 @@ def import_factory(ref: str, *, plan: Plan | None = None) -> Callable[..., objec
     if not sep or not module_name or not attr:
         raise PlanError(f"model {ref!r} must be 'package.module:factory'", **where)
     try:
-        obj = importlib.import_module(module_name)
+        obj = _import(module_name, _search_dirs(plan))
     except ImportError as exc:
-        raise PlanError(f"cannot import module {module_name!r} for model {ref!r}: {exc}", **where) from exc
+        tried = ", ".join(_search_dirs(plan))
+        raise PlanError(f"cannot import module {module_name!r} for model {ref!r}: {exc} (also looked in {tried}) — "
+                        "put the module beside the plan or in the current directory, install its package, or add "
+                        "its directory to PYTHONPATH", **where) from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -38,6 +48,30 @@ def import_factory(ref: str, *, plan: Plan | None = None) -> Callable[..., objec
     if not callable(obj):
         raise PlanError(f"model {ref!r} is not callable", **where)
     return obj
+
+
+def _search_dirs(plan: Plan | None) -> list[str]:
+    """The plan file's directory (when it came from a file), then the current directory."""
+    origin = plan.origin("plan", plan.name) if plan is not None else None
+    dirs = [os.path.dirname(os.path.abspath(origin.file))] if origin is not None and os.path.isfile(origin.file) else []
+    return list(dict.fromkeys([*dirs, os.getcwd()]))
+
+
+def _import(module_name: str, dirs: list[str]):
+    """Import ``module_name``; when it (not something it imports) is missing, again with
+    ``dirs`` appended to the import path."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not (module_name == missing or module_name.startswith(missing + ".")):
+            raise
+        added = [d for d in dirs if d not in sys.path]
+        if not added:
+            raise
+        sys.path.extend(added)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
 
 
 def build_model(plan: Plan, offered: Mapping[str, object]) -> object:

@@ -13,7 +13,7 @@ of aliases ends in the one buffer that owns the memory (``Plan.storage``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -32,7 +32,11 @@ def torch_dtype(name: str) -> torch.dtype:
 class StaticBuffers:
     """Every buffer of a plan, keyed by name, with cached per-size views."""
 
-    def __init__(self, plan: Plan, max_size: int, device_of: Callable[[str], torch.device]):
+    def __init__(self, plan: Plan, max_size: int, device_of: Callable[[str], torch.device],
+                 given: Mapping[str, torch.Tensor] | None = None):
+        """``given`` maps buffers to tensors that already hold them (a model's tensor a
+        buffer adopts, checked to have the allocated shape): those are not allocated."""
+        given = given or {}
         self.plan = plan
         self.symbol = plan.capture.size_symbol
         self.tensors: dict[str, torch.Tensor] = {}
@@ -43,7 +47,9 @@ class StaticBuffers:
             self.alloc_values[buffer.name] = plan.allocation_values(buffer, max_size)
             shape = plan.allocated_shape(buffer, max_size)
             dtype = torch_dtype(buffer.dtype)
-            if buffer.alias_of is None:
+            if buffer.name in given:
+                self.tensors[buffer.name] = given[buffer.name]
+            elif buffer.alias_of is None:
                 # Zeros, not empty: warmup reads inputs before the runtime ever fills them.
                 self.tensors[buffer.name] = torch.zeros(shape, dtype=dtype, device=device_of(buffer.device))
             elif buffer.alias_of in self.tensors:

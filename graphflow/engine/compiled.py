@@ -364,32 +364,37 @@ def _code_of(fn: Callable[..., object]) -> types.CodeType | None:
     return code if isinstance(code, types.CodeType) else None
 
 
-def compile_segments(ctx: Context, fns: Mapping[str, Callable[..., object]]) -> dict[str, Callable[..., object]]:
-    """Each segment's callable as warmup and capture run it: wrapped in a
+def compile_segments(ctx: Context, calls: Mapping[str, Callable[..., object]]) -> dict[str, Callable[..., object]]:
+    """Each segment's callable as warmup and capture run it: its function wrapped in a
     ``CompiledSegment`` where the plan compiles it and ``RunOptions.compile`` allows,
-    else as given."""
+    else as given. A ``SegmentCall`` (``graphflow.engine.execute``) keeps binding the
+    buffers, keywords and return value around the model's function; the function is
+    what is compiled."""
     settings = {s.name: setting for s in ctx.segments if (setting := ctx.plan.compile_of(s)) is not None}
     if not settings or not ctx.options.compile:
-        return dict(fns)
+        return dict(calls)
     import torch._dynamo
 
+    fns = {name: getattr(calls[name], "fn", calls[name]) for name in settings}
     sizes = len({d.size for d in ctx.descriptors}) or 1
     first: dict[types.CodeType, str] = {}  # code -> the first segment calling it
     sharing: dict[types.CodeType, int] = {}
-    for name in settings:
-        code = _code_of(fns[name])
+    for name, fn in fns.items():
+        code = _code_of(fn)
         if code is not None:
             first.setdefault(code, name)
             sharing[code] = sharing.get(code, 0) + 1
     default = torch._dynamo.config.recompile_limit
-    wrapped = dict(fns)
+    wrapped = dict(calls)
     for name, setting in settings.items():
         code = _code_of(fns[name])
         # One specialization per size for every segment sharing the code, plus dynamo's own slack.
         limit = max(default, sizes * sharing.get(code, 1) + _LIMIT_SLACK)
         shares = first[code] if code is not None and first[code] != name else None
         with ctx.locus.segment(name):
-            wrapped[name] = CompiledSegment(name, fns[name], setting, limit=limit, locus=ctx.locus, shares=shares)
+            compiled = CompiledSegment(name, fns[name], setting, limit=limit, locus=ctx.locus, shares=shares)
+        call = calls[name]
+        wrapped[name] = attrs.evolve(call, fn=compiled) if attrs.has(type(call)) and hasattr(call, "fn") else compiled
     ctx.stack.push("forget the compiled segments' code", functools.partial(_forget, tuple(first)))
     return wrapped
 
@@ -404,5 +409,6 @@ def _forget(codes: tuple[types.CodeType, ...]) -> None:
 
 def compile_report(fns: Mapping[str, Callable[..., object]]) -> CompileReport | None:
     """The compiled segments' records, or None when no segment is compiled."""
-    records = tuple(fn.record for fn in fns.values() if isinstance(fn, CompiledSegment))
+    found = (getattr(call, "fn", call) for call in fns.values())
+    records = tuple(fn.record for fn in found if isinstance(fn, CompiledSegment))
     return CompileReport(records) if records else None

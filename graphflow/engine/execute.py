@@ -3,7 +3,10 @@
 Warmup, capture and verify all run segments the same way, so the way lives here once:
 
 * ``bind(segment, fn, views)``: the calling convention, ``fn(*reads,
-  *writes_not_in_reads)`` with the static buffers' views at one batch size;
+  *writes_not_in_reads)`` with the static buffers' views at one batch size, or, for a
+  ``SegmentCall`` (what allocate resolves each segment to), that plus keyword
+  arguments (``inputs``, ``objects``, ``constants``), the return value copied into the
+  ``returns`` buffers, and the model's adopted tensors pointed at this size's views;
 * ``BoundSchedule``: a ``graphflow.engine.schedule.Schedule`` (which segment waits for
   which) bound to this run's streams and preallocated events;
 * ``run_scheduled``: fork the side streams, run each segment on its stream between its
@@ -28,13 +31,131 @@ from graphflow.engine.schedule import Schedule
 from graphflow.events import EventKind
 from graphflow.plan import Segment
 
-__all__ = ["BoundSchedule", "bind", "call_segment", "run_eager", "run_scheduled"]
+__all__ = ["BoundSchedule", "SegmentCall", "Slot", "bind", "call_segment", "returned", "run_eager", "run_scheduled"]
 
 
 def bind(segment: Segment, fn: Callable[..., object], views: Mapping[str, torch.Tensor]) -> Call:
-    """The calling convention: ``fn(*reads, *writes_not_in_reads)``, as views at one size."""
+    """The calling convention: ``fn(*reads, *writes_not_in_reads)``, as views at one size.
+
+    A ``SegmentCall`` binds itself (``SegmentCall.bind``); a bare callable gets every
+    buffer positionally.
+    """
+    if isinstance(fn, SegmentCall):
+        return fn.bind(views)
     names = (*segment.reads, *(w for w in segment.writes if w not in segment.reads))
     return functools.partial(fn, *(views[n] for n in names)) if names else fn
+
+
+@attrs.frozen(eq=False)
+class Slot:
+    """Where the model holds a tensor a buffer adopts: ``owner.attr`` or ``owner[index]``."""
+
+    owner: object
+    key: str | int
+
+    def get(self, default=None):
+        if isinstance(self.key, int):
+            return self.owner[self.key]
+        return getattr(self.owner, self.key, default)
+
+    def set(self, value) -> None:
+        if isinstance(self.key, int):
+            self.owner[self.key] = value
+        else:
+            setattr(self.owner, self.key, value)
+
+
+@attrs.frozen(eq=False)
+class SegmentCall:
+    """A segment's callable and how to call it, resolved once at allocate.
+
+    ``positional`` buffers go first, in order; ``keywords`` pass buffers by argument
+    name; ``fixed`` holds the resolved ``objects`` and the ``constants``; ``returns``
+    are filled from the return value; ``adopted`` are the model's slots for adopted
+    buffers, pointed at the views of the size being bound before each call (the
+    model's own code then works at that batch size); ``split`` cuts a PIECEWISE
+    capture at the segment's ``breaks`` (``graphflow.engine.split``).
+    """
+
+    name: str
+    fn: Callable[..., object]
+    positional: tuple[str, ...] = ()
+    keywords: tuple[tuple[str, str], ...] = ()
+    fixed: Mapping[str, object] = attrs.field(factory=dict)
+    returns: tuple[str, ...] = ()
+    adopted: tuple[tuple[str, Slot], ...] = ()
+    split: object | None = None
+
+    def __call__(self, *args, **kwargs):
+        """The function itself, called as given (a benchmark calling a segment's function
+        on buffers of its own); the engine binds it instead."""
+        return self.fn(*args, **kwargs)
+
+    def bind(self, views: Mapping[str, torch.Tensor]) -> Call:
+        """The call at the size of ``views``; with nothing but positional buffers, a bare partial."""
+        fn, name = self.fn, self.name
+        args = tuple(views[n] for n in self.positional)
+        if not (self.keywords or self.fixed or self.returns or self.adopted or self.split):
+            return functools.partial(fn, *args) if args else fn
+        kwargs = {**self.fixed, **{keyword: views[buffer] for keyword, buffer in self.keywords}}
+        pointers = tuple((slot, views[buffer]) for buffer, slot in self.adopted)
+        outputs = tuple((buffer, views[buffer]) for buffer in self.returns)
+        split = self.split
+
+        def call():
+            for slot, view in pointers:
+                slot.set(view)
+            if split is not None:
+                with split.segment(pointers):
+                    result = fn(*args, **kwargs)
+            else:
+                result = fn(*args, **kwargs)
+            if outputs:
+                for (buffer, view), value in zip(outputs, returned(name, result, self.returns), strict=True):
+                    if value.shape != view.shape:
+                        raise ValueError(f"segment {name} returned {buffer!r} of shape {list(value.shape)}, but "
+                                         f"buffer {buffer!r} is {list(view.shape)} at this size — declare the "
+                                         "buffer with the shape the callable returns")
+                    view.copy_(value)
+            return result
+
+        return call
+
+
+def returned(name: str, result: object, buffers: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors a call's ``result`` gives for ``buffers``: the tensor itself (one
+    buffer), a tuple's items in order, or a mapping's or object's entries by the
+    buffers' names (a Hugging Face ``ModelOutput`` is both)."""
+    if isinstance(result, torch.Tensor):
+        values: tuple = (result,)
+        if len(buffers) != 1:
+            raise ValueError(f"{name} returned one tensor, but {len(buffers)} returns buffers are declared "
+                             f"({', '.join(buffers)}) — return a tuple, or declare one buffer")
+    elif isinstance(result, Mapping):
+        missing = [b for b in buffers if b not in result]
+        if missing:
+            raise ValueError(f"{name} returned a {type(result).__name__} without {', '.join(map(repr, missing))} "
+                             f"(it has {', '.join(map(str, result)) or 'nothing'}) — name the returns buffers "
+                             "after the entries")
+        values = tuple(result[b] for b in buffers)
+    elif isinstance(result, (tuple, list)):
+        if len(result) < len(buffers):
+            raise ValueError(f"{name} returned {len(result)} values for {len(buffers)} returns buffers "
+                             f"({', '.join(buffers)})")
+        values = tuple(result[: len(buffers)])
+    elif result is None:
+        raise ValueError(f"{name} returned None, but declares returns {', '.join(buffers)} — return the tensors, "
+                         "or write them into the buffers and drop returns")
+    else:
+        missing = [b for b in buffers if not hasattr(result, b)]
+        if missing:
+            raise ValueError(f"{name} returned a {type(result).__name__} without attribute(s) "
+                             f"{', '.join(missing)} — name the returns buffers after its fields")
+        values = tuple(getattr(result, b) for b in buffers)
+    for buffer, value in zip(buffers, values):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} returned {type(value).__name__} for {buffer!r}, not a tensor")
+    return values
 
 
 @attrs.frozen(eq=False)
@@ -113,6 +234,8 @@ def call_segment(ctx: Context, segment: Segment, call: Call,
         else:
             with watch:
                 returned = call()
+                if segment.returns:  # copied into the declared buffers: the engine keeps none of it
+                    returned = None
             # Dropped only once the watch has looked: a tensor allocated in capture and
             # returned escapes just as one kept on the model does.
             del returned

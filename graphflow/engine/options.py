@@ -56,7 +56,7 @@ def _sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
 
 
 def _rule_codes(codes: Iterable[str]) -> frozenset[str]:
-    from graphflow.validate import RULES, unknown_codes
+    from graphflow.rules import RULES, unknown_codes
 
     codes = frozenset(codes)
     unknown = codes - {rule.code for rule in RULES}

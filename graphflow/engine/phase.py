@@ -16,7 +16,7 @@ import attrs
 from graphflow.engine.context import Context
 from graphflow.events import EventKind, Phase
 
-__all__ = ["Outcome", "PhaseResult", "run_phase"]
+__all__ = ["Outcome", "PhaseResult", "run_phase", "summarize"]
 
 
 class Outcome(enum.Enum):
@@ -55,3 +55,17 @@ def run_phase(ctx: Context, results: list[PhaseResult], phase: Phase, body: Call
     results.append(PhaseResult(phase, Outcome.SKIPPED if value is False else Outcome.PASSED,
                                time.perf_counter() - start))
     return value
+
+
+def summarize(results: list[PhaseResult]) -> tuple[PhaseResult, ...]:
+    """One result per phase, in lifecycle order: a phase that ran per descriptor adds up
+    its seconds; one that never ran (verify turned off, no descriptor) was skipped, and
+    one that only failed (a lazy engine's descriptors all rolled back) failed."""
+    summary = []
+    for phase in (Phase.ALLOCATE, Phase.WARMUP, Phase.PREWARM, Phase.CAPTURE, Phase.VERIFY, Phase.COMMIT):
+        ran = [r for r in results if r.phase is phase]
+        outcomes = {r.outcome for r in ran}
+        outcome = (Outcome.PASSED if Outcome.PASSED in outcomes else
+                   Outcome.FAILED if Outcome.FAILED in outcomes else Outcome.SKIPPED)
+        summary.append(PhaseResult(phase, outcome, sum(r.seconds for r in ran)))
+    return tuple(summary)

@@ -5,7 +5,7 @@ run's fixed ``Context`` and the results of the phases before it, returning its o
 result; each step that takes a resource registers its undo on the context's one
 rollback stack the moment it succeeds. The steps:
 
-1. **validate**: every rule of ``graphflow.validate``; a plan with errors is refused
+1. **validate**: every rule of ``graphflow.rules``; a plan with errors is refused
    (``InvalidPlanError``) before anything is built.
 2. **allocate** (``graphflow.engine.allocate``): map the plan's devices (the CPU backend
    maps ``cuda:N`` to ``cpu``) and read each one's memory baseline; build the model
@@ -68,7 +68,7 @@ from graphflow.engine.backend import Backend, make_backend
 from graphflow.engine.capture import capture, open_capture
 from graphflow.engine.context import Context
 from graphflow.engine.engine import Engine, commit
-from graphflow.engine.phase import Outcome, PhaseResult, run_phase
+from graphflow.engine.phase import PhaseResult, run_phase, summarize
 from graphflow.locus import Where
 from graphflow.engine.options import RunOptions, Watch
 from graphflow.engine.rollback import UndoError
@@ -79,7 +79,7 @@ from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, Inval
 from graphflow.events import Event, EventKind, Listener, Phase
 from graphflow.jit import registry as jit_registry
 from graphflow.plan import Descriptor, Plan
-from graphflow.validate import validate
+from graphflow.rules import validate
 
 __all__ = ["run_pipeline"]
 
@@ -174,7 +174,7 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
         captured.close()
         engine = run_phase(ctx, results, Phase.COMMIT,
                         lambda: commit(ctx, alloc, captured, tuple(verified), tuple(times)), pool=pool)
-    engine.report = attrs.evolve(engine.report, phases=_summary(results),
+    engine.report = attrs.evolve(engine.report, phases=summarize(results),
                                  prewarm=prewarmed if prewarmed is not False else None)
     jit_registry.detach(ctx.locus)
     ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=captured.pool_bytes)
@@ -191,7 +191,7 @@ def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
         prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
     captured = open_capture(ctx)
     engine = run_phase(ctx, results, Phase.COMMIT, lambda: commit(ctx, alloc, captured, (), tuple(times)))
-    engine.report = attrs.evolve(engine.report, phases=_summary(results),
+    engine.report = attrs.evolve(engine.report, phases=summarize(results),
                                  prewarm=prewarmed if prewarmed is not False else None)
     jit_registry.detach(ctx.locus)
     ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=None)
@@ -203,16 +203,6 @@ def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
     engine.background.start()
     return engine
 
-
-def _summary(results: list[PhaseResult]) -> tuple[PhaseResult, ...]:
-    """One result per phase, in lifecycle order: a phase that ran per descriptor adds up
-    its seconds; one that never ran (verify turned off, no descriptor) was skipped."""
-    summary = []
-    for phase in (Phase.ALLOCATE, Phase.WARMUP, Phase.PREWARM, Phase.CAPTURE, Phase.VERIFY, Phase.COMMIT):
-        ran = [r for r in results if r.phase is phase]
-        outcome = Outcome.PASSED if any(r.outcome is Outcome.PASSED for r in ran) else Outcome.SKIPPED
-        summary.append(PhaseResult(phase, outcome, sum(r.seconds for r in ran)))
-    return tuple(summary)
 
 
 def _select(plan: Plan, sizes: Sequence[int] | None) -> tuple[Descriptor, ...]:

@@ -23,6 +23,7 @@ from graphflow.engine.allocate import Allocation, step_items
 from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
 from graphflow.engine.execute import call_segment, run_eager
+from graphflow.engine.reference import check_reference, explain
 from graphflow.engine.warmup import DescriptorTime, Warmed, eager_step, fill_inputs
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
@@ -30,9 +31,9 @@ from graphflow.plan import BufferRole, Descriptor, Plan, Segment, WarmupPolicy
 
 __all__ = ["VerifyPlan", "VerifyResult", "verify"]
 
-#: What to do when replay differs from eager.
-HINT = ("replay differs from eager: look for data-dependent control flow or an undeclared buffer in the region; "
-        "mark such work eager, declare the buffer, or set capture.verify tolerances")
+#: What to do when replay differs from eager (``graphflow.engine.reference.explain`` says more).
+HINT = ("replay differs from eager: look for state outside the plan's buffers, data-dependent control flow or an "
+        "undeclared buffer in the region; declare the state or the buffer, or mark such work eager")
 
 
 @attrs.frozen
@@ -43,7 +44,7 @@ class VerifyResult:
     buffers: tuple[str, ...]
     max_abs_diff: float
     bit_exact: bool
-    #: What the replay was compared with.
+    #: What the replay was compared with: the plan's eager step, and the reference when the plan names one.
     against: tuple[str, ...] = ("the eager step",)
 
 
@@ -96,7 +97,16 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
             else:
                 call()
         alloc.synchronize(ctx)
-        result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer, compiled=needs.compiled)
+        try:
+            result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer,
+                              compiled=needs.compiled)
+        except CaptureError as error:  # name the first segment that differs, and state outside the plan
+            if needs.compiled:  # compiled against uncompiled code: the tolerance is what the hint is about
+                raise
+            raise explain(ctx, alloc, {descriptor: program}, descriptor, warmed.start, warmed.expected, error)
+        against = check_reference(ctx, alloc, descriptor, warmed.start)  # the model's own step, when named
+        if against is not None:
+            result = attrs.evolve(result, against=(against, *result.against))
         _restore(views, kept)
     return result, DescriptorTime(Phase.VERIFY, descriptor, block.seconds)
 
@@ -136,40 +146,58 @@ COMPILED_HINT = ("the compiled segments' replay differs from the model's uncompi
 
 def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
              last_writer: dict[str, str], *, compiled: bool = False) -> VerifyResult:
-    """Compare in order of each buffer's final write, so the first mismatch is the earliest seen."""
+    """Compare in order of each buffer's final write, so the first mismatch is the earliest seen.
+
+    Every buffer's verdict is worked out on the device and read back in one transfer: a
+    bit-exact step (the usual case) costs one synchronisation however many buffers it
+    writes. Differences are measured only for the buffers that differ. ``compiled``: the
+    expected values come from the uncompiled step of a plan that compiles segments.
+    """
     atol, rtol = plan.capture.atol, plan.capture.rtol
+    exact = atol == 0 and rtol == 0
     against = "the uncompiled eager step" if compiled else "the eager step"
-    worst = 0.0
-    bit_exact = True
-    for name, want in expected.items():
-        got = views[name]
-        same = _equal(got, want)
-        bit_exact = bit_exact and same
-        diff = _max_abs_diff(got, want)
-        worst = max(worst, diff)
-        ok = same if atol == 0 and rtol == 0 else bool(
-            torch.isclose(_comparable(got), _comparable(want), rtol=rtol, atol=atol, equal_nan=True).all())
+    names = list(expected)
+    if not names:
+        return VerifyResult(descriptor, (), 0.0, True, (against,))
+    same = _verdicts(names, lambda n: _equal(views[n], expected[n]))
+    close = same if exact else _verdicts(names, lambda n: _close(views[n], expected[n], atol, rtol))
+    diffs = {n: _max_abs_diff(views[n], expected[n]) for n, s in zip(names, same, strict=True) if not s}
+    for name, ok in zip(names, close, strict=True):
         if not ok:
-            bad = int((_comparable(got) != _comparable(want)).sum())
+            got, want = _comparable(views[name]), _comparable(expected[name])
+            bad = int((got != want).sum())
             raise CaptureError(
                 f"graph replay of {descriptor} differs from {'the uncompiled eager step' if compiled else 'eager'} "
                 f"in buffer {name!r} (last written by "
                 f"{last_writer[name]}; it or an earlier segment diverged): {bad} of {got.numel()} "
-                f"elements, max |diff| {diff:.3g} (allowed atol={atol}, rtol={rtol})",
+                f"elements, max |diff| {diffs[name]:.3g} (allowed atol={atol}, rtol={rtol})",
                 segment=last_writer[name], hint=COMPILED_HINT if compiled else HINT)
-    return VerifyResult(descriptor, tuple(expected), worst, bit_exact, (against,))
+    return VerifyResult(descriptor, tuple(names), max(diffs.values(), default=0.0), all(same), (against,))
+
+
+def _verdicts(names: list[str], check) -> list[bool]:
+    """One boolean per buffer, computed where the buffers live and read back at once."""
+    flags = [check(n) for n in names]
+    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
 
 
 def _comparable(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality, treating NaN as equal to NaN."""
+def _equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Bit-for-bit equality, treating NaN as equal to NaN, as a 0-d tensor on the device."""
     if a.is_floating_point():
         a, b = _comparable(a), _comparable(b)
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return torch.equal(a, b)
+        return ((a == b) | (a.isnan() & b.isnan())).all()
+    return (a == b).all()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
+    a, b = _comparable(a), _comparable(b)
+    if not a.is_floating_point():
+        return (a == b).all()
+    return torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True).all()
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,6 +24,7 @@ from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, call_segment, run_eager
+from graphflow.engine.written import checking
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.plan import BufferRole, Descriptor, Plan, Segment
@@ -108,7 +109,8 @@ def check_findings(alloc: Allocation, *, cause: BaseException | None = None, fai
 
 
 def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) -> Warmed:
-    """One descriptor: the step eagerly ``warmup_iters`` times on verify's inputs."""
+    """One descriptor: the step eagerly ``warmup_iters`` times on verify's inputs (the
+    run's very first step checked for unwritten outputs, ``graphflow.engine.written``)."""
     runner = watched(ctx, alloc, Phase.WARMUP, capturing=False, descriptor=descriptor)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
     keep = ctx.options.verify and ctx.verify_plan.reuses_warmup
@@ -122,7 +124,9 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
         for i in range(iters):
             if keep and i == iters - 1:
                 start = {n: views[n].clone() for n in ctx.verify_plan.start}
-            run_eager(ctx.backend, schedule, step, runner)
+            # The first step also checks that every segment writes what it declares.
+            first = index == 1 and i == 0
+            run_eager(ctx.backend, schedule, step, checking(ctx, alloc, descriptor.size, runner) if first else runner)
         alloc.synchronize(ctx)
         check_findings(alloc)
         if keep:

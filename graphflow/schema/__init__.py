@@ -23,7 +23,7 @@ import attrs
 
 from graphflow import fields
 from graphflow.loader import FORMAT_VERSION
-from graphflow.plan import Buffer, CaptureSettings, Channel, Compile, Mode, Plan, Prewarm, Segment, Stream
+from graphflow.plan import Buffer, CaptureSettings, Channel, Compile, Mode, Plan, Prewarm, Reference, Segment, Stream
 from graphflow.templates import RANGE_PATTERN
 
 __all__ = ["plan_schema", "schema_json"]
@@ -33,7 +33,7 @@ _ID = "https://github.com/graphflow/graphflow/blob/main/graphflow/schema/plan.sc
 _TEMPLATED = {"type": "string", "pattern": "[{}]"}
 #: Element definitions: $defs name -> (class, keyed by name in its section).
 _ELEMENTS = {"stream": (Stream, True), "buffer": (Buffer, True), "channel": (Channel, True),
-             "prewarm": (Prewarm, True), "segment": (Segment, False)}
+             "prewarm": (Prewarm, True), "segment": (Segment, False), "reference": (Reference, False)}
 #: Nested settings (``graphflow.fields.Setting``): $defs name -> class.
 _SETTINGS = {"compile": Compile}
 
@@ -79,6 +79,8 @@ def _schema(kind: fields.Kind, templated: bool) -> dict[str, Any]:
         if isinstance(inner.get("type"), str) and len(inner) == 1:
             return {"type": [inner["type"], "null"]}
         return {"oneOf": [{"type": "null"}, inner]}
+    if isinstance(kind, fields.OneOf):
+        return {"anyOf": [_schema(inner, templated) for inner in kind.kinds]}
     if isinstance(kind, fields.Bounds):
         return {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "number"},
                 "description": f"{kind.expected}, low < high"}
@@ -191,6 +193,8 @@ def plan_schema() -> dict[str, Any]:
             "families": {"type": "array", "uniqueItems": True, "items": {"type": "string"}},
             **{key: sections[key] for key in ("streams", "buffers", "channels", "prewarm")},
             "segments": {"type": "array", "items": {"$ref": "#/$defs/segment"}},
+            "reference": {"description": fields.spec(plan["reference"]).doc,
+                          "oneOf": [{"type": "null"}, {"$ref": "#/$defs/reference"}]},
             "capture": {"$ref": "#/$defs/capture"},
         },
         "$defs": {

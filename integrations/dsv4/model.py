@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
     kv_cache = graphflow.buffer("kv_cache{layer}", shape=_declared_shape("kv_cache"), dtype=_model_dtype,
                                 device=_DEVICE, role="state")  # paged: max_batch seqs x blocks_per_seq
     comp_cache = graphflow.buffer("comp_cache{layer}", shape=_declared_shape("comp_cache"), dtype=_model_dtype,
-                                  device=_DEVICE, role="state")
+                                  device=_DEVICE, role="state", pad="keep")  # a row per sequence: padding keeps it
 
     def __init__(self, index: int, config: DSV4Config, layout: PagedLayout, source: WeightSource):
         super().__init__()

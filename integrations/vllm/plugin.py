@@ -37,7 +37,7 @@ from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan
 from graphflow.integrations.vllm.session import CaptureSession
 from graphflow.integrations.vllm.settings import PluginSettings
 from graphflow.trace import TraceLog, Tracer
-from graphflow.validate import Severity, validate
+from graphflow.rules import Severity, validate
 
 __all__ = ["Plugin", "register", "registered", "unregister"]
 

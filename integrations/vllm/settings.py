@@ -35,7 +35,7 @@ from graphflow.errors import GraphflowError
 from graphflow.integrations.vllm.descriptors import FAMILIES
 from graphflow.plan import WarmupPolicy
 from graphflow.trace import TRACE_ENV
-from graphflow.validate import RULES
+from graphflow.rules import RULES
 
 __all__ = ["ENABLE_ENV", "PluginSettings", "SettingsError"]
 

@@ -97,7 +97,9 @@ class CaptureTransaction:
         enabled, frozen = gc.isenabled(), gc.get_freeze_count()
 
         def restore() -> None:
-            if gc.get_freeze_count() > frozen and frozen == 0:
+            # Unfreezing thaws what was frozen before capture too; leaving capture's objects
+            # frozen would keep them (and their tensors) out of every collection.
+            if gc.get_freeze_count() > frozen:
                 gc.unfreeze()
             if enabled:
                 gc.enable()
@@ -126,13 +128,45 @@ class CaptureTransaction:
 
 
 def _release_frames(error: BaseException) -> None:
-    """Drop the locals of the frames ``error`` (and its causes) unwound through."""
+    """Drop the locals of the frames ``error`` (and its causes) unwound through, ending
+    first any capture a graph in them left open.
+
+    A capture that raised (``torch.cuda.graph`` whose ``capture_end`` failed) leaves its
+    ``CUDAGraph`` half made: the stream may still be capturing and torch's CUDA generator
+    still counts itself inside a capture, so every later random op fails ("Offset
+    increment outside graph capture"). vLLM's wrapper keeps that graph only in its frame,
+    so here, before the frame goes: end the capture if it is still open and reset the
+    graph, as graphflow's own backend does.
+    """
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         tb = error.__traceback__
         while tb is not None:
+            frame = tb.tb_frame
+            snapshot = frame.f_locals  # before 3.13 a dict the frame caches: it holds them too
+            _end_graphs(snapshot.values())
+            with contextlib.suppress(AttributeError, TypeError, ValueError):  # 3.13's proxy cannot drop locals
+                snapshot.clear()
+            del snapshot
             with contextlib.suppress(RuntimeError):  # a frame still running (ours) cannot be cleared
-                tb.tb_frame.clear()
+                frame.clear()
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
+
+
+def _end_graphs(values) -> None:
+    import torch
+
+    for value in list(values):
+        graph = value if isinstance(value, torch.cuda.CUDAGraph) else getattr(value, "cuda_graph", None)
+        if not isinstance(graph, torch.cuda.CUDAGraph):
+            continue
+        stream = getattr(value, "capture_stream", None)
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                if torch.cuda.is_current_stream_capturing():
+                    with contextlib.suppress(RuntimeError):
+                        graph.capture_end()
+        with contextlib.suppress(RuntimeError):
+            graph.reset()

@@ -263,10 +263,12 @@ class Injector:
     buffers: list = attrs.field(factory=list)
 
     def on_event(self, event):
-        if event.kind is EventKind.PHASE_BEGIN:
-            self.current, self.descriptors = event.phase, 0
-        elif event.kind is EventKind.DESCRIPTOR_BEGIN:
-            self.descriptors += 1
+        if event.kind is EventKind.PIPELINE_BEGIN:
+            self.descriptors = 0
+        elif event.kind is EventKind.PHASE_BEGIN:
+            self.current = event.phase
+        elif event.kind is EventKind.DESCRIPTOR_BEGIN and event.phase is Phase.CAPTURE:
+            self.descriptors += 1  # each descriptor is captured in a capture phase of its own
         elif event.kind is EventKind.PHASE_END and event.phase is self.phase and self.site == "listener":
             self._fire(f"injected at the end of {self.phase.value}")
 
@@ -281,20 +283,27 @@ class Injector:
 
     def build(self, handles):
         model = build_toy(3, hidden=HIDDEN, vocab=VOCAB, device="cuda")
-        post, tp = model.layers[1].post, handles["tp_ar"]
+        post, mix, tp = model.layers[1].post, model.layers[1].mix, handles["tp_ar"]
 
         def faulty_post(m, x):
             self.buffers.extend(weakref.ref(a if a._base is None else a._base) for a in (m, x))
-            if self._hit():
+            if self._hit() and self.phase is not Phase.VERIFY:
                 self._fire("injected in L1.post")
             post(m, x)
             tp.all_reduce(x)
+
+        def faulty_mix(h, m):
+            # Verify replays graphs, which run no Python: its model code is the eager breaks.
+            if self._hit() and self.phase is Phase.VERIFY:
+                self._fire("injected in L1.mix")
+            mix(h, m)
 
         def warm():
             if self._hit():
                 self._fire("injected in the prewarm hook")
 
         model.layers[1].post = faulty_post
+        model.layers[1].mix = faulty_mix
         model.warm = warm
         self.models.append(weakref.ref(model))
         return model

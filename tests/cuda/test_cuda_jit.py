@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.errors import CaptureError
-from graphflow.events import Event, EventKind, Phase
+from graphflow.events import Phase
 from graphflow.jit import JitRegistry, TritonKernel
+from graphflow.locus import Locus
 
 pytestmark = pytest.mark.cuda
 
@@ -116,15 +117,13 @@ class TestCuteRMSNorm:
 
 
 def _warmup(registry, kernel, args, segment="L0.pre"):
-    """What the pipeline's warmup does for the registry: one eager call inside a segment."""
-    for kind, fields in ((EventKind.PIPELINE_BEGIN, {}), (EventKind.PHASE_BEGIN, {"phase": Phase.WARMUP}),
-                         (EventKind.SEGMENT_BEGIN, {"segment": segment})):
-        registry.on_event(Event(kind, **fields))
-    kernel(*args)
+    """What the pipeline's warmup does for the registry: one eager call inside a segment of
+    the warmup phase, in the locus the registry follows."""
+    locus = Locus()
+    registry.attach(locus)
+    with locus.at(phase=Phase.WARMUP), locus.segment(segment):
+        kernel(*args)
     torch.cuda.synchronize()
-    for kind, fields in ((EventKind.SEGMENT_END, {"segment": segment}), (EventKind.PHASE_END, {"phase": Phase.WARMUP}),
-                         (EventKind.PHASE_BEGIN, {"phase": Phase.PREWARM})):
-        registry.on_event(Event(kind, **fields))
 
 
 def _cold_capture(registry, launch):
@@ -224,12 +223,12 @@ class TestColdKernelsInCapture:
         x = torch.randn(1024, device="cuda")
         h = torch.randn(4, 8192, device="cuda", dtype=torch.bfloat16)
         weight, normed = torch.ones(8192, device="cuda", dtype=torch.bfloat16), torch.empty_like(h)
-        registry.on_event(Event(EventKind.PIPELINE_BEGIN))
-        registry.on_event(Event(EventKind.PHASE_BEGIN, phase=Phase.WARMUP))
-        for name, call in (("a", lambda: kernel(x, x)), ("b", lambda: cute_rms(h, weight, normed, 1e-6))):
-            registry.on_event(Event(EventKind.SEGMENT_BEGIN, segment=name))
-            call()
-            registry.on_event(Event(EventKind.SEGMENT_END, segment=name))
+        locus = Locus()
+        registry.attach(locus)
+        with locus.at(phase=Phase.WARMUP):
+            for name, call in (("a", lambda: kernel(x, x)), ("b", lambda: cute_rms(h, weight, normed, 1e-6))):
+                with locus.segment(name):
+                    call()
         stream = torch.cuda.Stream()
         report = registry.prewarm({x.device: stream})
         assert report.launched == 2 and len(report.specializations) == 2

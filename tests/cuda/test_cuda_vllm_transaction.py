@@ -69,6 +69,7 @@ def transaction_for(wrapper, flags):
 
     def release():
         torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps a workspace per stream it ran on
         torch.cuda.empty_cache()
 
     txn.on_rollback("device memory released", release)
@@ -112,11 +113,12 @@ def baseline():
 def test_a_failed_capture_gives_its_pool_memory_back_while_the_error_lives(baseline, fail_at):
     stream = torch.cuda.Stream()
     wrapper = Wrapper(step, torch.cuda.graph_pool_handle())
+    frozen = gc.get_freeze_count()  # what the interpreter froze before (torch's import does)
     flags, error, undo = capture_all(wrapper, [512, 256, 128, 64, 16], stream, fail_at=fail_at)
     assert isinstance(error, RuntimeError) and undo is None
     assert error.__traceback__ is not None  # the error (a CaptureError's cause) is still alive
     assert wrapper.entries == {} and flags.capturing is False
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert gc.isenabled() and gc.get_freeze_count() <= frozen
     with torch.cuda.stream(stream):
         assert not torch.cuda.is_current_stream_capturing()
     del wrapper
@@ -143,6 +145,7 @@ def test_without_clearing_the_frames_the_failed_capture_keeps_its_memory(baselin
     assert held > 0  # the traceback's frames still hold the capture's tensors and graph
     CaptureTransaction().rollback(error)
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # the capture stream's cuBLAS workspace is not the capture's
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated() - baseline[0] - x.numel() * 4 <= MiB
 
@@ -227,6 +230,9 @@ def main():
     txn = CaptureTransaction("two ranks")
     txn.on_rollback("memory", lambda: (torch.cuda.synchronize(), torch.cuda.empty_cache()))
     txn.on_rollback("graphs", graphs.clear)
+    with torch.cuda.stream(stream):  # the warmup vLLM runs first: cuBLAS's handle for this stream
+        (x @ x.T).relu()
+    torch.cuda.synchronize()
     result = {}
     try:
         capture(session, x, stream, pool, graphs, rank, diverge)

@@ -5,7 +5,7 @@ severity, title)``. Its docstring says which failure it prevents (first paragrap
 how to fix it (the paragraph that starts ``Fix:``); ``graphflow rules`` and
 ``docs/rules.md`` are generated from those docstrings, so they cannot drift.
 
-A rule yields ``Finding`` objects (element, message, fix); the registration wraps it
+A rule yields ``Violation`` objects (element, message, fix); the registration wraps it
 so that ``Rule.check(plan)`` yields complete ``Diagnostic`` objects with code,
 severity and the element's declaration origin.
 
@@ -26,6 +26,7 @@ import collections
 import enum
 import functools
 import inspect
+import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -44,7 +45,7 @@ from graphflow.plan import (
 )
 from graphflow.render import format_bytes, heaviest
 
-__all__ = ["Diagnostic", "Finding", "MEMORY_CEILING", "RETIRED", "Report", "Rule", "RULES", "Severity",
+__all__ = ["Diagnostic", "Violation", "MEMORY_CEILING", "RETIRED", "Report", "Rule", "RULES", "Severity",
            "rules_markdown", "unknown_codes", "validate"]
 
 #: Bytes of static buffers no device made today holds (the largest GPUs hold under
@@ -94,7 +95,7 @@ class Diagnostic:
 
 
 @attrs.frozen
-class Finding:
+class Violation:
     """What a rule function yields: the element (kind and name), message and fix.
 
     ``name`` is None for elements that have no name (``capture``, ``plan``); ``at`` then
@@ -154,7 +155,7 @@ def _rule(code: str, severity: Severity, title: str):
     others take the plan alone.
     """
 
-    def register(find: Callable[..., Iterable[Finding]]) -> Callable[..., Iterator[Diagnostic]]:
+    def register(find: Callable[..., Iterable[Violation]]) -> Callable[..., Iterator[Diagnostic]]:
         wants_memory = "device_memory" in inspect.signature(find).parameters
 
         @functools.wraps(find)
@@ -327,7 +328,7 @@ def _capture_modes(plan: Plan) -> list[Mode]:
 
 
 @_rule("GF101", Severity.ERROR, "undeclared buffer")
-def undeclared_buffers(plan: Plan) -> Iterator[Finding]:
+def undeclared_buffers(plan: Plan) -> Iterator[Violation]:
     """A segment reads or writes, or a buffer aliases, a name that no buffer declares.
 
     The engine allocates declared buffers only, so capture would fail on a missing
@@ -339,18 +340,24 @@ def undeclared_buffers(plan: Plan) -> Iterator[Finding]:
         for verb, names in (("read", segment.reads), ("written", segment.writes)):
             for name in dict.fromkeys(names):
                 if plan.buffer(name) is None:
-                    yield Finding("segment", segment.name,
+                    yield Violation("segment", segment.name,
                                   f"'{name}' is {verb} by {_describe(segment)} but no buffer '{name}' is declared",
                                   "declare it under buffers or fix the name")
     for buffer in plan.buffers:
         if buffer.alias_of is not None and plan.buffer(buffer.alias_of) is None:
-            yield Finding("buffer", buffer.name,
+            yield Violation("buffer", buffer.name,
                           f"buffer '{buffer.name}' is an alias of '{buffer.alias_of}', which is not declared",
                           "declare the target buffer or fix alias_of")
+    reference = plan.reference
+    if reference is not None:
+        for name in dict.fromkeys((*reference.inputs.values(), *reference.returns)):
+            if plan.buffer(name) is None:
+                yield Violation("reference", None, f"'{name}' is named by the reference {reference.call} but no buffer "
+                              f"'{name}' is declared", "declare it under buffers or fix the name", at="reference")
 
 
 @_rule("GF102", Severity.ERROR, "undeclared stream")
-def undeclared_streams(plan: Plan) -> Iterator[Finding]:
+def undeclared_streams(plan: Plan) -> Iterator[Violation]:
     """A segment names a stream that no stream declares.
 
     Capture would fall back to an implicit stream, which on any GPU but the first
@@ -360,13 +367,13 @@ def undeclared_streams(plan: Plan) -> Iterator[Finding]:
     """
     for segment in plan.segments:
         if segment.stream is not None and plan.stream(segment.stream) is None:
-            yield Finding("segment", segment.name,
+            yield Violation("segment", segment.name,
                           f"{_describe(segment)} runs on stream '{segment.stream}', which is not declared",
                           "declare it under streams with its device or fix the name")
 
 
 @_rule("GF103", Severity.ERROR, "undeclared channel")
-def undeclared_channels(plan: Plan) -> Iterator[Finding]:
+def undeclared_channels(plan: Plan) -> Iterator[Violation]:
     """A segment uses a channel that no channel declares.
 
     An undeclared channel has no owner, id or warmup policy, so the engine cannot
@@ -377,13 +384,13 @@ def undeclared_channels(plan: Plan) -> Iterator[Finding]:
     for segment in plan.segments:
         for name in dict.fromkeys(segment.channels):
             if plan.channel(name) is None:
-                yield Finding("segment", segment.name,
+                yield Violation("segment", segment.name,
                               f"{_describe(segment)} uses channel '{name}', which is not declared",
                               "declare it under channels with its family and id, or fix the name")
 
 
 @_rule("GF104", Severity.ERROR, "duplicate name")
-def duplicate_names(plan: Plan) -> Iterator[Finding]:
+def duplicate_names(plan: Plan) -> Iterator[Violation]:
     """Two elements of one kind share a name (often a ``for_each`` template that forgot
     its variable).
 
@@ -396,12 +403,12 @@ def duplicate_names(plan: Plan) -> Iterator[Finding]:
                         ("segment", plan.segments), ("family", plan.families), ("prewarm", plan.prewarm)):
         counts = collections.Counter(item.name for item in items)
         for name in _duplicates(item.name for item in items):
-            yield Finding(kind, name, f"{kind} '{name}' is declared {counts[name]} times",
+            yield Violation(kind, name, f"{kind} '{name}' is declared {counts[name]} times",
                           "rename the duplicates; a templated name needs its variable, e.g. 'x{layer}'")
 
 
 @_rule("GF105", Severity.ERROR, "cycle")
-def cycles(plan: Plan) -> Iterator[Finding]:
+def cycles(plan: Plan) -> Iterator[Violation]:
     """The DAG has a cycle: ``after`` edges (or a segment after itself) contradict the
     dataflow order.
 
@@ -417,16 +424,16 @@ def cycles(plan: Plan) -> Iterator[Finding]:
             members = sorted(component, key=lambda n: order.get(n, 0))
             cycle = nx.find_cycle(dag.subgraph(component), source=members[0])
             path = " -> ".join([edge[0] for edge in cycle] + [cycle[0][0]])
-            yield Finding("segment", members[0], f"segments {path} form a cycle",
+            yield Violation("segment", members[0], f"segments {path} form a cycle",
                           "remove the `after` entry that closes it")
     for segment in plan.segments:
         if segment.name in segment.after:
-            yield Finding("segment", segment.name, f"{_describe(segment)} is declared after itself",
+            yield Violation("segment", segment.name, f"{_describe(segment)} is declared after itself",
                           f"remove '{segment.name}' from its `after` list")
 
 
 @_rule("GF106", Severity.ERROR, "unknown shape symbol")
-def bad_shapes(plan: Plan) -> Iterator[Finding]:
+def bad_shapes(plan: Plan) -> Iterator[Violation]:
     """A buffer shape names a symbol that is neither the size symbol nor declared under
     ``symbols``.
 
@@ -442,14 +449,14 @@ def bad_shapes(plan: Plan) -> Iterator[Finding]:
         for index, dim in enumerate(buffer.shape):
             unknown = [s for s in dim_symbols(dim) if s not in known]
             if unknown:
-                yield Finding("buffer", buffer.name,
+                yield Violation("buffer", buffer.name,
                               f"buffer '{buffer.name}' shape {list(buffer.shape)}: dimension {index} ({dim!r}) "
                               f"uses unknown symbol {', '.join(unknown)}",
                               f"declare it under symbols, or use a declared symbol ({', '.join(sorted(known))})")
 
 
 @_rule("GF107", Severity.ERROR, "undeclared family")
-def undeclared_families(plan: Plan) -> Iterator[Finding]:
+def undeclared_families(plan: Plan) -> Iterator[Violation]:
     """A segment or channel names a family that no family declares.
 
     Its segments belong to no capture region, so they would never be captured, and a
@@ -459,18 +466,18 @@ def undeclared_families(plan: Plan) -> Iterator[Finding]:
     """
     for segment in plan.segments:
         if plan.family(segment.family) is None:
-            yield Finding("segment", segment.name,
+            yield Violation("segment", segment.name,
                           f"{_describe(segment)} belongs to family '{segment.family}', which is not declared",
                           "declare it under families or fix the name")
     for channel in plan.channels:
         if plan.family(channel.family) is None:
-            yield Finding("channel", channel.name,
+            yield Violation("channel", channel.name,
                           f"channel {channel.name} is owned by family '{channel.family}', which is not declared",
                           "declare it under families or fix the name")
 
 
 @_rule("GF108", Severity.ERROR, "undeclared prewarm hook")
-def undeclared_prewarm(plan: Plan) -> Iterator[Finding]:
+def undeclared_prewarm(plan: Plan) -> Iterator[Violation]:
     """A channel's ``prewarm`` names a hook that no prewarm entry declares.
 
     The JIT specialization would stay cold and its first launch would happen inside
@@ -480,13 +487,13 @@ def undeclared_prewarm(plan: Plan) -> Iterator[Finding]:
     """
     for channel in plan.channels:
         if channel.prewarm is not None and plan.hook(channel.prewarm) is None:
-            yield Finding("channel", channel.name,
+            yield Violation("channel", channel.name,
                           f"channel {channel.name} names prewarm hook '{channel.prewarm}', which is not declared",
                           "declare it under prewarm with its call, or fix the name")
 
 
 @_rule("GF109", Severity.ERROR, "unknown `after` segment")
-def unknown_after(plan: Plan) -> Iterator[Finding]:
+def unknown_after(plan: Plan) -> Iterator[Violation]:
     """A segment's ``after`` names a segment that does not exist.
 
     The ordering the author relied on is silently absent from the DAG.
@@ -496,13 +503,13 @@ def unknown_after(plan: Plan) -> Iterator[Finding]:
     for segment in plan.segments:
         for name in dict.fromkeys(segment.after):
             if plan.segment(name) is None:
-                yield Finding("segment", segment.name,
+                yield Violation("segment", segment.name,
                               f"{_describe(segment)} is declared after '{name}', which is not a segment",
                               "name an existing segment or remove the entry")
 
 
 @_rule("GF110", Severity.ERROR, "`after` contradicts list order")
-def after_order(plan: Plan) -> Iterator[Finding]:
+def after_order(plan: Plan) -> Iterator[Violation]:
     """A segment is declared ``after`` a segment listed below it.
 
     Segments run in the order listed, so the declared order is never honoured.
@@ -518,13 +525,13 @@ def after_order(plan: Plan) -> Iterator[Finding]:
         for name in dict.fromkeys(segment.after):
             later = position.get(name, -1) > index
             if later and component_of.get(name) != component_of.get(segment.name):
-                yield Finding("segment", segment.name,
+                yield Violation("segment", segment.name,
                               f"{_describe(segment)} is declared after {name}, which is listed below it",
                               f"move {segment.name} below {name} (segments run in the order listed)")
 
 
 @_rule("GF112", Severity.ERROR, "stream not on a GPU")
-def bad_devices(plan: Plan) -> Iterator[Finding]:
+def bad_devices(plan: Plan) -> Iterator[Violation]:
     """A stream is declared on the CPU.
 
     Capture records the work queued on a GPU stream; a plan whose streams are on the
@@ -534,12 +541,12 @@ def bad_devices(plan: Plan) -> Iterator[Finding]:
     """
     for stream in plan.streams:
         if not _GPU.fullmatch(stream.device):
-            yield Finding("stream", stream.name, f"stream {stream.name} has device '{stream.device}'",
+            yield Violation("stream", stream.name, f"stream {stream.name} has device '{stream.device}'",
                           "a capture stream lives on a GPU: write cuda:N")
 
 
 @_rule("GF113", Severity.ERROR, "bad ranks")
-def bad_ranks(plan: Plan) -> Iterator[Finding]:
+def bad_ranks(plan: Plan) -> Iterator[Violation]:
     """A segment's ``ranks`` names a rank outside ``0..world_size-1``, or no rank at all.
 
     Per-rank collective orders (GF505) and rank-aware dataflow would be computed over
@@ -552,20 +559,59 @@ def bad_ranks(plan: Plan) -> Iterator[Finding]:
             continue
         outside = [r for r in segment.ranks if r >= plan.world_size]
         if outside:
-            yield Finding("segment", segment.name,
+            yield Violation("segment", segment.name,
                           f"{_describe(segment)} runs on rank(s) {', '.join(map(str, outside))} "
                           f"but world_size is {plan.world_size}",
                           f"list ranks in 0..{plan.world_size - 1} or raise world_size")
         elif not segment.ranks:
-            yield Finding("segment", segment.name, f"{_describe(segment)} runs on no rank (ranks is empty)",
+            yield Violation("segment", segment.name, f"{_describe(segment)} runs on no rank (ranks is empty)",
                           "list its ranks, or drop `ranks` to run on every rank")
+
+
+@_rule("GF114", Severity.ERROR, "keyword argument given twice")
+def repeated_keywords(plan: Plan) -> Iterator[Violation]:
+    """A segment or the reference passes one keyword argument from two of ``inputs``,
+    ``objects`` and ``constants``.
+
+    Only one value could reach the callable; which one the author meant is a guess.
+
+    Fix: give each argument in one place.
+    """
+    calls = [("segment", s.name, s, None) for s in plan.segments]
+    if plan.reference is not None:
+        calls.append(("reference", None, plan.reference, "reference"))
+    for kind, name, call, at in calls:
+        given: dict[str, str] = {}
+        for where in ("inputs", "objects", "constants"):
+            for keyword in getattr(call, where):
+                if keyword in given:
+                    yield Violation(kind, name, f"argument '{keyword}' of {call.call} is given by {given[keyword]} "
+                                  f"and by {where}", f"keep '{keyword}' in one of them", at=at)
+                given.setdefault(keyword, where)
+
+
+@_rule("GF115", Severity.WARNING, "breaks on an eager segment")
+def eager_breaks(plan: Plan) -> Iterator[Violation]:
+    """An eager segment names ``breaks``.
+
+    Breaks split a graph segment's PIECEWISE capture at submodule calls; an eager
+    segment runs all of its work eagerly already, so they change nothing, and usually
+    the segment was meant to be a graph segment.
+
+    Fix: make the segment ``kind: graph``, or drop ``breaks``.
+    """
+    for segment in plan.segments:
+        if segment.breaks and not segment.is_graph:
+            yield Violation("segment", segment.name, f"{_describe(segment)} names breaks "
+                          f"({_names(segment.breaks)}), which only split graph segments",
+                          "make it kind: graph, or drop breaks")
 
 
 # -- dataflow: GF2xx -----------------------------------------------------------------------
 
 
 @_rule("GF201", Severity.ERROR, "read before written")
-def read_before_write(plan: Plan) -> Iterator[Finding]:
+def read_before_write(plan: Plan) -> Iterator[Violation]:
     """A segment reads a buffer that no earlier segment writes, on some rank, and the
     buffer is not an ``input`` or ``state``.
 
@@ -587,7 +633,7 @@ def read_before_write(plan: Plan) -> Iterator[Finding]:
             on = f" on rank(s) {', '.join(map(str, sorted(missing)))}"
             if missing == ranks and segment.ranks is None:
                 on = ""
-            yield Finding("segment", segment.name,
+            yield Violation("segment", segment.name,
                           f"'{name}' is read by {_describe(segment)} before any segment writes it{on}",
                           "write it in an earlier segment or declare role: input (or state)")
         for name in segment.writes:
@@ -596,7 +642,7 @@ def read_before_write(plan: Plan) -> Iterator[Finding]:
 
 
 @_rule("GF202", Severity.ERROR, "unordered writers")
-def unordered_writers(plan: Plan) -> Iterator[Finding]:
+def unordered_writers(plan: Plan) -> Iterator[Violation]:
     """Two segments write one buffer and no path in the DAG orders them (no data and no
     ``after`` edge), on a rank where both run.
 
@@ -617,7 +663,7 @@ def unordered_writers(plan: Plan) -> Iterator[Finding]:
             if first.name == second.name or not _ranks(plan, first) & _ranks(plan, second):
                 continue
             if not nx.has_path(dag, first.name, second.name):
-                yield Finding("segment", second.name,
+                yield Violation("segment", second.name,
                               f"'{name}' is written by {_describe(first)} and {_describe(second)} "
                               "with no order between them",
                               f"make {second.name} read '{name}', add `after: [{first.name}]`, "
@@ -625,7 +671,7 @@ def unordered_writers(plan: Plan) -> Iterator[Finding]:
 
 
 @_rule("GF203", Severity.WARNING, "graph output never read")
-def unread_outputs(plan: Plan) -> Iterator[Finding]:
+def unread_outputs(plan: Plan) -> Iterator[Violation]:
     """A graph segment writes a buffer version that nothing reads before it is
     overwritten or the step ends, and the buffer is not an ``output`` or ``state``.
 
@@ -650,16 +696,16 @@ def unread_outputs(plan: Plan) -> Iterator[Finding]:
         yield from _dead_writes(plan, writes, "the step ends")
 
 
-def _dead_writes(plan: Plan, writes: Iterable[tuple[Segment, str]], until: str) -> Iterator[Finding]:
+def _dead_writes(plan: Plan, writes: Iterable[tuple[Segment, str]], until: str) -> Iterator[Violation]:
     for segment, name in writes:
         if segment.is_graph and not _roles(plan, name) & {BufferRole.OUTPUT, BufferRole.STATE}:
-            yield Finding("segment", segment.name,
+            yield Violation("segment", segment.name,
                           f"'{name}' written by {_describe(segment)} is not read before {until}",
                           "read it, drop the write, or declare role: output")
 
 
 @_rule("GF204", Severity.ERROR, "bad alias")
-def bad_aliases(plan: Plan) -> Iterator[Finding]:
+def bad_aliases(plan: Plan) -> Iterator[Violation]:
     """An ``alias_of`` buffer is larger than its target, on another device, part of an
     alias cycle, or written through more than one name of the same storage. (A chain,
     an alias of an alias, is fine: all of it views the storage of the buffer at its end.)
@@ -677,16 +723,16 @@ def bad_aliases(plan: Plan) -> Iterator[Finding]:
             continue
         loop = _alias_loop(plan, buffer)
         if loop:
-            yield Finding("buffer", buffer.name, f"buffer '{buffer.name}' is an alias of itself: {' -> '.join(loop)}",
+            yield Violation("buffer", buffer.name, f"buffer '{buffer.name}' is an alias of itself: {' -> '.join(loop)}",
                           "point alias_of at the buffer that owns the storage")
             continue
         if target.device != buffer.device:
-            yield Finding("buffer", buffer.name,
+            yield Violation("buffer", buffer.name,
                           f"alias '{buffer.name}' on {buffer.device} views '{target.name}' on {target.device}",
                           "put the alias on its target's device")
         size, target_size = _nbytes(plan, buffer), _nbytes(plan, target)
         if size is not None and target_size is not None and size > target_size:
-            yield Finding("buffer", buffer.name,
+            yield Violation("buffer", buffer.name,
                           f"alias '{buffer.name}' ({size} bytes) is larger than its target "
                           f"'{target.name}' ({target_size} bytes)",
                           "shrink the alias or grow its target")
@@ -698,7 +744,7 @@ def bad_aliases(plan: Plan) -> Iterator[Finding]:
     for storage, names in written.items():
         if len(names) > 1:
             through = ", ".join(f"'{n}' (by {s})" for n, s in names.items())
-            yield Finding("buffer", storage, f"storage of '{storage}' is written through {through}",
+            yield Violation("buffer", storage, f"storage of '{storage}' is written through {through}",
                           "write it through one name and read through the others")
 
 
@@ -711,7 +757,7 @@ def _alias_loop(plan: Plan, buffer: Buffer) -> list[str]:
 
 
 @_rule("GF205", Severity.WARNING, "buffer never used")
-def unused_buffers(plan: Plan) -> Iterator[Finding]:
+def unused_buffers(plan: Plan) -> Iterator[Violation]:
     """A buffer is declared but no segment reads or writes it, directly or through an
     alias.
 
@@ -726,18 +772,119 @@ def unused_buffers(plan: Plan) -> Iterator[Finding]:
                        "use it in a segment's reads or writes, or remove it")
 
 
-def _unused(kind: str, elements: Iterable, used: set, message: str, fix: str) -> Iterator[Finding]:
+def _padded(plan: Plan) -> str | None:
+    """The batch sizes that run padded on a larger descriptor (those no captured mode
+    captures), as a short phrase; None when every batch size is captured."""
+    captured = set(_sizes(plan))
+    count = max(captured, default=0) - len(captured)
+    if count <= 0:
+        return None
+    first = list(itertools.islice((b for b in range(1, max(captured)) if b not in captured), 3))
+    return ", ".join(map(str, first)) + (f", … ({count} in all)" if count > len(first) else "")
+
+
+@_rule("GF206", Severity.WARNING, "batch-indexed state without a padding rule")
+def unpadded_state(plan: Plan) -> Iterator[Violation]:
+    """A ``state`` buffer has a dimension of the size symbol (one row per batch row) and
+    no ``pad`` rule, while some batch sizes run padded on a larger descriptor.
+
+    A batch of 3 replayed on the B=4 graph also runs row 3, which writes row 3 of the
+    state: the KV cache of whatever sequence owns that row is overwritten by padding.
+
+    Fix: declare ``pad: keep`` (the runtime saves the padded rows and puts them back
+    after the step), or index the state through an input whose padded rows point at a
+    scratch slot (``pad: N`` on that input), or capture every size.
+    """
+    padded = _padded(plan)
+    if not padded:
+        return
+    for buffer in plan.buffers:
+        if buffer.role is BufferRole.STATE and buffer.pad is None and plan.capture.size_symbol in buffer.symbols():
+            yield Violation("buffer", buffer.name,
+                          f"state buffer '{buffer.name}' has a row per batch row, and batches of "
+                          f"{padded} run padded: the padded rows write its rows",
+                          "declare pad: keep, or index it through an input with a scratch slot (pad: N)")
+
+
+@_rule("GF207", Severity.ERROR, "padding rule that does not apply")
+def misplaced_padding(plan: Plan) -> Iterator[Violation]:
+    """A buffer's ``pad`` does not fit it: ``keep`` on a buffer that is not ``state``, a
+    number on a buffer that is not an ``input``, or any rule on a buffer without a
+    dimension of the size symbol (it has no padded rows).
+
+    The runtime would never apply it, so the protection the author relied on is absent.
+
+    Fix: ``pad: keep`` on batch-indexed state, ``pad: N`` on batch-indexed inputs (a
+    scratch slot, a pad token), nothing elsewhere.
+    """
+    for buffer in plan.buffers:
+        if buffer.pad is None:
+            continue
+        if plan.capture.size_symbol not in buffer.symbols():
+            yield Violation("buffer", buffer.name, f"buffer '{buffer.name}' declares pad: {buffer.pad} but its shape "
+                          f"{list(buffer.shape)} has no {plan.capture.size_symbol} dimension, so no padded rows",
+                          "drop pad")
+        elif buffer.pad == "keep" and buffer.role is not BufferRole.STATE:
+            yield Violation("buffer", buffer.name, f"pad: keep on {buffer.role.value} buffer '{buffer.name}': only state "
+                          "persists across steps", "use pad: keep on state buffers; give an input a number")
+        elif buffer.pad != "keep" and buffer.role is not BufferRole.INPUT:
+            yield Violation("buffer", buffer.name, f"pad: {buffer.pad:g} on {buffer.role.value} buffer "
+                          f"'{buffer.name}': only inputs are filled by the runtime",
+                          "give the number to the input whose padded rows it fills, or use pad: keep on state")
+
+
+@_rule("GF208", Severity.ERROR, "bad adoption")
+def bad_adoption(plan: Plan) -> Iterator[Violation]:
+    """Two buffers adopt one tensor of the model, or an alias adopts one.
+
+    One tensor would be two buffers whose writes the DAG versions separately (their
+    order becomes undefined); an alias has no storage of its own to adopt.
+
+    Fix: adopt each tensor once, into a buffer without ``alias_of``.
+    """
+    seen: dict[str, str] = {}
+    for buffer in plan.buffers:
+        if buffer.adopt is None:
+            continue
+        if buffer.alias_of is not None:
+            yield Violation("buffer", buffer.name, f"alias '{buffer.name}' adopts {buffer.adopt}",
+                          "adopt it into the buffer that owns the storage")
+        if buffer.adopt in seen:
+            yield Violation("buffer", buffer.name, f"buffers '{seen[buffer.adopt]}' and '{buffer.name}' both adopt "
+                          f"{buffer.adopt}", "adopt it into one buffer and read the others through alias_of")
+        seen.setdefault(buffer.adopt, buffer.name)
+
+
+@_rule("GF209", Severity.ERROR, "reference output the step never writes")
+def unwritten_reference(plan: Plan) -> Iterator[Violation]:
+    """The reference's ``returns`` names a buffer that no segment writes.
+
+    Verify compares what the replay left in that buffer with the reference's output:
+    with no writer, the replay never changes it, and the comparison says nothing.
+
+    Fix: name buffers the step writes (its outputs), or write the buffer in a segment.
+    """
+    if plan.reference is None:
+        return
+    written = {plan.storage(w) for s in plan.segments for w in s.writes if plan.buffer(w) is not None}
+    for name in dict.fromkeys(plan.reference.returns):
+        if plan.buffer(name) is not None and plan.storage(name) not in written:
+            yield Violation("reference", None, f"the reference's output '{name}' is written by no segment",
+                          "compare a buffer the step writes, or write it in a segment", at="reference")
+
+
+def _unused(kind: str, elements: Iterable, used: set, message: str, fix: str) -> Iterator[Violation]:
     """A finding for each element whose name is not in ``used`` (GF205, GF404, GF506)."""
     for element in elements:
         if element.name not in used:
-            yield Finding(kind, element.name, message.format(element.name), fix)
+            yield Violation(kind, element.name, message.format(element.name), fix)
 
 
 # -- allocation: GF3xx ---------------------------------------------------------------------
 
 
 @_rule("GF301", Severity.ERROR, "capacity on a symbol the shape does not use")
-def uncovered_shapes(plan: Plan) -> Iterator[Finding]:
+def uncovered_shapes(plan: Plan) -> Iterator[Violation]:
     """A buffer's ``capacity`` caps a symbol its shape does not use.
 
     The capacity the author relied on limits nothing: the buffer is allocated without
@@ -749,14 +896,14 @@ def uncovered_shapes(plan: Plan) -> Iterator[Finding]:
         used = set(buffer.symbols())
         for symbol in buffer.capacity:
             if symbol not in used:
-                yield Finding("buffer", buffer.name,
+                yield Violation("buffer", buffer.name,
                               f"buffer '{buffer.name}' caps '{symbol}' "
                               f"but its shape {list(buffer.shape)} does not use it",
                               "cap a symbol the shape uses, or drop the capacity")
 
 
 @_rule("GF302", Severity.ERROR, "buffer on another device")
-def buffer_devices(plan: Plan) -> Iterator[Finding]:
+def buffer_devices(plan: Plan) -> Iterator[Violation]:
     """A graph segment reads or writes a buffer on another device than the segment's.
 
     A graph captures on one device; a cross-GPU access inside it (``x.to("cuda:1")``
@@ -772,7 +919,7 @@ def buffer_devices(plan: Plan) -> Iterator[Finding]:
             for name in dict.fromkeys(names):
                 buffer = plan.buffer(name)
                 if buffer is not None and buffer.device != home:
-                    yield Finding("segment", segment.name,
+                    yield Violation("segment", segment.name,
                                   f"'{name}' on {buffer.device} is {verb} by {_describe(segment)} on {home}",
                                   f"move the buffer to {home} or add an eager copy segment")
 
@@ -792,7 +939,7 @@ def _amount(total: int) -> str:
 
 
 @_rule("GF303", Severity.WARNING, "static buffers exceed device memory")
-def over_device_memory(plan: Plan, device_memory: int | None = None) -> Iterator[Finding]:
+def over_device_memory(plan: Plan, device_memory: int | None = None) -> Iterator[Violation]:
     """The static buffers of one GPU add up to more than its memory, as given to
     ``graphflow validate --device-memory`` (``validate(plan, device_memory=...)``).
 
@@ -808,14 +955,14 @@ def over_device_memory(plan: Plan, device_memory: int | None = None) -> Iterator
         return
     for device, total, largest in _over(plan, device_memory):
         if total <= max(MEMORY_CEILING, device_memory):  # beyond that, GF304 reports it
-            yield Finding("plan", None, f"static buffers on {device} take {_amount(total)}, more than its "
+            yield Violation("plan", None, f"static buffers on {device} take {_amount(total)}, more than its "
                                         f"{_amount(device_memory)} of memory; {largest}",
                           "lower the largest sizes or capacities, or spread the buffers over more GPUs",
                           at=plan.name)
 
 
 @_rule("GF304", Severity.ERROR, "static buffers fit no GPU")
-def beyond_any_gpu(plan: Plan, device_memory: int | None = None) -> Iterator[Finding]:
+def beyond_any_gpu(plan: Plan, device_memory: int | None = None) -> Iterator[Violation]:
     """The static buffers of one GPU add up to more than 1 TiB (``MEMORY_CEILING``,
     several times what the largest GPUs hold), or to more than a larger
     ``--device-memory`` figure when one is given.
@@ -828,7 +975,7 @@ def beyond_any_gpu(plan: Plan, device_memory: int | None = None) -> Iterator[Fin
     """
     limit = MEMORY_CEILING if device_memory is None else max(MEMORY_CEILING, device_memory)
     for device, total, largest in _over(plan, limit):
-        yield Finding("plan", None, f"static buffers on {device} take {_amount(total)}, more than any GPU holds "
+        yield Violation("plan", None, f"static buffers on {device} take {_amount(total)}, more than any GPU holds "
                                     f"(over {format_bytes(limit)}); {largest}",
                       "lower the largest sizes or capacities", at=plan.name)
 
@@ -837,7 +984,7 @@ def beyond_any_gpu(plan: Plan, device_memory: int | None = None) -> Iterator[Fin
 
 
 @_rule("GF401", Severity.ERROR, "graph segment without stream")
-def missing_streams(plan: Plan) -> Iterator[Finding]:
+def missing_streams(plan: Plan) -> Iterator[Violation]:
     """A graph segment has no explicit stream.
 
     Capturing on the ambient stream after ``set_device`` records an empty graph on one
@@ -851,11 +998,11 @@ def missing_streams(plan: Plan) -> Iterator[Finding]:
             candidates = [s.name for s in plan.streams if s.device == home]
             hint = (f"add `stream: {candidates[0]}`" if candidates
                     else f"declare a stream on {home or 'its device'} and name it")
-            yield Finding("segment", segment.name, f"{_describe(segment)} has no stream", hint)
+            yield Violation("segment", segment.name, f"{_describe(segment)} has no stream", hint)
 
 
 @_rule("GF402", Severity.ERROR, "stream on another device")
-def stream_devices(plan: Plan) -> Iterator[Finding]:
+def stream_devices(plan: Plan) -> Iterator[Violation]:
     """A segment's stream is on another device than the segment (its declared device or
     its buffers').
 
@@ -872,12 +1019,12 @@ def stream_devices(plan: Plan) -> Iterator[Finding]:
         if home is not None and stream.device != home:
             candidates = [s.name for s in plan.streams if s.device == home]
             fix = f"use stream {candidates[0]}" if candidates else f"declare a stream on {home} and use it"
-            yield Finding("segment", segment.name,
+            yield Violation("segment", segment.name,
                           f"{_describe(segment)} on {home} runs on stream {stream.name} on {stream.device}", fix)
 
 
 @_rule("GF403", Severity.ERROR, "capture region spans devices")
-def region_devices(plan: Plan) -> Iterator[Finding]:
+def region_devices(plan: Plan) -> Iterator[Violation]:
     """A capture region (a PIECEWISE run of graph segments, or a FULL family step) holds
     graph segments on different devices.
 
@@ -897,7 +1044,7 @@ def region_devices(plan: Plan) -> Iterator[Finding]:
                 if home is None:
                     continue
                 if previous is not None and previous[1] != home:
-                    yield Finding("segment", name,
+                    yield Violation("segment", name,
                                   f"{mode.value} region {region.name} runs {previous[0]} on {previous[1]} "
                                   f"then {name} on {home}",
                                   f"insert an eager copy segment between {previous[0]} and {name}")
@@ -906,7 +1053,7 @@ def region_devices(plan: Plan) -> Iterator[Finding]:
 
 
 @_rule("GF404", Severity.WARNING, "stream never used")
-def unused_streams(plan: Plan) -> Iterator[Finding]:
+def unused_streams(plan: Plan) -> Iterator[Violation]:
     """A stream is declared but no segment runs on it.
 
     The engine still creates it on its device, and usually a segment names the wrong
@@ -919,11 +1066,34 @@ def unused_streams(plan: Plan) -> Iterator[Finding]:
                        "name it in a segment's stream, or remove it")
 
 
+@_rule("GF405", Severity.ERROR, "breaks in a region on several streams")
+def breaks_on_streams(plan: Plan) -> Iterator[Violation]:
+    """A segment with ``breaks`` is in a PIECEWISE region whose segments run on more than
+    one stream.
+
+    A break ends the region's capture on its stream and starts the next graph there; a
+    side stream joined into the capture would be left unjoined, which fails it.
+
+    Fix: run the region's segments on one stream, or put the segment with breaks in a
+    region of its own (between eager segments).
+    """
+    if Mode.PIECEWISE not in plan.capture.modes:
+        return
+    for region in plan.regions(Mode.PIECEWISE):
+        members = [plan.segment(n) for n in region.segments]
+        streams = {s.stream for s in members if s is not None}
+        for segment in members:
+            if segment is not None and segment.breaks and len(streams) > 1:
+                yield Violation("segment", segment.name, f"{_describe(segment)} has breaks, and region {region.name} "
+                              f"runs on streams {_names(sorted(str(s) for s in streams))}",
+                              "run the region on one stream, or give the segment a region of its own")
+
+
 # -- channels: GF5xx -----------------------------------------------------------------------
 
 
 @_rule("GF501", Severity.ERROR, "channel id shared by families")
-def shared_channel_ids(plan: Plan) -> Iterator[Finding]:
+def shared_channel_ids(plan: Plan) -> Iterator[Violation]:
     """One channel id is owned by channels of two families.
 
     Graph families that share signal buffers or IPC registrations corrupt each other's
@@ -940,12 +1110,12 @@ def shared_channel_ids(plan: Plan) -> Iterator[Finding]:
         if len(families) > 1:
             owners = ", ".join(f"{c.name} ({c.family})" for c in channels)
             second = next(c for c in channels if c.family != channels[0].family)
-            yield Finding("channel", second.name, f"channel id {channel_id} is owned by several families: {owners}",
+            yield Violation("channel", second.name, f"channel id {channel_id} is owned by several families: {owners}",
                           "give each family's channel its own id")
 
 
 @_rule("GF502", Severity.ERROR, "channel of another family")
-def foreign_channels(plan: Plan) -> Iterator[Finding]:
+def foreign_channels(plan: Plan) -> Iterator[Violation]:
     """A segment uses a channel owned by another family.
 
     Its collectives would be captured into another owner's graphs on a shared channel,
@@ -957,14 +1127,14 @@ def foreign_channels(plan: Plan) -> Iterator[Finding]:
         for name in dict.fromkeys(segment.channels):
             channel = plan.channel(name)
             if channel is not None and channel.family != segment.family:
-                yield Finding("segment", segment.name,
+                yield Violation("segment", segment.name,
                               f"{_describe(segment)} of family {segment.family} uses channel {name} "
                               f"owned by family {channel.family}",
                               f"declare a {segment.family} channel with its own id")
 
 
 @_rule("GF503", Severity.ERROR, "placeholder warmup reaches data-dependent work")
-def placeholder_reaches_routing(plan: Plan) -> Iterator[Finding]:
+def placeholder_reaches_routing(plan: Plan) -> Iterator[Violation]:
     """A channel whose warmup does not communicate (``placeholder`` or ``prepare``) feeds
     a data-dependent segment (the using segment itself or any DAG descendant).
 
@@ -988,14 +1158,14 @@ def placeholder_reaches_routing(plan: Plan) -> Iterator[Finding]:
                               key=position.__getitem__)
             if reached:
                 via = "" if reached[0] == segment.name else f" after {segment.name}"
-                yield Finding("segment", segment.name,
+                yield Violation("segment", segment.name,
                               f"channel {name} warms up with a {channel.warmup.value} output "
                               f"that reaches data-dependent segment {reached[0]}{via}",
                               f"set warmup: real on channel {name}, so ranks see the reduced values")
 
 
 @_rule("GF504", Severity.ERROR, "JIT channel without prewarm")
-def cold_jit_channels(plan: Plan) -> Iterator[Finding]:
+def cold_jit_channels(plan: Plan) -> Iterator[Violation]:
     """A channel needs its kernel warmed (``jit``, or ``warmup: prepare``) but its warmup
     is not ``real`` and it names no ``prewarm`` hook.
 
@@ -1010,13 +1180,13 @@ def cold_jit_channels(plan: Plan) -> Iterator[Finding]:
         needs = channel.jit or channel.warmup is WarmupPolicy.PREPARE
         if needs and channel.warmup is not WarmupPolicy.REAL and channel.prewarm is None:
             what = "a JIT kernel" if channel.jit else "prepared"
-            yield Finding("channel", channel.name,
+            yield Violation("channel", channel.name,
                           f"channel {channel.name} is {what} with warmup: {channel.warmup.value} and no prewarm hook",
                           "declare a prewarm hook and set `prewarm:` on the channel, or use warmup: real")
 
 
 @_rule("GF505", Severity.ERROR, "collective order differs across ranks")
-def rank_collective_order(plan: Plan) -> Iterator[Finding]:
+def rank_collective_order(plan: Plan) -> Iterator[Violation]:
     """Within one family, the ranks would call collectives in different orders (per-rank
     segments that use channels).
 
@@ -1040,7 +1210,7 @@ def rank_collective_order(plan: Plan) -> Iterator[Finding]:
             seen = {call[0] for seq in calls.values() for call in seq[: position + 1]}
             culprit = next((s.name for s in segments if s.name in seen and _ranks(plan, s) != world),
                            next(call for call in at.values() if call)[0])
-            yield Finding("segment", culprit,
+            yield Violation("segment", culprit,
                           f"family {family} collective #{position + 1} differs across ranks: {_calls(at)}",
                           f"give every rank the same sequence of channel uses (see {culprit})")
             break
@@ -1062,7 +1232,7 @@ def _calls(at: Mapping[int, tuple[str, str] | None]) -> str:
 
 
 @_rule("GF506", Severity.WARNING, "channel never used")
-def unused_channels(plan: Plan) -> Iterator[Finding]:
+def unused_channels(plan: Plan) -> Iterator[Violation]:
     """A channel is declared but no segment uses it.
 
     It would still be assigned, warmed up and torn down; usually a segment names the
@@ -1079,7 +1249,7 @@ def unused_channels(plan: Plan) -> Iterator[Finding]:
 
 
 @_rule("GF601", Severity.ERROR, "eager segment in FULL region")
-def eager_in_full(plan: Plan) -> Iterator[Finding]:
+def eager_in_full(plan: Plan) -> Iterator[Violation]:
     """FULL capture is requested but a family's step contains an eager segment.
 
     FULL captures the family's whole step as one graph, so an eager break (attention on
@@ -1093,13 +1263,13 @@ def eager_in_full(plan: Plan) -> Iterator[Finding]:
     for family in dict.fromkeys(s.family for s in plan.segments):
         eager = [s.name for s in plan.family_segments(family) if not s.is_graph]
         if eager:
-            yield Finding("segment", eager[0],
+            yield Violation("segment", eager[0],
                           f"FULL region of family {family} contains eager segment(s) {_names(eager)}",
                           "make them graph segments or drop FULL from capture.modes")
 
 
 @_rule("GF602", Severity.WARNING, "sizes unsorted")
-def unsorted_sizes(plan: Plan) -> Iterator[Finding]:
+def unsorted_sizes(plan: Plan) -> Iterator[Violation]:
     """``capture.sizes`` is not in increasing order.
 
     Capture order is computed (largest first), so the order is harmless, but an
@@ -1110,12 +1280,12 @@ def unsorted_sizes(plan: Plan) -> Iterator[Finding]:
     for what, values in _size_lists(plan):
         sizes = list(values)
         if sizes != sorted(sizes):
-            yield Finding("capture", None, f"{what} {list(values)} are not in increasing order",
+            yield Violation("capture", None, f"{what} {list(values)} are not in increasing order",
                           f"list them sorted: {sorted(set(sizes))}", at="sizes")
 
 
 @_rule("GF603", Severity.ERROR, "duplicated sizes or modes")
-def duplicated_sizes(plan: Plan) -> Iterator[Finding]:
+def duplicated_sizes(plan: Plan) -> Iterator[Violation]:
     """``capture.sizes`` or ``capture.modes`` lists a value twice.
 
     Usually a typo for a size that is then never captured: batches of that size pad
@@ -1127,12 +1297,12 @@ def duplicated_sizes(plan: Plan) -> Iterator[Finding]:
         shown = [v.value if isinstance(v, Mode) else v for v in values]
         repeated = _duplicates(map(repr, shown))
         if repeated:
-            yield Finding("capture", None, f"{what} lists {', '.join(repeated)} more than once",
+            yield Violation("capture", None, f"{what} lists {', '.join(repeated)} more than once",
                           f"list each of {what} once", at=what.split(".")[1])
 
 
 @_rule("GF604", Severity.ERROR, "size above capacity")
-def sizes_above_capacity(plan: Plan) -> Iterator[Finding]:
+def sizes_above_capacity(plan: Plan) -> Iterator[Violation]:
     """A descriptor size (or a symbol's value) is above a buffer's ``capacity``.
 
     The buffer cannot hold that batch, so the descriptor cannot be captured: the
@@ -1146,19 +1316,19 @@ def sizes_above_capacity(plan: Plan) -> Iterator[Finding]:
             if symbol == size_symbol:
                 above = [s for s in _sizes(plan) if s > cap]
                 if above:
-                    yield Finding("buffer", buffer.name,
+                    yield Violation("buffer", buffer.name,
                                   f"sizes {', '.join(map(str, above))} are above "
                                   f"buffer '{buffer.name}' capacity {symbol}={cap}",
                                   f"raise its capacity to {max(above)} or drop sizes above {cap}")
             elif symbol in plan.symbols and plan.symbols[symbol] > cap:
-                yield Finding("buffer", buffer.name,
+                yield Violation("buffer", buffer.name,
                               f"symbol {symbol}={plan.symbols[symbol]} is above "
                               f"buffer '{buffer.name}' capacity {symbol}={cap}",
                               f"raise its capacity to {plan.symbols[symbol]} or lower {symbol}")
 
 
 @_rule("GF605", Severity.ERROR, "no descriptors")
-def missing_descriptors(plan: Plan) -> Iterator[Finding]:
+def missing_descriptors(plan: Plan) -> Iterator[Violation]:
     """``capture.modes`` or a mode's ``capture.sizes`` is empty, or sizes are given for
     a mode that is not captured.
 
@@ -1168,13 +1338,13 @@ def missing_descriptors(plan: Plan) -> Iterator[Finding]:
     Fix: list at least one mode and its sizes, and give sizes only to captured modes.
     """
     if not plan.capture.modes:
-        yield Finding("capture", None, "capture.modes is empty", "list PIECEWISE and/or FULL", at="modes")
+        yield Violation("capture", None, "capture.modes is empty", "list PIECEWISE and/or FULL", at="modes")
     for what, values in _size_lists(plan):
         if not values:
-            yield Finding("capture", None, f"{what} is empty", "list the batch sizes to capture", at="sizes")
+            yield Violation("capture", None, f"{what} is empty", "list the batch sizes to capture", at="sizes")
     extra = [m.value for m in plan.capture.mode_sizes if m not in plan.capture.modes]
     if extra:
-        yield Finding("capture", None, f"capture.sizes gives sizes for {', '.join(extra)}, which capture.modes "
+        yield Violation("capture", None, f"capture.sizes gives sizes for {', '.join(extra)}, which capture.modes "
                       "does not list", "add the mode to capture.modes or drop its sizes", at="sizes")
 
 
@@ -1195,7 +1365,7 @@ def _compile_settings(plan: Plan) -> Iterator[tuple[str, str | None, object]]:
 
 
 @_rule("GF701", Severity.ERROR, "compile on an eager segment")
-def compiled_eager_segment(plan: Plan) -> Iterator[Finding]:
+def compiled_eager_segment(plan: Plan) -> Iterator[Violation]:
     """An eager segment declares ``compile``.
 
     An eager break runs between graphs at every step, outside any capture, because its
@@ -1208,12 +1378,12 @@ def compiled_eager_segment(plan: Plan) -> Iterator[Finding]:
     """
     for segment in plan.segments:
         if not segment.is_graph and segment.compile is not None and segment.compile.enabled is not False:
-            yield Finding("segment", segment.name, f"eager segment {segment.name} declares compile",
+            yield Violation("segment", segment.name, f"eager segment {segment.name} declares compile",
                           "remove compile from it (only graph segments are compiled)")
 
 
 @_rule("GF702", Severity.ERROR, "compile with inductor's own CUDA graphs")
-def compile_own_graphs(plan: Plan) -> Iterator[Finding]:
+def compile_own_graphs(plan: Plan) -> Iterator[Violation]:
     """A compile setting asks inductor to capture CUDA graphs itself (``mode:
     reduce-overhead`` or ``max-autotune``, or the option ``triton.cudagraphs``).
 
@@ -1226,18 +1396,35 @@ def compile_own_graphs(plan: Plan) -> Iterator[Finding]:
     """
     for kind, name, setting in _compile_settings(plan):
         if setting.mode in _OWN_GRAPH_MODES:
-            yield Finding(kind, name, f"compile mode {setting.mode} captures inductor's own CUDA graphs",
+            yield Violation(kind, name, f"compile mode {setting.mode} captures inductor's own CUDA graphs",
                           "use mode: default or max-autotune-no-cudagraphs (graphflow captures the graphs)",
                           at="compile" if kind == "capture" else None)
         for option in _OWN_GRAPHS:
             if (setting.options or {}).get(option):
-                yield Finding(kind, name, f"compile option {option} captures inductor's own CUDA graphs",
+                yield Violation(kind, name, f"compile option {option} captures inductor's own CUDA graphs",
                               f"drop {option} (graphflow captures the graphs)",
                               at="compile" if kind == "capture" else None)
 
 
+@_rule("GF704", Severity.ERROR, "compile on a segment with breaks")
+def compiled_breaks(plan: Plan) -> Iterator[Violation]:
+    """A compiled graph segment also declares ``breaks``.
+
+    A PIECEWISE capture cuts such a segment at its submodule calls and runs them eagerly
+    between graphs; a compiled function is one opaque piece of generated code, with no
+    submodule call left to cut at.
+
+    Fix: drop ``compile`` from the segment (``compile: false`` under a plan-wide
+    setting), or declare its pieces as segments of their own and compile those.
+    """
+    for segment in plan.segments:
+        if segment.breaks and plan.compile_of(segment) is not None:
+            yield Violation("segment", segment.name, f"compiled segment {segment.name} declares breaks "
+                          f"({_names(segment.breaks)})", "set compile: false on it, or split it into segments")
+
+
 @_rule("GF703", Severity.WARNING, "compiled segments verified bit-exact")
-def compiled_bit_exact(plan: Plan) -> Iterator[Finding]:
+def compiled_bit_exact(plan: Plan) -> Iterator[Violation]:
     """Some graph segment is compiled while ``capture.verify`` asks for bit-exact replay.
 
     Verify compares the replay of the compiled segments with the uncompiled eager step.
@@ -1252,7 +1439,7 @@ def compiled_bit_exact(plan: Plan) -> Iterator[Finding]:
         return
     compiled = [s.name for s in plan.segments if plan.compile_of(s) is not None]
     if compiled:
-        yield Finding("capture", None, f"{len(compiled)} compiled graph segment(s) ({_names(compiled)}) are "
+        yield Violation("capture", None, f"{len(compiled)} compiled graph segment(s) ({_names(compiled)}) are "
                       "verified bit-exact against the uncompiled step", "set capture.verify atol/rtol",
                       at="verify")
 
@@ -1266,7 +1453,7 @@ def rules_markdown() -> str:
     lines = [
         "# Validation rules",
         "",
-        "Generated from `graphflow.validate.RULES` by `rules_markdown()`; do not edit by hand.",
+        "Generated from `graphflow.rules.RULES` by `rules_markdown()`; do not edit by hand.",
         "`graphflow validate PLAN` runs every rule before any GPU work; errors make it exit 1.",
         "What a single value may be (a dtype, a device written `cuda:N`, `warmup_iters >= 1`) is checked",
         "earlier, when the plan is read or built: see docs/plan-format.md.",

@@ -1,0 +1,238 @@
+"""Time-to-ready: capturing the 61-layer dsv4 plans with graphflow against a hand-written loop.
+
+    PYTHONPATH=. python3 bench/ready_bench.py --out DIR                 # GPU: both 61-layer plans
+    PYTHONPATH=. python3 bench/ready_bench.py --out DIR --smoke         # CPU, 2 layers: checks the script
+
+In one process, on one model (the weights built once and shared), for each plan (FULL:
+``plans/dsv4_61l_full.yaml``, PIECEWISE: ``plans/dsv4_61l_decode.yaml``, every descriptor):
+
+* **hand loop**: what an engineer writes without graphflow, on the engine's own bound
+  calls (the step's segments bound to static buffers allocated once): largest first, one
+  eager warmup per size, then each graph region of that size captured on one side stream
+  into one shared pool, the garbage collector frozen;
+* **graphflow bare**: ``run_pipeline`` with verify and the detectors off;
+* **graphflow default**: what ``graphflow run`` does (verify on, detectors on the first
+  descriptor of each mode, one warmup per descriptor);
+* **graphflow lazy** (FULL only): ``RunOptions(lazy=True)``: the time until the first step
+  is served, until every descriptor is live, and whether every step served meanwhile was
+  bit-exact to the plan's eager step on the same (padded) inputs.
+
+Prints a table of total / warmup / capture / verify seconds with each row's ratio to the
+hand loop, and writes ``ready.json`` to ``--out``. Targets: default within 1.25x of the
+hand loop, bare at or below 1.0x, lazy first step within 2 s of the model being built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
+from graphflow.engine.binding import build_model  # noqa: E402
+from graphflow.events import Phase  # noqa: E402
+from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
+from graphflow.runtime import Runner  # noqa: E402
+
+PLANS = {"FULL": ROOT / "plans" / "dsv4_61l_full.yaml", "PIECEWISE": ROOT / "plans" / "dsv4_61l_decode.yaml"}
+#: --smoke: the 61-layer plans' structure with the mini model's widths, on the CPU.
+SMOKE_ARGS = dict(vocab_size=512, hidden_size=64, n_heads=4, kv_dim=32, rope_dim=16, n_experts=8, top_k=2,
+                  moe_inter=64, shared_inter=128, max_len=128, block_size=16, max_batch=32, dtype="float32")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hand_loop(plan, model, backend: str) -> dict:
+    """Warm up and capture every descriptor the way a hand-written loop does (see the docstring)."""
+    holder = run_pipeline(plan, RunOptions(backend=backend, sizes=(), verify=False, detectors=False), model=model)
+    mode = plan.capture.modes[0]
+    regions = [r.segments for r in plan.regions(mode)]
+    sizes = sorted(plan.capture.sizes_for(mode), reverse=True)
+    cuda = backend == "cuda"
+    stream = torch.cuda.Stream() if cuda else None
+    pool = torch.cuda.graph_pool_handle() if cuda else None
+    graphs, warm_s, capture_s = [], 0.0, 0.0
+    try:
+        gc.collect()
+        gc.freeze()
+        start = time.perf_counter()
+        for size in sizes:
+            calls = dict(zip((s.name for s, _ in holder.segments), holder.eager_calls(size)))
+            t = time.perf_counter()
+            for call in calls.values():
+                call()
+            sync()
+            warm_s += time.perf_counter() - t
+            t = time.perf_counter()
+            for region in regions:
+                if cuda:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        for name in region:
+                            calls[name]()
+                    graphs.append(graph)
+                else:
+                    for name in region:
+                        calls[name]()
+            capture_s += time.perf_counter() - t
+        total = time.perf_counter() - start
+    finally:
+        gc.unfreeze()
+        for graph in graphs:
+            graph.reset()
+        holder.close()
+        if cuda:
+            torch.cuda.empty_cache()
+    return {"total_s": total, "warmup_s": warm_s, "capture_s": capture_s, "verify_s": 0.0,
+            "graphs": len(regions) * len(sizes)}
+
+
+def graphflow_run(plan, model, options: RunOptions) -> dict:
+    start = time.perf_counter()
+    engine = run_pipeline(plan, options, model=model)
+    total = time.perf_counter() - start
+    report = engine.report
+    row = {"total_s": total, "warmup_s": report.phase(Phase.WARMUP).seconds,
+           "capture_s": report.phase(Phase.CAPTURE).seconds, "verify_s": report.phase(Phase.VERIFY).seconds,
+           "allocate_s": report.phase(Phase.ALLOCATE).seconds, "graphs": report.graphs,
+           "bit_exact": all(v.bit_exact for v in report.verify) if report.verify else None}
+    engine.close()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return row
+
+
+def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float) -> dict:
+    """Serve while the background captures; every served step checked against the eager step."""
+    start = time.perf_counter()
+    engine = run_pipeline(plan, options, model=model)
+    ready = time.perf_counter()
+    runner = Runner(engine)
+    sizes = sorted(plan.capture.all_sizes)
+    generator = torch.Generator().manual_seed(0)
+    device = engine.buffers.tensors["tokens"].device
+    max_len = plan.model_args.get("max_len", 256)
+    served, exact, graph_steps, first_step = 0, True, 0, None
+    try:
+        while not engine.background.done and time.perf_counter() - ready < timeout_s:
+            batch = sizes[int(torch.randint(len(sizes), (1,), generator=generator))]
+            batch = max(1, batch - int(torch.randint(2, (1,), generator=generator)))
+            inputs = _inputs(runner, batch, generator, device, plan.model_args.get("vocab_size", 512), max_len)
+            with engine.lock:  # the step and its reference see the same state
+                kept = {n: t.clone() for n, t in engine.buffers.tensors.items()}
+                (logits,) = runner.run(*inputs)[:1]
+                descriptor = runner.descriptor_for(batch)  # after run: it switches new programs in
+                got = logits.clone()
+                for name, t in kept.items():
+                    engine.buffers.tensors[name].copy_(t)
+                want = _eager(runner, batch, inputs, descriptor)
+                for name, t in kept.items():
+                    engine.buffers.tensors[name].copy_(t)
+            # Not a device-wide sync: one would wait for the stream the background captures on,
+            # which CUDA refuses while it captures.
+            torch.cuda.current_stream().synchronize() if torch.cuda.is_available() else None
+            if first_step is None:
+                first_step = time.perf_counter()
+            served += 1
+            graph_steps += descriptor is not None
+            exact = exact and torch.equal(got, want)
+        engine.background.wait(timeout_s)
+        live = (engine.background.finished_at or time.perf_counter()) - start
+        failures = {str(d): str(e) for d, e in engine.background.failures.items()}
+        verified = all(v.bit_exact for v in engine.background.verified)
+    finally:
+        engine.close()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"ready_s": ready - start, "first_step_after_build_s": (first_step or ready) - built_at,
+            "all_live_s": live, "served_steps": served, "steps_on_graphs": graph_steps,
+            "served_bit_exact": exact, "verified_bit_exact": verified, "failures": failures}
+
+
+def _inputs(runner, batch, generator, device, vocab, max_len):
+    values = {"tokens": torch.randint(0, vocab, (batch,), generator=generator),
+              "positions": torch.randint(0, max_len, (batch,), generator=generator)}
+    values["positions_host"] = values["positions"].clone()
+    return tuple(values[name].to(device) if name != "positions_host" else values[name] for name in runner.inputs)
+
+
+def _eager(runner, batch, inputs, descriptor) -> torch.Tensor:
+    """The plan's step, eagerly, at the size the runner served ``batch`` at, same padding."""
+    engine = runner.engine
+    size = descriptor.size if descriptor is not None else batch
+    views = engine.buffers.views(size)
+    for name, value in zip(runner.inputs, inputs):
+        views[name].zero_()
+        views[name][:batch].copy_(value)
+    for call in engine.eager_calls(size):
+        call()
+    return views["logits"][:batch].clone()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out", help="directory for ready.json")
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--plans", default="FULL,PIECEWISE", help="which plans, by mode (FULL,PIECEWISE)")
+    parser.add_argument("--sizes", help="descriptor sizes (default: the plans' 67)")
+    parser.add_argument("--lazy-timeout-s", type=float, default=120.0)
+    parser.add_argument("--smoke", action="store_true", help="CPU, 2 layers, 3 sizes: checks the script")
+    args = parser.parse_args()
+    backend = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    overrides = dict(n_layers=2 if args.smoke else args.layers, **(SMOKE_ARGS if args.smoke else {}))
+    sizes = (4, 2, 1) if args.smoke else (tuple(int(s) for s in args.sizes.split(",")) if args.sizes else None)
+    results = {"device": torch.cuda.get_device_name(0) if backend == "cuda" else "cpu", "torch": torch.__version__,
+               "layers": overrides["n_layers"], "plans": {}}
+    for name in args.plans.split(","):
+        plan = plan_variant(PLANS[name], sizes=sizes, **overrides)
+        t = time.perf_counter()
+        model = build_model(plan, {"device": torch.device(backend if backend == "cpu" else "cuda:0"), "plan": plan})
+        sync()
+        built = time.perf_counter()
+        rows = {"hand loop": hand_loop(plan, model, backend)}
+        rows["graphflow bare"] = graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))
+        rows["graphflow default"] = graphflow_run(plan, model, RunOptions(backend=backend))
+        entry = {"descriptors": len(plan.descriptors()), "build_s": built - t, "rows": rows}
+        if name == "FULL":
+            model_built = time.perf_counter()
+            entry["lazy"] = lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
+                                     args.lazy_timeout_s)
+        results["plans"][name] = entry
+        del model
+        gc.collect()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ready.json").write_text(json.dumps(results, indent=2))
+    _print(results)
+    return 0
+
+
+def _print(results: dict) -> None:
+    print(f"\ntime to ready, {results['layers']} layers, {results['device']}, torch {results['torch']}")
+    for name, entry in results["plans"].items():
+        hand = entry["rows"]["hand loop"]["total_s"]
+        print(f"\n{name} ({entry['descriptors']} descriptors)")
+        print(f"{'run':<20}{'total s':>9}{'ratio':>7}{'warmup':>9}{'capture':>9}{'verify':>9}{'graphs':>8}")
+        for run, row in entry["rows"].items():
+            print(f"{run:<20}{row['total_s']:>9.2f}{row['total_s'] / hand:>6.2f}x{row['warmup_s']:>9.2f}"
+                  f"{row['capture_s']:>9.2f}{row['verify_s']:>9.2f}{row['graphs']:>8}")
+        lazy = entry.get("lazy")
+        if lazy:
+            print(f"lazy: ready in {lazy['ready_s']:.2f} s, first step {lazy['first_step_after_build_s']:.2f} s after "
+                  f"the model was built, all live in {lazy['all_live_s']:.2f} s ({lazy['all_live_s'] / hand:.2f}x the "
+                  f"hand loop); {lazy['served_steps']} steps served meanwhile ({lazy['steps_on_graphs']} on graphs), "
+                  f"bit-exact {lazy['served_bit_exact']}, failures {len(lazy['failures'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
