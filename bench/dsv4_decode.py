@@ -24,9 +24,21 @@ device for the graphs and on the host (``positions_host``) for the eager attenti
 * timing: eager, PIECEWISE, FULL and hand-written FULL are timed side by side in
   ``--rounds`` rounds (each round times every mode in turn); the table shows each mode's
   median and the JSON every round's sample, so host drift hits every mode alike;
+* FULL compiled: the FULL plan with ``capture.compile`` (inductor, default mode, one
+  specialization per size) on every segment: inductor fuses each segment's kernels and
+  graphflow captures them, on the plan's streams, in its own graph. Verified against
+  the uncompiled eager step within ``--compiled-atol`` (bf16 fusion rounds differently;
+  top-2 routing can then pick another expert for a near tie): when that verify fails,
+  its error (with the max |diff| it measured) is recorded and the plan is captured
+  again without verify, so the speed is still measured. Its compile seconds and FX/AOT
+  cache hits are reported; ``TORCHINDUCTOR_CACHE_DIR`` makes a second run's compile a
+  cache hit. ``--no-compiled`` skips it;
+* max |diff| vs eager: one step of FULL and of FULL compiled, from the same state and
+  inputs as the uncompiled FULL eager step, logits compared;
 * torch.compile: ``mode="reduce-overhead"`` on the FULL step of an 8-layer copy of the
-  model (at 61 layers its warm-up did not finish within 140 s), with that copy's
-  graphflow FULL and eager times beside it. It runs in a child process under what is
+  model (at 61 layers its warm-up did not finish within 140 s; ``--compile-layers 61``
+  runs it, about 210 s of warm-up), with that copy's graphflow FULL, FULL compiled and
+  eager times beside it. It runs in a child process under what is
   left of the time budget (``--budget-s``), so a slow warm-up is cut off and recorded,
   not waited for; whether inductor skipped CUDA graphs (and why) is recorded;
 * diagnostics: the host time the PIECEWISE step spends inside its eager attentions, the
@@ -45,19 +57,26 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# torch's FX graph and AOT autograd caches for the compiled rows, in the checkout (git-ignored)
+# unless set: a second run's compile is served from it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
+
+import attrs  # noqa: E402
 
 from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
+from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
+from graphflow.plan import BufferRole, Compile  # noqa: E402
 from graphflow.integrations.dsv4 import build_model  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
 from graphflow.runtime import Runner  # noqa: E402
+from bench.timing import guard as _guard, sync as _sync, time_ms as _time  # noqa: E402
 
 STARTED = time.perf_counter()
 POSITION = 200  # sequence b decodes token POSITION + 1 + b % compress_every: ~50 compressed entries + a short tail
@@ -66,23 +85,6 @@ FULL_PLAN = ROOT / "plans/dsv4_61l_full.yaml"
 #: --smoke: the 61-layer plans' structure and dtype with the mini model's widths, on the CPU.
 SMOKE_ARGS = {"vocab_size": 512, "hidden_size": 64, "n_heads": 4, "kv_dim": 32, "rope_dim": 16, "n_experts": 8,
               "moe_inter": 64, "shared_inter": 128}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _time(step, iters: int, warmup: int = 3) -> float:
-    """Milliseconds per call, synchronized around the timed loop only."""
-    for _ in range(warmup):
-        step()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    _sync()
-    return (time.perf_counter() - start) * 1e3 / iters
 
 
 def _rounds(steps: dict, rounds: int, iters: int) -> dict[str, list[float]]:
@@ -98,15 +100,6 @@ def _rounds(steps: dict, rounds: int, iters: int) -> dict[str, list[float]]:
         for mode, step in steps.items():
             samples[mode].append(_time(step, max(3, iters // 4) if mode == "eager" else iters))
     return samples
-
-
-def _guard(record: dict, key: str, measure) -> None:
-    """``record[key] = measure()``; a failure is recorded under ``errors`` instead of ending the run."""
-    try:
-        record[key] = measure()
-    except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the others
-        traceback.print_exc()
-        record.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:800]
 
 
 def _inputs(size: int, vocab: int, every: int, device: str) -> dict[str, torch.Tensor]:
@@ -280,8 +273,51 @@ def _mode_summary(engine) -> dict:
         "capture_s": report.phase(Phase.CAPTURE).seconds,
         "verify_s": report.phase(Phase.VERIFY).seconds,
         "pool_bytes": report.pool_bytes,
-        "bit_exact": all(v.bit_exact for v in report.verify),
+        "bit_exact": all(v.bit_exact for v in report.verify) if report.verify else None,
+        "verify_max_abs_diff": max((v.max_abs_diff for v in report.verify), default=None),
+        **({} if report.compile is None else {"compile": {
+            "summary": report.compile.summary(), "seconds": report.compile.seconds,
+            "lines": report.compile.lines(), "fell_back": [c.segment for c in report.compile.fell_back],
+            "cache_hits": sum(c.cache_hits for c in report.compile.segments),
+            "cache_misses": sum(c.cache_misses for c in report.compile.segments)}}),
     }
+
+
+def _compiled_variant(plan, atol: float):
+    """The FULL plan with every graph segment compiled by inductor (one specialization per size)."""
+    return attrs.evolve(plan, capture=attrs.evolve(plan.capture, compile=Compile(backend="inductor"), atol=atol,
+                                                   rtol=atol))
+
+
+def _compiled_pipeline(plan, args, model) -> tuple[object, dict]:
+    """Run the compiled FULL plan; if its verify fails, record why and capture it again unverified."""
+    start = time.perf_counter()
+    try:
+        return run_pipeline(plan, RunOptions(backend=args.backend), model=model), {
+            "pipeline_s": time.perf_counter() - start}
+    except CaptureError as error:
+        if error.phase != Phase.VERIFY.value:
+            raise
+        failed = {"verify_error": str(error)[:800], "first_pipeline_s": time.perf_counter() - start}
+    start = time.perf_counter()
+    engine = run_pipeline(plan, RunOptions(backend=args.backend, verify=False), model=model)
+    return engine, {**failed, "pipeline_s": time.perf_counter() - start, "verified": False}
+
+
+def _logits_diff(reference, engine, size: int, inputs: dict) -> float:
+    """Max |logits| of one replayed step of ``engine`` minus the uncompiled FULL eager step,
+    both from the reference engine's state and the same inputs."""
+    state = [b.name for b in reference.plan.buffers if b.role is BufferRole.STATE]
+    saved = {n: reference.buffers.tensors[n].clone() for n in state}
+    _fill(reference, size, inputs)
+    _run_all(reference.eager_calls(size))
+    want = reference.buffers.views(size)["logits"].float().clone()
+    for name in state:
+        reference.buffers.tensors[name].copy_(saved[name])
+        engine.buffers.tensors[name].copy_(saved[name])
+    runner = Runner(engine)
+    (got,) = runner.run(*_ordered(runner, inputs))
+    return float((got.float() - want).abs().max())
 
 
 def _variant(path: pathlib.Path, args, sizes, layers: int):
@@ -307,6 +343,22 @@ def _compile_child(args) -> int:
         _guard(row, "same_layers_full_ms", lambda: _time(lambda: runner.run(*_ordered(runner, inputs)), args.iters))
         _guard(row, "same_layers_eager_ms", lambda: _time(lambda: _run_all(calls), args.iters))
         rows[size] = row
+    if not args.no_compiled:
+        plan = _compiled_variant(_variant(FULL_PLAN, args, sizes, args.compile_layers), args.compiled_atol)
+        done: dict = {}
+        _guard(done, "compiled", lambda: _compiled_pipeline(plan, args, engine.model))
+        for size in sizes:
+            if "compiled" not in done:
+                rows[size].setdefault("errors", {})["same_layers_full_compiled"] = done["errors"]["compiled"]
+                continue
+            compiled, info = done["compiled"]
+            inputs = _inputs(size, config.vocab_size, config.compress_every, device)
+            runner = Runner(compiled)
+            _guard(rows[size], "same_layers_full_compiled_ms",
+                   lambda: _time(lambda: runner.run(*_ordered(runner, inputs)), args.iters))
+            rows[size]["same_layers_full_compiled_pipeline_s"] = info["pipeline_s"]
+            rows[size]["same_layers_full_compiled_compile_s"] = (compiled.report.compile.seconds
+                                                                  if compiled.report.compile else None)
     pathlib.Path(args.compile_child).write_text(json.dumps(rows))
     return 0
 
@@ -321,7 +373,8 @@ def _compile_rows(args, result: dict, deadline: float) -> None:
         path = pathlib.Path(tmp) / "compile.json"
         command = [sys.executable, str(pathlib.Path(__file__).resolve()), "--compile-child", str(path),
                    "--compile-sizes", args.compile_sizes, "--compile-layers", str(args.compile_layers),
-                   "--iters", str(args.iters), "--backend", args.backend, *(["--smoke"] if args.smoke else [])]
+                   "--iters", str(args.iters), "--backend", args.backend, "--compiled-atol", str(args.compiled_atol),
+                   *(["--smoke"] if args.smoke else []), *(["--no-compiled"] if args.no_compiled else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
         start = time.perf_counter()
         try:
@@ -352,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall-clock budget of the run after imports; what is left of it bounds torch.compile "
                              "(the device check allows it about 4 minutes)")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="skip graphflow FULL with compiled segments (inductor); its compile takes most of a "
+                             "cold run (a warm TORCHINDUCTOR_CACHE_DIR makes it fast)")
+    parser.add_argument("--compiled-atol", type=float, default=0.1,
+                        help="verify tolerance (atol = rtol) of the compiled FULL plan against the uncompiled step")
     parser.add_argument("--smoke", action="store_true",
                         help="check the script on a CPU: the mini model's widths, 2 layers, B=1,2, 2 iterations")
     parser.add_argument("--compile-child", help=argparse.SUPPRESS)
@@ -402,7 +460,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["modes"][mode] = {"error": engines["errors"][mode]}
         save()
+    if not args.no_compiled:
+        done: dict = {}
+        _guard(done, "FULL compiled", lambda: _compiled_pipeline(_compiled_variant(full_plan, args.compiled_atol), args,
+                                                                  model))
+        if "FULL compiled" in done:
+            engines["FULL compiled"], info = done["FULL compiled"]
+            result["modes"]["FULL compiled"] = {**_mode_summary(engines["FULL compiled"]), **info}
+        else:
+            result["modes"]["FULL compiled"] = {"error": done["errors"]["FULL compiled"]}
+        save()
     piecewise, full = engines.get("PIECEWISE"), engines.get("FULL")
+    full_compiled = engines.get("FULL compiled")
     config = model.config
     for size in sizes:
         row = {"batch": size}
@@ -413,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         inputs = _inputs(size, config.vocab_size, config.compress_every, device)
         row["positions"] = inputs["positions_host"].tolist()
-        for engine in filter(None, (piecewise, full)):
+        for engine in filter(None, (piecewise, full, full_compiled)):
             _fill(engine, size, inputs)
         timed: dict[str, object] = {}  # mode -> a step, timed side by side in every round
         if piecewise is not None:
@@ -440,6 +509,14 @@ def main(argv: list[str] | None = None) -> int:
                 _guard(row, "hand_full", lambda: _hand_graph(full, size, inputs["tokens"], inputs["positions"]))
                 if "hand_full" in row:
                     timed["hand_full"] = row["hand_full"].pop("step")
+        if full_compiled is not None:
+            runner_compiled = Runner(full_compiled)
+            compiled_inputs = _ordered(runner_compiled, inputs)
+            timed["full_compiled"] = lambda: runner_compiled.run(*compiled_inputs)
+            if full is not None:
+                _guard(row, "max_abs_diff_full_compiled", lambda: _logits_diff(full, full_compiled, size, inputs))
+        if full is not None:
+            _guard(row, "max_abs_diff_full", lambda: _logits_diff(full, full, size, inputs))
         _guard(row, "rounds", lambda: _rounds(timed, args.rounds, args.iters))
         for mode, samples in row.get("rounds", {}).items():
             row[f"{mode}_ms"] = statistics.median(samples)
@@ -452,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{key}_ms"], row[f"kernels_{key.removeprefix('busy_')}"] = row.pop(key)
         save()
         print(f"B={size}: " + ", ".join(f"{k} {row[k]:.2f}" for k in ("eager_ms", "piecewise_ms", "full_ms",
-                                                                     "busy_full_ms") if k in row), flush=True)
+                                                                     "full_compiled_ms", "busy_full_ms") if k in row),
+              flush=True)
     if args.compile_sizes:
         _compile_rows(args, result, deadline)
     save()
@@ -467,15 +545,18 @@ def _ratio(row: dict, a: str, b: str):
 def _print_table(result: dict) -> None:
     print(f"dsv4 decode step, {result['layers']} layers, {result['device']}, torch {result['torch']} (ms/step), "
           f"{result['weight_bytes'] / 1e9:.2f} GB of weights, {result['elapsed_s']:.0f} s in all")
-    head = ("B", "eager", "PIECEWISE", "FULL", "hand FULL", "busy PW", "busy FULL", "FULL/busy", "PW/busy",
-            "eager/FULL", "attn host")
+    head = ("B", "eager", "PIECEWISE", "FULL", "FULL comp", "hand FULL", "busy PW", "busy FULL", "FULL/busy",
+            "PW/busy", "eager/FULL", "FULL/comp", "diff FULL", "diff comp", "attn host")
     print("  ".join(f"{h:>10}" for h in head))
     for row in result["rows"]:
         cells = (row["batch"], row.get("eager_ms"), row.get("piecewise_ms"), row.get("full_ms"),
-                 row.get("hand_full_ms"), row.get("busy_piecewise_ms"), row.get("busy_full_ms"),
-                 _ratio(row, "full_ms", "busy_full_ms"), _ratio(row, "piecewise_ms", "busy_piecewise_ms"),
-                 _ratio(row, "eager_ms", "full_ms"), row.get("attention_host_ms"))
-        print("  ".join(f"{c:>10.2f}" if isinstance(c, float) else f"{'-' if c is None else c:>10}" for c in cells))
+                 row.get("full_compiled_ms"), row.get("hand_full_ms"), row.get("busy_piecewise_ms"),
+                 row.get("busy_full_ms"), _ratio(row, "full_ms", "busy_full_ms"),
+                 _ratio(row, "piecewise_ms", "busy_piecewise_ms"), _ratio(row, "eager_ms", "full_ms"),
+                 _ratio(row, "full_ms", "full_compiled_ms"), row.get("max_abs_diff_full"),
+                 row.get("max_abs_diff_full_compiled"), row.get("attention_host_ms"))
+        print("  ".join(f"{c:>10.3g}" if isinstance(c, float) and 0 < abs(c) < 0.01 else
+                        f"{c:>10.2f}" if isinstance(c, float) else f"{'-' if c is None else c:>10}" for c in cells))
         by_round = row.get("eager_over_full_by_round")
         if by_round:
             print(f"  B={row['batch']} eager/FULL by round: " + ", ".join(f"{r:.2f}" for r in by_round))
@@ -491,7 +572,15 @@ def _print_table(result: dict) -> None:
             continue
         print(f"{mode}: {m['graphs']} graphs for {m['descriptors']} descriptors, warmup {m['warmup_s']:.2f} s, "
               f"capture {m['capture_s']:.2f} s, verify {m['verify_s']:.2f} s, "
-              f"pool {(m['pool_bytes'] or 0) / 2**20:.0f} MiB, bit-exact {m['bit_exact']}")
+              f"pool {(m['pool_bytes'] or 0) / 2**20:.0f} MiB, bit-exact {m['bit_exact']}, verify max |diff| "
+              f"{m['verify_max_abs_diff']}" + (f", pipeline {m['pipeline_s']:.2f} s" if "pipeline_s" in m else ""))
+        if "compile" in m:
+            print(f"  {m['compile']['summary']}")
+            for line in m["compile"]["lines"][:12]:
+                print(f"    {line}")
+        if "verify_error" in m:
+            print(f"  verify within --compiled-atol failed, so it was captured again unverified: "
+                  f"{m['verify_error'].splitlines()[0]}")
     for row in result["rows"]:
         for key in ("full_kernels", "piecewise_kernels"):
             if key in row:
@@ -505,7 +594,8 @@ def _print_table(result: dict) -> None:
             print(f"torch.compile B={size} ({c.get('layers')} layers): {c.get('ms')} ms/step, warm-up "
                   f"{c.get('warmup_s')} s, cudagraph skips {c.get('cudagraph_skips')}: "
                   f"{(c.get('skip_messages') or [None])[0] or c.get('error') or c.get('errors') or 'none'}; same model "
-                  f"graphflow FULL {c.get('same_layers_full_ms')}, eager {c.get('same_layers_eager_ms')}")
+                  f"graphflow FULL {c.get('same_layers_full_ms')}, FULL compiled {c.get('same_layers_full_compiled_ms')} "
+                  f"(pipeline {c.get('same_layers_full_compiled_pipeline_s')} s), eager {c.get('same_layers_eager_ms')}")
     for key in ("skipped", "error"):
         if key in compiled:
             print(f"torch.compile {key}: {compiled[key]}")

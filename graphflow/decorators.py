@@ -203,6 +203,7 @@ class SegmentDecl:
     constants: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     returns: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     breaks: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    compile: Any = None
 
     @property
     def decorator(self) -> str:
@@ -229,6 +230,7 @@ class StepDecl:
     families: Any = None
     world_size: Any = None
     reference: Any = None
+    compile: Any = None
 
     decorator = "@graphflow.step"
 
@@ -338,7 +340,7 @@ def segment(name: str | None = None, *, reads: Iterable[str] = (), writes: Itera
             data_dependent: bool = False, device: str | None = None, ranks: Iterable[int] | None = None,
             after: Iterable[str] = (), kernels: Iterable[str] = (), inputs: Mapping[str, str] | None = None,
             objects: Mapping[str, str] | None = None, constants: Mapping[str, Any] | None = None,
-            returns: Iterable[str] = (), breaks: Iterable[str] = ()) -> Callable[[F], F]:
+            returns: Iterable[str] = (), breaks: Iterable[str] = (), compile=None) -> Callable[[F], F]:
     """Declare the method a capturable graph segment.
 
     The engine calls it as ``fn(*reads, *writes_not_in_reads)`` with buffer views, less
@@ -354,7 +356,7 @@ def segment(name: str | None = None, *, reads: Iterable[str] = (), writes: Itera
     _check_called("segment", name)
     return _decorate(SegmentDecl(SegmentKind.GRAPH, name, reads, writes, stream, channels, family,
                                  data_dependent, device, None if ranks is None else tuple(ranks), after, kernels,
-                                 inputs or {}, objects or {}, constants or {}, returns, breaks))
+                                 inputs or {}, objects or {}, constants or {}, returns, breaks, compile))
 
 
 def eager_break(name: str | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
@@ -380,7 +382,7 @@ def _check_called(decorator: str, name) -> None:
 
 def step(fn: F | None = None, *, name=None, sizes=None, modes=None, size_symbol=None, symbols=None,
          warmup_iters=None, atol=None, rtol=None, barrier_timeout_s=None, families=None,
-         world_size=None, reference=None):
+         world_size=None, reference=None, compile=None):
     """Mark the method that calls the segments in order (``@step`` or ``@step(sizes=...)``).
 
     It also serves as the model's eager step. While recording, each parameter without
@@ -388,10 +390,11 @@ def step(fn: F | None = None, *, name=None, sizes=None, modes=None, size_symbol=
     return one, and nothing runs: a step may only route arguments to decorated
     methods and loop over submodules. ``reference`` is the model's own eager step that
     verify compares replay with: a ``graphflow.Reference`` or its fields as a mapping
-    (``{"call": "forward", "inputs": {"x": "x"}, "returns": ["y"]}``).
+    (``{"call": "forward", "inputs": {"x": "x"}, "returns": ["y"]}``). ``compile`` is the
+    plan's ``capture.compile``: ``torch.compile`` for every graph segment (docs/compile.md).
     """
     decl = StepDecl(name, sizes, modes, size_symbol, symbols, warmup_iters, atol, rtol, barrier_timeout_s,
-                    families, world_size, reference)
+                    families, world_size, reference, compile)
     return _decorate(decl)(fn) if fn is not None else _decorate(decl)
 
 
@@ -733,6 +736,7 @@ def _segment(call: _Call) -> Segment:
             constants=dict(decl.constants),
             returns=[expand(n) for n in decl.returns],
             breaks=[expand(n) for n in decl.breaks],
+            compile=site.resolve(decl.compile),
         )
     except FieldError as exc:
         raise site.error(call.method, f"bad {decl.decorator} declaration: {exc}", origin) from exc
@@ -833,7 +837,7 @@ def plan_from_module(model, *, step: str | None = None, factory: str | None = No
                      size_symbol: str | None = None, symbols: Mapping[str, int] | None = None,
                      warmup_iters: int | None = None, atol: float | None = None, rtol: float | None = None,
                      barrier_timeout_s: float | None = None, families: Iterable[str] | None = None,
-                     world_size: int | None = None) -> Plan:
+                     world_size: int | None = None, compile=None) -> Plan:
     """The plan a decorated model declares: walk its tree, record its steps, check, build.
 
     ``step`` names the ``@step`` method whose plan to build (needed when the model has
@@ -883,6 +887,7 @@ def plan_from_module(model, *, step: str | None = None, factory: str | None = No
             atol=_first(setting(atol, "atol"), defaults.atol),
             rtol=_first(setting(rtol, "rtol"), defaults.rtol),
             barrier_timeout_s=_first(setting(barrier_timeout_s, "barrier_timeout_s"), defaults.barrier_timeout_s),
+            compile=setting(compile, "compile"),
         )
         return Plan(
             name=_first(setting(name, "name"), type(model).__name__),

@@ -35,6 +35,7 @@ __all__ = [
     "Dimension",
     "Elements",
     "Flag",
+    "Setting",
     "Instance",
     "Integer",
     "Kind",
@@ -367,6 +368,52 @@ class Flag(Instance):
 
 
 @attrs.frozen
+class Setting(_Kind):
+    """A nested element of class ``cls``, also spelled shortly: a mapping of its fields,
+    a string meaning ``{scalar: string}``, or a bool meaning ``{switch: bool}``
+    (``compile: inductor``, ``compile: false``, ``compile: {mode: ...}``).
+
+    A mapping ``cls`` refuses is left as it is by the converter; the check then builds
+    it again to name the inner field that is wrong (``'compile.mode' must be ...``).
+    """
+
+    cls: type
+    scalar: str
+    switch: str
+    what: str
+
+    @property
+    def expected(self) -> str:
+        return self.what
+
+    def convert(self, value):
+        if isinstance(value, bool):
+            value = {self.switch: value}
+        elif isinstance(value, str):
+            value = {self.scalar: value}
+        if isinstance(value, Mapping):
+            try:
+                return self.cls(**value)
+            except (FieldError, TypeError):
+                return value
+        return value
+
+    def check(self, path: str, value) -> None:
+        if isinstance(value, self.cls):
+            return
+        if not isinstance(value, Mapping):
+            raise FieldTypeError(path, self.what, value)
+        known = [a.name for a in attrs.fields(self.cls)]
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            raise FieldValueError(f"{path} key", f"one of {', '.join(known)}", unknown[0])
+        try:
+            self.cls(**value)
+        except FieldError as exc:
+            raise type(exc)(f"{path}.{exc.field}", exc.expected, exc.value) from None
+
+
+@attrs.frozen
 class Data(_Kind):
     """Plain data, as YAML holds it: strings, numbers, bools, null, lists and string-keyed mappings."""
 
@@ -390,7 +437,7 @@ class Data(_Kind):
 
 
 Kind = Union[Text, Integer, Number, Flag, Choice, Dimension, Sequence, Table, Optional, OneOf, Bounds, Elements,
-             Instance, Data]
+             Instance, Setting, Data]
 
 
 @attrs.frozen

@@ -661,7 +661,8 @@ class Tripwires:
     Patched: ``CompileCallable._compile`` and ``JitCompiledFunction.to`` (with
     ``CudaDialectJitCompiledFunction.to``) of CuTe DSL, when it is imported; Triton's
     ``knobs.runtime.jit_cache_hook`` (chained to any hook already set) and
-    ``CompiledKernel._init_handles``, when Triton is imported. The load check wraps
+    ``CompiledKernel._init_handles``, when Triton is imported; a compile-start callback
+    of torch.compile's dynamo, when it is imported (a recompile inside capture). The load check wraps
     ``_init_handles`` rather than using ``kernel_load_start_hook``: an exception from
     that hook leaves the kernel half initialized (its launcher set, no function), so
     the next launch would pass a null function. ``capturing`` is the predicate (the
@@ -699,6 +700,8 @@ class Tripwires:
                 self._install_cute()
             if "triton" in sys.modules:
                 self._install_triton()
+            if "torch._dynamo" in sys.modules:
+                self._install_dynamo()
         except BaseException:
             self.remove()
             raise
@@ -773,6 +776,41 @@ class Tripwires:
             return _init_handles
 
         self._patch(CompiledKernel, "_init_handles", load)
+
+
+    def _install_dynamo(self) -> None:
+        """Refuse a torch.compile compile (a guard that failed, a frame never compiled)
+        while capturing: dynamo calls its compile-start callbacks before it traces, so
+        nothing of the new frame has run. Dynamo wraps what the callback raises; a
+        compiled segment (``graphflow.engine.compiled``) unwraps it."""
+        from torch._dynamo.callback import callback_handler
+
+        capturing, registry = self.capturing, self.registry
+
+        def on_compile_start(args) -> None:
+            if not capturing():
+                return
+            reason = _recompile_reason()
+            what = f"torch.compile recompile ({reason})" if reason else "torch.compile compile of a frame warmup never ran"
+            raise registry.cold_error(what, kernel="torch.compile", hint=(
+                "warmup compiles each specialization of a compiled segment; this one was not warmed: its guards "
+                "depend on something that changed between warmup and capture (a Python attribute it reads, a "
+                "tensor's shape, dtype or device, grad mode) or on a path warmup did not take. Keep that fixed "
+                "between warmup and capture, or set compile: false on the segment"))
+
+        callback_handler.register_start_callback(on_compile_start)
+        self._undo.append(lambda: callback_handler.remove_start_callback(on_compile_start))
+
+
+def _recompile_reason() -> str | None:
+    """Dynamo's reason for the compile under way (the guard that failed), when it gives one."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except Exception:  # noqa: BLE001 - a detail for the message only
+        return None
+    return str(reason).strip().splitlines()[0] if reason else None
 
 
 #: The process's registry: graphflow's own kernels (the dsv4 model's) register here.

@@ -317,6 +317,15 @@ class _Reader:
             if low >= high:
                 self.fail(f"expected {kind.expected} with low < high, got [{low}, {high}]", node.line, where)
             return low, high
+        if isinstance(kind, fields.Setting):
+            if node.is_map:
+                return self.element(kind.cls, node, where)
+            if isinstance(value, bool):
+                return self.build(kind.cls, {kind.switch: value}, node.line, where)
+            if isinstance(value, str):
+                short = self.read(_kind(kind.cls, kind.scalar), node, where)
+                return self.build(kind.cls, {kind.scalar: short}, node.line, where)
+            self.fail(f"expected {kind.expected}, got {_describe(value)}", node.line, where)
         if isinstance(kind, fields.Data):
             return _plain(node)
         raise TypeError(f"no YAML form for a field of kind {kind!r}")  # a plan class declares a new kind
@@ -677,6 +686,8 @@ def _fields(element, skip: tuple[str, ...] = ("name",)) -> _Flow:
 
 
 def _data(value: Any) -> Any:
+    if attrs.has(type(value)):  # a nested setting (compile): its fields that are set
+        return {key: _data(item) for key, item in _fields(value, skip=()).items()}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, str):
@@ -726,6 +737,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     settings["warmup_iters"] = capture.warmup_iters
     settings["verify"] = {"atol": capture.atol, "rtol": capture.rtol}
     settings["barrier_timeout_s"] = capture.barrier_timeout_s
+    if capture.compile is not None:
+        settings["compile"] = _data(capture.compile)
     data["capture"] = settings
     return data
 

@@ -46,6 +46,7 @@ from graphflow.fields import (
     OneOf,
     Optional,
     Sequence as Items,
+    Setting,
     Table,
     Text,
     field,
@@ -58,6 +59,8 @@ __all__ = [
     "CaptureSettings",
     "Channel",
     "ChannelKind",
+    "COMPILE_DEFAULTS",
+    "Compile",
     "Descriptor",
     "Dim",
     "Family",
@@ -286,6 +289,67 @@ class Channel:
     jit: bool = field(Flag(), default=False)
 
 
+#: The torch.compile backends a segment may use: inductor generates fused kernels;
+#: aot_eager and eager trace with dynamo and run the traced graph as it is (for
+#: finding graph breaks and recompiles quickly). Inductor's own CUDA graphs are never
+#: used: graphflow captures the segments itself (rule GF702).
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+#: torch.compile's modes; ``reduce-overhead`` and ``max-autotune`` capture CUDA graphs
+#: of their own, which GF702 refuses.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@attrs.frozen
+class Compile:
+    """``torch.compile`` for graph segments, set per plan (``capture.compile``) and per
+    segment (``compile``); docs/compile.md.
+
+    Every field left unset (None) inherits: a segment's setting from the plan's, the
+    plan's from graphflow's defaults (``COMPILE_DEFAULTS``). So a segment that says only
+    ``{mode: max-autotune-no-cudagraphs}`` keeps the plan's backend and strictness,
+    and ``compile: false`` takes one segment out. ``dynamic`` is False by default:
+    graphflow warms and captures each batch size on its own, so each gets kernels
+    specialized to its shape. ``strict`` makes a segment dynamo cannot compile fail the
+    pipeline instead of running uncompiled with a warning; ``fullgraph`` makes a graph
+    break such a failure. ``options`` are inductor's options (``torch.compile(options=)``),
+    applied over the mode's.
+    """
+
+    enabled: bool | None = field(Optional(Flag()), default=None, doc="false: not compiled")
+    backend: str | None = field(Optional(Choice(COMPILE_BACKENDS)), default=None,
+                                doc="torch.compile's backend (default inductor)")
+    mode: str | None = field(Optional(Choice(COMPILE_MODES)), default=None,
+                             doc="inductor's mode (default: inductor's default)")
+    dynamic: bool | None = field(Optional(Flag()), default=None,
+                                 doc="compile shape-generic code (default false: one specialization per size)")
+    fullgraph: bool | None = field(Optional(Flag()), default=None, doc="a graph break is a compile failure")
+    strict: bool | None = field(Optional(Flag()), default=None,
+                                doc="a segment that cannot be compiled fails the pipeline (default: runs uncompiled, "
+                                    "with a warning)")
+    options: Mapping[str, object] | None = field(Optional(Table(Text(), Data(), "inductor option names to values")),
+                                                 default=None, hash=False, doc="inductor's options")
+
+    def over(self, base: Compile | None) -> Compile:
+        """This setting with every unset field taken from ``base``."""
+        if base is None:
+            return self
+        return Compile(**{a.name: getattr(self, a.name) if getattr(self, a.name) is not None else getattr(base, a.name)
+                          for a in attrs.fields(Compile)})
+
+    @property
+    def inductor_options(self) -> dict[str, object]:
+        """The options given, as a plain dict."""
+        return dict(self.options or {})
+
+
+#: What an unset field of ``Compile`` means once nothing else sets it.
+COMPILE_DEFAULTS = Compile(enabled=True, backend="inductor", mode="default", dynamic=False, fullgraph=False,
+                           strict=False, options={})
+
+_COMPILE = Setting(Compile, "backend", "enabled",
+                   "a compile setting: a backend name, true or false, or a mapping of backend, mode, dynamic, "
+                   "fullgraph, strict, options")
+
 _NAMES = {what: Items(_NAME, what) for what in ("buffer names", "channel names", "segment names", "JIT kernel names")}
 #: What a call by keyword (a segment's, the reference's) passes, by field: the kind and its doc.
 _BY_KEYWORD = {
@@ -318,6 +382,8 @@ class Segment:
     ``after`` adds ordering edges that no buffer expresses. ``kernels`` names the JIT
     kernels (``graphflow.jit`` registry names) the segment launches: the prewarm phase
     warms them before capture, and a cold one inside capture names the segment.
+    ``compile`` wraps a graph segment's callable with ``torch.compile`` before warmup
+    (``Compile``; ``Plan.compile_of`` says what applies).
 
     The calling convention (``graphflow.engine.execute.bind``): the callable gets the
     buffers of ``reads`` and then of ``writes`` not read, positionally, except those
@@ -351,6 +417,8 @@ class Segment:
     returns: tuple[str, ...] = _returns("filled from what the callable returns")
     breaks: tuple[str, ...] = field(Items(_PATTERN, "submodule paths"), default=(),
                                     doc="submodules run eagerly between graphs in PIECEWISE capture")
+    compile: Compile | None = field(Optional(_COMPILE), default=None,
+                                    doc="torch.compile for this graph segment, over the plan's capture.compile")
 
     def __attrs_post_init__(self) -> None:
         # One spelling per meaning: a buffer passed by keyword is read, one filled from
@@ -426,7 +494,8 @@ class CaptureSettings:
     ``sizes`` are the batch sizes every mode captures; ``mode_sizes`` gives a mode its
     own list instead (vLLM captures FULL decode graphs only up to ``max_num_seqs``
     requests, PIECEWISE graphs up to its largest capture size). Buffers are allocated
-    for the largest size of any captured mode.
+    for the largest size of any captured mode. ``compile`` applies ``torch.compile`` to
+    every graph segment (``Compile``).
     """
 
     modes: tuple[Mode, ...] = field(Items(Choice.of(Mode), "modes (PIECEWISE, FULL)"), default=(Mode.PIECEWISE,))
@@ -440,6 +509,8 @@ class CaptureSettings:
     barrier_timeout_s: float = field(Number(minimum=0.0, exclusive=True), default=60.0)
     mode_sizes: Mapping[Mode, tuple[int, ...]] = field(Table(Choice.of(Mode), _SIZES, "modes to their own sizes"),
                                                        factory=dict, hash=False, in_yaml=False)
+    compile: Compile | None = field(Optional(_COMPILE), default=None,
+                                    doc="torch.compile for every graph segment (a segment's compile overrides it)")
 
     def __attrs_post_init__(self) -> None:
         # One spelling per meaning, so equal settings compare equal: when every captured
@@ -561,6 +632,17 @@ class Plan:
             if buffer is not None:
                 return buffer.device
         return None
+
+    def compile_of(self, segment: Segment) -> Compile | None:
+        """The ``torch.compile`` setting a segment runs with, every field set; None when
+        it is not compiled (an eager segment, no setting, or ``compile: false``)."""
+        if not segment.is_graph:
+            return None
+        plan_level = self.capture.compile
+        if segment.compile is None and plan_level is None:
+            return None
+        setting = (segment.compile or Compile()).over(plan_level).over(COMPILE_DEFAULTS)
+        return setting if setting.enabled else None
 
     def family_segments(self, family: str) -> tuple[Segment, ...]:
         return tuple(s for s in self.segments if s.family == family)

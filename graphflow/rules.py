@@ -1348,6 +1348,102 @@ def missing_descriptors(plan: Plan) -> Iterator[Violation]:
                       "does not list", "add the mode to capture.modes or drop its sizes", at="sizes")
 
 
+# -- compiled segments (torch.compile) ------------------------------------------------------------
+#: Inductor options that capture CUDA graphs of inductor's own.
+_OWN_GRAPHS = ("triton.cudagraphs", "triton.cudagraph_trees")
+#: Modes that turn them on.
+_OWN_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _compile_settings(plan: Plan) -> Iterator[tuple[str, str | None, object]]:
+    """Every compile setting the plan writes: (kind, name, setting)."""
+    if plan.capture.compile is not None:
+        yield "capture", None, plan.capture.compile
+    for segment in plan.segments:
+        if segment.compile is not None:
+            yield "segment", segment.name, segment.compile
+
+
+@_rule("GF701", Severity.ERROR, "compile on an eager segment")
+def compiled_eager_segment(plan: Plan) -> Iterator[Violation]:
+    """An eager segment declares ``compile``.
+
+    An eager break runs between graphs at every step, outside any capture, because its
+    shapes or control flow depend on values; compiled, it would recompile at serving
+    time for every new shape, where nothing warms it. ``capture.compile`` skips eager
+    segments for that reason.
+
+    Fix: drop ``compile`` from the eager segment, or make its work static and the
+    segment a graph segment.
+    """
+    for segment in plan.segments:
+        if not segment.is_graph and segment.compile is not None and segment.compile.enabled is not False:
+            yield Violation("segment", segment.name, f"eager segment {segment.name} declares compile",
+                          "remove compile from it (only graph segments are compiled)")
+
+
+@_rule("GF702", Severity.ERROR, "compile with inductor's own CUDA graphs")
+def compile_own_graphs(plan: Plan) -> Iterator[Violation]:
+    """A compile setting asks inductor to capture CUDA graphs itself (``mode:
+    reduce-overhead`` or ``max-autotune``, or the option ``triton.cudagraphs``).
+
+    graphflow captures the compiled segments in its own graphs, with the plan's pool,
+    streams, verify and rollback; a graph inductor records inside that capture fails it,
+    and one recorded outside would bypass all of them.
+
+    Fix: use ``mode: default`` or ``max-autotune-no-cudagraphs``, and drop the CUDA-graph
+    option.
+    """
+    for kind, name, setting in _compile_settings(plan):
+        if setting.mode in _OWN_GRAPH_MODES:
+            yield Violation(kind, name, f"compile mode {setting.mode} captures inductor's own CUDA graphs",
+                          "use mode: default or max-autotune-no-cudagraphs (graphflow captures the graphs)",
+                          at="compile" if kind == "capture" else None)
+        for option in _OWN_GRAPHS:
+            if (setting.options or {}).get(option):
+                yield Violation(kind, name, f"compile option {option} captures inductor's own CUDA graphs",
+                              f"drop {option} (graphflow captures the graphs)",
+                              at="compile" if kind == "capture" else None)
+
+
+@_rule("GF704", Severity.ERROR, "compile on a segment with breaks")
+def compiled_breaks(plan: Plan) -> Iterator[Violation]:
+    """A compiled graph segment also declares ``breaks``.
+
+    A PIECEWISE capture cuts such a segment at its submodule calls and runs them eagerly
+    between graphs; a compiled function is one opaque piece of generated code, with no
+    submodule call left to cut at.
+
+    Fix: drop ``compile`` from the segment (``compile: false`` under a plan-wide
+    setting), or declare its pieces as segments of their own and compile those.
+    """
+    for segment in plan.segments:
+        if segment.breaks and plan.compile_of(segment) is not None:
+            yield Violation("segment", segment.name, f"compiled segment {segment.name} declares breaks "
+                          f"({_names(segment.breaks)})", "set compile: false on it, or split it into segments")
+
+
+@_rule("GF703", Severity.WARNING, "compiled segments verified bit-exact")
+def compiled_bit_exact(plan: Plan) -> Iterator[Violation]:
+    """Some graph segment is compiled while ``capture.verify`` asks for bit-exact replay.
+
+    Verify compares the replay of the compiled segments with the uncompiled eager step.
+    Fusion reorders floating-point work (a sum accumulated in registers, a different
+    reduction split), so compiled results usually differ from eager ones by rounding,
+    and verify would fail on a correct capture.
+
+    Fix: set ``capture.verify`` tolerances for the compiled step (for bf16, around
+    ``atol: 0.02``; the verify report shows the max |diff| it measured).
+    """
+    if plan.capture.atol or plan.capture.rtol:
+        return
+    compiled = [s.name for s in plan.segments if plan.compile_of(s) is not None]
+    if compiled:
+        yield Violation("capture", None, f"{len(compiled)} compiled graph segment(s) ({_names(compiled)}) are "
+                      "verified bit-exact against the uncompiled step", "set capture.verify atol/rtol",
+                      at="verify")
+
+
 #: The rule table, ordered by code.
 RULES: tuple[Rule, ...] = tuple(sorted(_TABLE, key=lambda rule: rule.code))
 

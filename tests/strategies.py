@@ -33,6 +33,7 @@ from graphflow.plan import (
     CaptureSettings,
     Channel,
     ChannelKind,
+    Compile,
     Family,
     Mode,
     Plan,
@@ -61,6 +62,10 @@ _SIZES = st.lists(st.sampled_from(SIZES), min_size=1, max_size=5, unique=True).m
 _MODES = st.sampled_from([(Mode.PIECEWISE,), (Mode.PIECEWISE,), (Mode.FULL,), (Mode.PIECEWISE, Mode.FULL)])
 _FAMILIES = st.lists(st.sampled_from(FAMILIES), min_size=1, max_size=3, unique=True)
 _NAME = st.sampled_from(["decode", "dsv4-mini", "spec"])
+# torch.compile settings: mostly none; a plan-wide one; a segment's own, over it or alone.
+_PLAN_COMPILE = st.sampled_from([None, None, "inductor", Compile(mode="max-autotune-no-cudagraphs", dynamic=True),
+                                 Compile(backend="aot_eager", strict=True)])
+_SEGMENT_COMPILE = st.sampled_from([None] * 6 + [False, "eager", Compile(fullgraph=True, options={"x": 1})])
 
 
 @functools.cache
@@ -185,6 +190,7 @@ class _Builder:
     def _segment(self, name, graph, device, reads, writes, *, copy=False, **kwargs) -> Segment:
         if graph:
             stream = f"s{device}"
+            kwargs.setdefault("compile", self.draw(_SEGMENT_COMPILE))
         elif copy or not self.draw(_BOOL):
             stream = None
         else:
@@ -236,6 +242,10 @@ def valid_plans(draw) -> Plan:
     outputs = [b.name for b in builder.buffers if b.role is BufferRole.OUTPUT]
     inputs = [b.name for b in builder.buffers if b.role is BufferRole.INPUT]
     reference = Reference("forward", inputs={"x": inputs[0]}, returns=(outputs[0],)) if draw(_BOOL) else None
+    # A segment with breaks is never compiled (GF704): no plan-wide setting, none of its own.
+    split = any(s.breaks for s in builder.segments)
+    builder.segments = [attrs.evolve(s, compile=None) if s.breaks else s for s in builder.segments]
+    compile = None if split else draw(_PLAN_COMPILE)
     return Plan(
         reference=reference,
         name=draw(_NAME),
@@ -247,7 +257,9 @@ def valid_plans(draw) -> Plan:
         prewarm=builder.prewarm,
         symbols=symbols,
         capture=CaptureSettings(modes=modes, sizes=sizes, warmup_iters=draw(st.integers(1, 3)),
-                                mode_sizes=draw(_mode_sizes(modes, sizes))),
+                                mode_sizes=draw(_mode_sizes(modes, sizes)), compile=compile,
+                                # compiled segments are not verified bit-exact (GF703)
+                                atol=1e-3 if compile is not None or any(s.compile for s in builder.segments) else 0.0),
         world_size=builder.world_size,
     )
 
@@ -554,6 +566,21 @@ def breaks_across_streams(plan: Plan) -> Plan:
     plan = attrs.evolve(plan, streams=[*plan.streams, Stream(_fresh(plan.streams, "s_side"), device)])
     plan = _replace(plan, second, stream=plan.streams[-1].name)
     return _replace(plan, first, breaks=("layers.*.attn",))
+def compiled_eager_segment(plan: Plan) -> Plan:
+    index = _first(plan, lambda s: not s.is_graph)
+    return _replace(plan, index, compile="inductor")
+
+
+def compile_own_graphs(plan: Plan) -> Plan:
+    return _capture(plan, compile=Compile(mode="reduce-overhead"))
+
+
+def compiled_breaks(plan: Plan) -> Plan:
+    return _replace(plan, _graph(plan), compile="inductor", breaks=("layers.*.attn",))
+
+
+def compiled_bit_exact(plan: Plan) -> Plan:
+    return _replace(_capture(plan, atol=0.0, rtol=0.0), _graph(plan), compile="inductor")
 
 
 #: One mutation per conflict class, keyed by the code that must report it.
@@ -601,6 +628,10 @@ MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "GF603": duplicated_size,
     "GF604": size_above_capacity,
     "GF605": no_sizes,
+    "GF701": compiled_eager_segment,
+    "GF702": compile_own_graphs,
+    "GF703": compiled_bit_exact,
+    "GF704": compiled_breaks,
 }
 
 #: What ``validate`` needs besides the plan to judge a mutation (by code).
@@ -635,4 +666,5 @@ FIELD_MUTATIONS: dict[str, Callable[[Plan], Plan]] = {
     "atol": lambda plan: _capture(plan, atol=-1e-3),
     "barrier_timeout_s": lambda plan: _capture(plan, barrier_timeout_s=0.0),
     "kind": lambda plan: _replace(plan, 0, kind="capturable"),
+    "compile": lambda plan: _capture(plan, compile={"mode": "fastest"}),
 }

@@ -352,7 +352,7 @@ class TestErrors:
         ("segments:\n  - {name: a, kind: graph, call: a,\n     reeds: [x]}\n", 5, "segments[0] 'a'",
          "unknown key 'reeds' (did you mean 'reads'?); known keys: name, kind, call, reads, writes, stream, "
          "channels, family, data_dependent, device, ranks, after, kernels, inputs, objects, constants, returns, "
-         "breaks"),
+         "breaks, compile"),
         ("segments:\n  - {name: a, kind: graph, call: a, writes: 5}\n", 4, "segments[0] 'a'.writes",
          "expected a list of buffer names, got int 5"),
         ("segments:\n  - {name: a, kind: graph, call: a, reads: [x, 3]}\n", 4, "segments[0] 'a'.reads",
@@ -404,7 +404,7 @@ class TestErrors:
          "expected a mapping of symbols to the rows the buffer holds, got int 4"),
         ("model_args: [1]\n", 3, "model_args", "expected a mapping of factory arguments, got a list"),
         ("capture: {modes: [PIECEWISE], when: now}\n", 3, "capture",
-         "unknown key 'when'; known keys: modes, sizes, size_symbol, warmup_iters, verify, barrier_timeout_s"),
+         "unknown key 'when'; known keys: modes, sizes, size_symbol, warmup_iters, verify, barrier_timeout_s, compile"),
     ])
     def test_bad_field(self, body, line, element, message):
         error = load_error(plan_text(body))
@@ -622,9 +622,10 @@ class TestSchema:
         for key, names in (("buffer", "shape dtype device role capacity alias_of values adopt pad"), ("stream", "device"),
                            ("channel", "kind group id family warmup prewarm jit"), ("prewarm", "call per_size"),
                            ("segment", "name kind call reads writes stream channels family data_dependent device "
-                                       "ranks after kernels inputs objects constants returns breaks"),
+                                       "ranks after kernels inputs objects constants returns breaks compile"),
                            ("reference", "call inputs objects constants returns"),
-                           ("capture", "modes sizes size_symbol warmup_iters verify barrier_timeout_s")):
+                           ("capture", "modes sizes size_symbol warmup_iters verify barrier_timeout_s compile"),
+                           ("compile", "enabled backend mode dynamic fullgraph strict options")):
             assert tuple(defs[key]["properties"]) == tuple(names.split()), key
         assert defs["buffer"]["required"] == ["shape", "dtype", "device"]
         assert defs["channel"]["required"] == ["kind", "group", "id", "family"]

@@ -54,6 +54,8 @@ def register(subparsers) -> None:
                         help="capture these modes instead of the plan's: PIECEWISE, FULL or both "
                              "(GRAPHFLOW_MODES=... does the same)")
     parser.add_argument("--no-verify", action="store_true", help="skip comparing replay with eager")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="run the segments the plan compiles (torch.compile) uncompiled, to compare")
     parser.add_argument("--detectors", choices=("first", "all", "off"), default="first",
                         help="watch graph segments for capture hazards on the first descriptor of each mode "
                              "(default: a hazard is in the code, not in a size), on all of them, or not at all")
@@ -203,7 +205,8 @@ def _options(args: argparse.Namespace):
     except ValueError as err:
         raise CommandError(f"--disable-check: {err}") from err
     return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=args.detectors,
-                      disabled_checks=checks, sizes=parse_sizes(args.sizes), lazy=args.lazy)
+                      disabled_checks=checks, sizes=parse_sizes(args.sizes), lazy=args.lazy,
+                      compile=not args.no_compile)
 
 
 def check_backend(options) -> bool:
@@ -294,9 +297,22 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
     exact = sum(r.bit_exact for r in verified)
     what = f"{report.graphs} graphs" if real else "no graph captured (CPU backend: regions replayed eagerly)"
     against = " and ".join(dict.fromkeys(a for r in verified for a in r.against))
+    if verified and report.compile is not None:  # fusion rounds differently: the tolerance is what applies
+        worst = max(r.max_abs_diff for r in verified)
+        checked = (f"; verify {len(verified)}/{len(verified)} within atol={engine.plan.capture.atol:g}, "
+                   f"rtol={engine.plan.capture.rtol:g} of {against} (max |diff| {worst:.3g}, {exact} bit-exact)")
+    else:
+        checked = f"; verify {exact}/{len(verified)} bit-exact against {against}" if verified else "; not verified"
     result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {what}, "
-              f"in {total_s:.2f} s on {report.backend}"
-              + (f"; verify {exact}/{len(verified)} bit-exact against {against}" if verified else "; not verified"))
+              f"in {total_s:.2f} s on {report.backend}" + checked)
+    compiled = report.compile
+    compile_doc = None if compiled is None else {
+        "summary": compiled.summary(), "seconds": compiled.seconds,
+        "segments": [{"segment": c.segment, "backend": c.setting.backend, "mode": c.setting.mode,
+                      "dynamic": c.setting.dynamic, "compiles": c.compiles, "graphs": c.graphs,
+                      "graph_breaks": list(c.graph_breaks), "recompiles": list(c.recompiles), "seconds": c.seconds,
+                      "cache_hits": c.cache_hits, "cache_misses": c.cache_misses, "fallback": c.fallback,
+                      "reuses": c.shares if c.reused else None} for c in compiled.segments]}
     return {
         "plan": engine.plan.name, "file": path, "ok": True, "backend": report.backend,
         "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,
@@ -304,7 +320,7 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
         "pool_estimate": report.pool_estimate,
         "capture_s": captured_s, "total_s": total_s,
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
-        "descriptors": descriptors, "result": result,
+        "descriptors": descriptors, "compile": compile_doc, "result": result,
     }
 
 
@@ -344,6 +360,14 @@ def print_report(document: dict) -> None:
          + f"static buffers {format_bytes(document['buffer_bytes'])}")
     if document.get("trace"):
         line(f"trace {document['trace']}")
+    compiled = document.get("compile")
+    if compiled is not None:
+        line(compiled["summary"])
+        for segment in compiled["segments"]:
+            if segment["reuses"] is None:
+                line("  " + _compile_line(segment))
+        line("  verify compares the compiled capture with the uncompiled eager step: fusion reorders "
+             "floating-point work, so bit-exact is not expected; the plan's tolerance applies")
     line()
     rows = table("descriptor", "verify", "eager ms", *(("graph ms", "speed-up") if real else ("replay ms",)))
     for row in document["descriptors"]:
@@ -364,6 +388,15 @@ def print_report(document: dict) -> None:
     line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
          "included")
     line(document["result"])
+
+
+def _compile_line(segment: dict) -> str:
+    if segment["fallback"] is not None:
+        return f"{segment['segment']}: runs uncompiled ({segment['fallback']})"
+    breaks = f", graph breaks: {'; '.join(segment['graph_breaks'])}" if segment["graph_breaks"] else ""
+    return (f"{segment['segment']}: {segment['compiles']} compile(s), {segment['graphs']} graph(s), "
+            f"{len(segment['recompiles'])} recompile(s), {segment['seconds']:.2f} s, cache "
+            f"{segment['cache_hits']} hit(s)/{segment['cache_misses']} miss(es){breaks}")
 
 
 def _dump(document: dict) -> None:

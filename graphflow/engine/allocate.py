@@ -19,6 +19,7 @@ from graphflow.engine.adopt import adopt, attach
 from graphflow.engine.binding import build_model, resolve
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.calls import prepare, reference
+from graphflow.engine.compiled import compile_segments
 from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
 from graphflow.engine.memory import MemoryNeed, check_fits, memory_need
@@ -37,8 +38,9 @@ class Allocation:
 
     ``streams`` maps each segment to the stream it runs on; ``schedules`` maps a
     sequence of segment names (the eager step, each region) to its bound schedule.
-    The model and what is bound to it (``fns``: each segment's resolved callable,
-    ``hooks``: each prewarm hook, ``detectors``) live in ``owned``, which rollback
+    The model and what is bound to it (``fns``: each segment's callable as warmup and
+    capture call it, compiled where the plan says so; ``uncompiled``: the same before
+    ``torch.compile``; ``hooks``: each prewarm hook, ``detectors``) live in ``owned``, which rollback
     empties: the record may outlive the run in a traceback, the model must not.
     """
 
@@ -57,6 +59,12 @@ class Allocation:
     @property
     def fns(self) -> Mapping[str, Callable[..., object]]:
         return self.owned.fns
+
+    @property
+    def uncompiled(self) -> Mapping[str, Callable[..., object]]:
+        """Each segment's callable as the model defines it, before ``torch.compile``
+        (the same as ``fns`` for a segment the plan does not compile)."""
+        return self.owned.uncompiled
 
     @property
     def hooks(self) -> Mapping[str, Callable[..., object]]:
@@ -127,7 +135,8 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
         stack.push("unbind the model from the channels", functools.partial(bind, None))
     largest = max((d.size for d in ctx.descriptors), default=max(plan.max_size, 1))
     adopted = adopt(ctx, model, largest, devices.__getitem__)
-    owned.fns.update(prepare(ctx, model, adopted, lambda: owned.detectors))
+    owned.uncompiled.update(prepare(ctx, model, adopted, lambda: owned.detectors))
+    owned.fns.update(compile_segments(ctx, owned.uncompiled))
     owned.reference = reference(ctx, model, adopted)
     for hook in plan.prewarm:
         owned.hooks[hook.name] = resolve(model, hook.call, kind="prewarm", name=hook.name, plan=plan)
@@ -156,6 +165,7 @@ class _Owned:
 
     model: object = None
     fns: dict = attrs.field(factory=dict)
+    uncompiled: dict = attrs.field(factory=dict)
     hooks: dict = attrs.field(factory=dict)
     detectors: object = None
     reference: object = None
@@ -163,6 +173,7 @@ class _Owned:
     def drop(self) -> None:
         self.model = None
         self.fns.clear()
+        self.uncompiled.clear()
         self.hooks.clear()
         self.detectors = None
         self.reference = None

@@ -49,7 +49,8 @@ class Context:
         """Which buffers verify snapshots and compares (``graphflow.engine.verify``)."""
         from graphflow.engine.verify import VerifyPlan
 
-        return VerifyPlan.of(self.plan, self.segments)
+        compiled = self.options.compile and any(self.plan.compile_of(s) is not None for s in self.segments)
+        return VerifyPlan.of(self.plan, self.segments, compiled=compiled)
 
     @functools.cached_property
     def _first_of_mode(self) -> frozenset[Descriptor]:

@@ -16,6 +16,7 @@ from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Backend, Call
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.capture import Captured
+from graphflow.engine.compiled import CompileReport, compile_report
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind
 from graphflow.engine.phase import Outcome, PhaseResult
@@ -34,7 +35,8 @@ class PipelineReport:
 
     ``times`` holds each descriptor's seconds in warmup, capture and verify, with the
     capture pool's size after it when it was measured; ``prewarm`` lists the JIT
-    specializations compiled, loaded and launched before capture.
+    specializations compiled, loaded and launched before capture; ``compile`` what
+    ``torch.compile`` did for each compiled segment during warmup.
     """
 
     backend: str
@@ -50,6 +52,8 @@ class PipelineReport:
     times: tuple[DescriptorTime, ...] = ()
     prewarm: object | None = None  # the JIT registry's PrewarmReport (graphflow.jit), when it prewarmed
     pool_estimate: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.memory)
+    #: Per compiled segment, what torch.compile did (graphflow.engine.compiled), when the plan compiles any.
+    compile: CompileReport | None = None
 
     def phase(self, phase: Phase) -> PhaseResult:
         return next(r for r in self.phases if r.phase is phase)
@@ -61,7 +65,10 @@ class Engine:
 
     ``programs`` maps each captured descriptor to its step: a tuple of bare callables
     (graph replays and bound eager breaks, in order) that ``graphflow.runtime.Runner``
-    runs. ``close()`` releases everything, as rollback would.
+    runs. ``segments`` pairs each segment with the model's own callable, uncompiled even
+    where the plan compiles it: the eager step (``eager_calls``, the runtime's fallback
+    for a batch above every descriptor) runs the model as written, and never compiles
+    at serving time. ``close()`` releases everything, as rollback would.
     """
 
     plan: Plan
@@ -120,9 +127,9 @@ def commit(ctx: Context, alloc: Allocation, captured: Captured, verified: tuple[
         descriptors=ctx.descriptors, graphs=len(captured.graphs), phases=(), verify=verified,
         pool_bytes=alloc.pool_bytes(ctx), buffer_bytes=alloc.buffers.nbytes(),
         remapped=tuple(sorted(ctx.backend.remapped.items())), times=times,
-        pool_estimate=dict(captured.pool_estimate))
+        pool_estimate=dict(captured.pool_estimate), compile=compile_report(alloc.fns))
     engine = Engine(ctx.plan, ctx.backend, alloc.model, alloc.buffers, dict(captured.programs),
-                    tuple((s, alloc.fns[s.name]) for s in ctx.segments), report, ctx.rank, ctx.stack)
+                    tuple((s, alloc.uncompiled[s.name]) for s in ctx.segments), report, ctx.rank, ctx.stack)
 
     def unpublish() -> None:
         engine.programs = {}

@@ -77,7 +77,9 @@ class RunOptions:
     mismatch can be rerun. ``skip_rules``: validation rule codes not to apply (a plan
     that reproduces a hazard on purpose, as a test of the runtime checks behind it).
     ``lazy``: commit after the first descriptor's warmup and capture the rest in the
-    background while the engine serves (``graphflow.engine.background``).
+    background while the engine serves (``graphflow.engine.background``). ``compile``:
+    apply the plan's ``torch.compile`` settings (False runs every segment uncompiled, to
+    compare with the compiled capture; ``graphflow.engine.compiled``).
     """
 
     backend: BackendKind = attrs.field(default=BackendKind.AUTO, converter=BackendKind)
@@ -88,3 +90,4 @@ class RunOptions:
     seed: int = 0
     skip_rules: frozenset[str] = attrs.field(default=frozenset(), converter=_rule_codes)
     lazy: bool = False
+    compile: bool = True

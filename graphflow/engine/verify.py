@@ -4,11 +4,14 @@ The eager reference is the descriptor's warmup (``graphflow.engine.warmup.Warmed
 ran on verify's random inputs and kept the buffers it started from and the buffers it
 wrote. Verify keeps the state buffers as it finds them, puts the start back, runs the
 captured step program, compares every buffer the step writes — bit for bit unless the
-plan declares tolerances — and puts the state back. One exception: when a channel the
-step uses does not communicate in warmup (``prepare``, ``placeholder``), warmup's outputs
-are not the step's, so verify runs the eager step itself first, as its reference. Buffers are compared in the order
-of their last write, so a mismatch names the first buffer to differ and the segment
-that last wrote it.
+plan declares tolerances — and puts the state back. Two exceptions, where warmup's
+outputs are not the reference, so verify runs the eager step itself first, from the
+same inputs: when a channel the step uses does not communicate in warmup (``prepare``,
+``placeholder``), and when the plan compiles segments (``torch.compile``: warmup ran the
+compiled callables, which is what compiled them; the reference runs the model's
+uncompiled ones, so verify compares the compiled capture with the model's own code,
+within the plan's tolerance). Buffers are compared in the order of their last write,
+so a mismatch names the first buffer to differ and the segment that last wrote it.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class VerifyPlan:
     ``written``: what it writes, in the order of each buffer's last write, with the
     segment that last writes each in ``last_writer``; ``state``: the state buffers.
     ``reuses_warmup``: whether warmup's run is the reference (every channel the step
-    uses communicates in warmup).
+    uses communicates in warmup, and no segment is compiled); ``compiled``: the
+    reference runs the uncompiled callables of compiled segments.
     """
 
     start: tuple[str, ...]
@@ -61,17 +65,18 @@ class VerifyPlan:
     state: tuple[str, ...]
     last_writer: dict[str, str] = attrs.field(eq=False)
     reuses_warmup: bool = True
+    compiled: bool = False
 
     @classmethod
-    def of(cls, plan: Plan, segments: tuple[Segment, ...]) -> VerifyPlan:
+    def of(cls, plan: Plan, segments: tuple[Segment, ...], *, compiled: bool = False) -> VerifyPlan:
         last_writer = {w: s.name for s in segments for w in s.writes}
         position = {s.name: i for i, s in enumerate(segments)}
         written = tuple(sorted(last_writer, key=lambda b: position[last_writer[b]]))
         read = tuple(dict.fromkeys(r for s in segments for r in s.reads))
         state = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE)
         silent = {c.name for c in plan.channels if c.warmup is not WarmupPolicy.REAL}
-        reuses = not any(silent.intersection(s.channels) for s in segments)
-        return cls(tuple(dict.fromkeys((*read, *state))), written, state, last_writer, reuses)
+        reuses = not compiled and not any(silent.intersection(s.channels) for s in segments)
+        return cls(tuple(dict.fromkeys((*read, *state))), written, state, last_writer, reuses, compiled)
 
 
 def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descriptor: Descriptor, index: int,
@@ -93,8 +98,11 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
                 call()
         alloc.synchronize(ctx)
         try:
-            result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer)
+            result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer,
+                              compiled=needs.compiled)
         except CaptureError as error:  # name the first segment that differs, and state outside the plan
+            if needs.compiled:  # compiled against uncompiled code: the tolerance is what the hint is about
+                raise
             raise explain(ctx, alloc, {descriptor: program}, descriptor, warmed.start, warmed.expected, error)
         against = check_reference(ctx, alloc, descriptor, warmed.start)  # the model's own step, when named
         if against is not None:
@@ -117,30 +125,40 @@ def _kept_state(ctx: Context, views: dict[str, torch.Tensor], warmed: Warmed) ->
 
 
 def _reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, warmed: Warmed) -> Warmed:
-    """The eager step run here, from warmup's inputs, with every collective communicating."""
+    """The eager step run here, from warmup's inputs, with every collective communicating
+    and every segment uncompiled."""
     views = alloc.buffers.views(descriptor.size)
     needs = ctx.verify_plan
     fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=True)
     start = {n: views[n].clone() for n in needs.start}
     run_eager(ctx.backend, alloc.schedules[tuple(s.name for s in ctx.segments)],
-              eager_step(ctx, alloc, descriptor.size), lambda segment, call: call_segment(ctx, segment, call))
+              eager_step(ctx, alloc, descriptor.size, alloc.uncompiled),
+              lambda segment, call: call_segment(ctx, segment, call))
     alloc.synchronize(ctx)
     return attrs.evolve(warmed, start=start, expected={n: views[n].clone() for n in needs.written})
 
 
+#: What to do when the replay of compiled segments differs from the uncompiled step.
+COMPILED_HINT = ("the compiled segments' replay differs from the model's uncompiled code beyond the plan's tolerance: "
+                 "if the difference is rounding (fusion reorders floating-point work), raise capture.verify atol/rtol; "
+                 "else set compile: false on the segment named (graphflow run --no-compile compares)")
+
+
 def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-             last_writer: dict[str, str]) -> VerifyResult:
+             last_writer: dict[str, str], *, compiled: bool = False) -> VerifyResult:
     """Compare in order of each buffer's final write, so the first mismatch is the earliest seen.
 
     Every buffer's verdict is worked out on the device and read back in one transfer: a
     bit-exact step (the usual case) costs one synchronisation however many buffers it
-    writes. Differences are measured only for the buffers that differ.
+    writes. Differences are measured only for the buffers that differ. ``compiled``: the
+    expected values come from the uncompiled step of a plan that compiles segments.
     """
     atol, rtol = plan.capture.atol, plan.capture.rtol
     exact = atol == 0 and rtol == 0
+    against = "the uncompiled eager step" if compiled else "the eager step"
     names = list(expected)
     if not names:
-        return VerifyResult(descriptor, (), 0.0, True)
+        return VerifyResult(descriptor, (), 0.0, True, (against,))
     same = _verdicts(names, lambda n: _equal(views[n], expected[n]))
     close = same if exact else _verdicts(names, lambda n: _close(views[n], expected[n], atol, rtol))
     diffs = {n: _max_abs_diff(views[n], expected[n]) for n, s in zip(names, same, strict=True) if not s}
@@ -149,11 +167,12 @@ def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor],
             got, want = _comparable(views[name]), _comparable(expected[name])
             bad = int((got != want).sum())
             raise CaptureError(
-                f"graph replay of {descriptor} differs from eager in buffer {name!r} (last written by "
+                f"graph replay of {descriptor} differs from {'the uncompiled eager step' if compiled else 'eager'} "
+                f"in buffer {name!r} (last written by "
                 f"{last_writer[name]}; it or an earlier segment diverged): {bad} of {got.numel()} "
                 f"elements, max |diff| {diffs[name]:.3g} (allowed atol={atol}, rtol={rtol})",
-                segment=last_writer[name], hint=HINT)
-    return VerifyResult(descriptor, tuple(names), max(diffs.values(), default=0.0), all(same))
+                segment=last_writer[name], hint=COMPILED_HINT if compiled else HINT)
+    return VerifyResult(descriptor, tuple(names), max(diffs.values(), default=0.0), all(same), (against,))
 
 
 def _verdicts(names: list[str], check) -> list[bool]:

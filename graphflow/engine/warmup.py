@@ -54,10 +54,12 @@ class Warmed:
     expected: dict[str, torch.Tensor] = attrs.field(factory=dict)
 
 
-def eager_step(ctx: Context, alloc: Allocation, size: int) -> tuple[tuple[Segment, Call], ...]:
-    """This rank's whole step at one size, as (segment, bound call) pairs."""
+def eager_step(ctx: Context, alloc: Allocation, size: int, fns=None) -> tuple[tuple[Segment, Call], ...]:
+    """This rank's whole step at one size, as (segment, bound call) pairs, calling
+    ``fns`` (default: the callables warmup and capture run, compiled where the plan says)."""
     views = alloc.buffers.views(size)
-    return tuple((s, bind(s, alloc.fns[s.name], views)) for s in ctx.segments)
+    fns = alloc.fns if fns is None else fns
+    return tuple((s, bind(s, fns[s.name], views)) for s in ctx.segments)
 
 
 def watched(ctx: Context, alloc: Allocation, phase: Phase, *, capturing: bool, descriptor: Descriptor):

@@ -23,7 +23,7 @@ import attrs
 
 from graphflow import fields
 from graphflow.loader import FORMAT_VERSION
-from graphflow.plan import Buffer, CaptureSettings, Channel, Mode, Plan, Prewarm, Reference, Segment, Stream
+from graphflow.plan import Buffer, CaptureSettings, Channel, Compile, Mode, Plan, Prewarm, Reference, Segment, Stream
 from graphflow.templates import RANGE_PATTERN
 
 __all__ = ["plan_schema", "schema_json"]
@@ -34,6 +34,8 @@ _TEMPLATED = {"type": "string", "pattern": "[{}]"}
 #: Element definitions: $defs name -> (class, keyed by name in its section).
 _ELEMENTS = {"stream": (Stream, True), "buffer": (Buffer, True), "channel": (Channel, True),
              "prewarm": (Prewarm, True), "segment": (Segment, False), "reference": (Reference, False)}
+#: Nested settings (``graphflow.fields.Setting``): $defs name -> class.
+_SETTINGS = {"compile": Compile}
 
 
 def _kind(cls: type, name: str) -> fields.Kind:
@@ -82,6 +84,10 @@ def _schema(kind: fields.Kind, templated: bool) -> dict[str, Any]:
     if isinstance(kind, fields.Bounds):
         return {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "number"},
                 "description": f"{kind.expected}, low < high"}
+    if isinstance(kind, fields.Setting):
+        name = next(key for key, cls in _SETTINGS.items() if cls is kind.cls)
+        return {"description": kind.what, "oneOf": [_schema(_kind(kind.cls, kind.scalar), templated),
+                                                    {"type": "boolean"}, {"$ref": f"#/$defs/{name}"}]}
     if isinstance(kind, fields.Data):
         return {"type": ["string", "number", "boolean", "null", "array", "object"]}
     raise TypeError(f"no JSON Schema for a field of kind {kind!r}")  # a plan class declares a new kind
@@ -195,6 +201,7 @@ def plan_schema() -> dict[str, Any]:
             "identifier": _schema(symbols.key, False),
             "sizes": _schema(_kind(CaptureSettings, "sizes"), False),
             **{name: _element(cls, keyed) for name, (cls, keyed) in _ELEMENTS.items()},
+            **{name: _element(cls, False) for name, cls in _SETTINGS.items()},
             "capture": _capture(),
         },
     }

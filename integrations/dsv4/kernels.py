@@ -15,8 +15,8 @@ A plan picks the backend with ``model_args: {rms_kernel: cute | triton | torch}`
 * ``triton``: ``triton_rms`` (Triton ships with CUDA builds of torch);
 * ``torch``: ``F.rms_norm``.
 
-Off CUDA, for non-contiguous inputs and for rows past ``MAX_ROW`` every backend is
-PyTorch's. Both JIT kernels are registered in ``graphflow.jit.registry`` as
+Off CUDA, for non-contiguous inputs, for rows past ``MAX_ROW`` and inside a segment the
+plan compiles (``torch.compile``) every backend is PyTorch's. Both JIT kernels are registered in ``graphflow.jit.registry`` as
 ``dsv4.rms_norm`` (CuTe) and ``dsv4.rms_norm_triton``: the registry records which
 segment launched which specialization during warmup, the prewarm phase launches each
 on every capture stream, and a cold one inside capture is a named CaptureError
@@ -52,8 +52,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
 
 
 def uses_jit(x: torch.Tensor, weight: torch.Tensor, backend: str) -> bool:
-    """Whether ``rms_norm(x, weight, ..., backend)`` runs a JIT kernel rather than PyTorch's."""
-    if backend == "torch" or not (x.is_cuda and x.is_contiguous() and weight.is_contiguous()):
+    """Whether ``rms_norm(x, weight, ..., backend)`` runs a JIT kernel rather than PyTorch's.
+
+    Never under ``torch.compile``: a registered JIT kernel is opaque to inductor, while
+    PyTorch's RMSNorm is fused with the work around it (a plan's compiled segments).
+    """
+    if backend == "torch" or torch.compiler.is_compiling():
+        return False
+    if not (x.is_cuda and x.is_contiguous() and weight.is_contiguous()):
         return False
     if x.shape[-1] > MAX_ROW or x.numel() == 0 or x.dtype not in _JIT_DTYPES or weight.dtype != x.dtype:
         return False

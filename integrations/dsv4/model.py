@@ -97,6 +97,11 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = source.ones(d)
         self.moe = MoE(config, source)
         self.shared = SharedExpert(config, source)
+        # Where this layer's expert counts start in the flat [layers * experts] view of
+        # expert_load, as a tensor: torch.compile specializes on an int attribute, and
+        # one compile of routed_experts then serves every layer.
+        self.register_buffer("load_offset", torch.tensor(index * config.n_experts, device=source.device),
+                             persistent=False)
 
     @graphflow.segment("L{layer}.pre", stream="s0", reads=["x", "rope"],
                        writes=["q{layer}", "kv{layer}", "post_mix{layer}", "res_logits"])
@@ -169,7 +174,7 @@ class DecoderLayer(nn.Module):
                        writes=["moe_out", "expert_load"])
     def routed_experts(self, h, expert_load, moe_out) -> None:
         """h [B, d] → moe_out [B, d]; this layer's expert counts into expert_load."""
-        moe_out.copy_(self.moe(h, expert_load[self.index]))
+        moe_out.copy_(self.moe(h, expert_load.view(-1), self.load_offset))
 
     @graphflow.segment("L{layer}.ffn_out", stream="s0", reads=["x", "moe_out", "shared_out", "ffn_post", "ffn_res"],
                        writes=["x"])

@@ -86,10 +86,11 @@ class MoE(nn.Module):
         self.w13 = source.normal(e, d, 2 * f, fan_in=d)
         self.w2 = source.normal(e, f, d, fan_in=f)
 
-    def forward(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """h [B, d] → [B, d]; adds this step's expert counts to counts [E]."""
+    def forward(self, h: torch.Tensor, counts: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+        """h [B, d] → [B, d]; adds this step's expert counts to counts [E], or at
+        ``offset + expert`` of a flat counts tensor (one row of several layers' counts)."""
         ids, weights = self.router(h)
-        count_experts(ids, counts)
+        count_experts(ids if offset is None else ids + offset, counts)
         if uses_gather(h.shape[0], ids.shape[1], self.n_experts):
             return gathered(h, ids, weights, self.w13, self.w2)
         routing = torch.zeros(h.shape[0], self.n_experts, device=h.device, dtype=h.dtype).scatter_(1, ids, weights)
