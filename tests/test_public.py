@@ -9,6 +9,8 @@ import sys
 
 import graphflow
 
+OPTIONAL_PACKAGES = {"triton", "cutlass", "vllm", "transformers"}
+
 
 def test_every_exported_name_resolves():
     for name in graphflow.__all__:
@@ -40,7 +42,11 @@ def test_no_two_public_classes_share_a_name():
     for info in pkgutil.walk_packages(graphflow.__path__, "graphflow."):
         if info.name.endswith("__main__"):  # runs the CLI
             continue
-        module = importlib.import_module(info.name)
+        try:
+            module = importlib.import_module(info.name)
+        except ModuleNotFoundError as missing:  # an integration whose extra is not installed here
+            assert missing.name.split(".")[0] in OPTIONAL_PACKAGES, missing
+            continue
         for name in getattr(module, "__all__", ()):
             value = getattr(module, name)
             if isinstance(value, type) and value.__module__ == module.__name__:
