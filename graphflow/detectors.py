@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphflow.events import Phase
 
-__all__ = ["Check", "Finding", "Detectors"]
+__all__ = ["Check", "Finding", "Detectors", "aside"]
 
 
 class Check(enum.Enum):
@@ -564,6 +564,26 @@ def _sync_functions() -> list[tuple[object, str, str]]:
     return found
 
 
+_aside = threading.local()
+
+
+@contextlib.contextmanager
+def aside() -> Iterator[None]:
+    """Work inside a watched segment that is not the segment's own code: torch.compile
+    compiling, autotuning and running it (``graphflow.engine.compiled`` sets the dispatch
+    modes aside too). Its synchronizations are not findings; a recompile while a stream
+    captures is the JIT tripwires' to name."""
+    _aside.depth = _set_aside() + 1
+    try:
+        yield
+    finally:
+        _aside.depth -= 1
+
+
+def _set_aside() -> int:
+    return getattr(_aside, "depth", 0)
+
+
 def _patch_syncs(stack: contextlib.ExitStack, watch: _Watch) -> None:
     """Replace each synchronize with a wrapper that records a finding (on the watching
     thread, while the watch is open) and then synchronizes; ``stack`` restores them."""
@@ -573,7 +593,7 @@ def _patch_syncs(stack: contextlib.ExitStack, watch: _Watch) -> None:
         original = getattr(owner, attribute)
 
         def recording(*args, _original=original, _name=name, **kwargs):
-            if watch.open and threading.get_ident() == watch.thread:
+            if watch.open and not watch.eager and not _set_aside() and threading.get_ident() == watch.thread:
                 watch.record(Check.HOST_SYNC, _name, _FIX["sync"])
             return _original(*args, **kwargs)
 

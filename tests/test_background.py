@@ -18,7 +18,7 @@ from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import Descriptor, Mode
 from graphflow.runtime import FallbackReason, Runner
-from graphflow.toy import build_toy, toy_plan
+from plans.toy_model import build_toy, toy_plan
 
 P = Mode.PIECEWISE
 SIZES = (1, 2, 4, 8)

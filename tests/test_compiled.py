@@ -401,6 +401,7 @@ class TestTripwire:
 class TestCli:
     def plan_file(self, tmp_path) -> pathlib.Path:
         document = yaml.safe_load((ROOT / "plans" / "toy_full.yaml").read_text())
+        document["model"] = "plans.toy_model:build_toy"  # the copy is not beside toy_model.py
         document["capture"].update(compile="eager", verify={"atol": 1e-5, "rtol": 1e-5}, sizes=[1, 2],
                                    modes=["FULL"])
         document["symbols"] = {"B": [1, 2]}

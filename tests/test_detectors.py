@@ -15,7 +15,7 @@ import attrs
 import pytest
 import torch
 
-from graphflow.detectors import Check, Detectors
+from graphflow.detectors import Check, Detectors, aside
 from graphflow.events import Phase
 from tests.source_markers import marked
 
@@ -471,6 +471,23 @@ class TestWatch:
         with contextlib.suppress(AssertionError, RuntimeError):
             kept[0]()
         assert det.findings == []
+
+    def test_a_synchronize_in_a_breaks_eager_work_is_not_the_segments(self, det):
+        def segment():
+            with det.eager(), contextlib.suppress(AssertionError, RuntimeError):
+                torch.cuda.synchronize()
+
+        assert watched(det, segment) == []
+
+    def test_a_synchronize_set_aside_is_not_the_segments(self, det):
+        # torch.compile compiling and autotuning a segment's code synchronizes: not the segment's doing.
+        def segment():
+            with aside(), contextlib.suppress(AssertionError, RuntimeError):
+                torch.cuda.synchronize()
+            with contextlib.suppress(AssertionError, RuntimeError):
+                torch.cuda.synchronize()  # <own>
+
+        assert calls(watched(det, segment)) == [(Check.HOST_SYNC, f"torch.cuda.synchronize at {at('own')}")]
 
     def test_a_user_exception_is_reraised_and_everything_is_restored(self, det, buf):
         originals = (torch.cuda.synchronize, torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize)

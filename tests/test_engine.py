@@ -21,7 +21,7 @@ from graphflow.errors import CaptureError, InvalidPlanError, PlanError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
-from graphflow.toy import build_toy, toy_plan
+from plans.toy_model import build_toy, toy_plan
 from tests.source_markers import marked
 
 P, F = Mode.PIECEWISE, Mode.FULL
@@ -182,10 +182,10 @@ class TestAllocate:
             seen.update(device=device, rank=rank, plan=plan, rest=rest)
             return build_toy(layers)
 
-        import graphflow.toy
+        import plans.toy_model
 
-        monkeypatch.setattr(graphflow.toy, "factory_for_test", factory, raising=False)
-        plan = attrs.evolve(toy_plan(2, device="cuda:0"), model="graphflow.toy:factory_for_test", model_args={"layers": 2})
+        monkeypatch.setattr(plans.toy_model, "factory_for_test", factory, raising=False)
+        plan = attrs.evolve(toy_plan(2, device="cuda:0"), model="plans.toy_model:factory_for_test", model_args={"layers": 2})
         with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), rank=0, world_size=1):
             pass
         assert seen["device"] == torch.device("cpu") and seen["rank"] == 0 and seen["plan"] is plan
@@ -205,10 +205,10 @@ class TestAllocate:
             got["channels"] = channels
             return build_toy(2)
 
-        import graphflow.toy
+        import plans.toy_model
 
-        monkeypatch.setattr(graphflow.toy, "factory_for_test", factory, raising=False)
-        plan = attrs.evolve(toy_plan(2, device="cuda:0"), model="graphflow.toy:factory_for_test", model_args={})
+        monkeypatch.setattr(plans.toy_model, "factory_for_test", factory, raising=False)
+        plan = attrs.evolve(toy_plan(2, device="cuda:0"), model="plans.toy_model:factory_for_test", model_args={})
         channels = Channels()
         with run_pipeline(plan, RunOptions(backend="cpu", detectors=False), channels=channels):
             pass
@@ -575,7 +575,7 @@ class TestChannels:
     def test_a_prepare_hook_declared_in_the_plan_resolves_on_the_built_model(self, monkeypatch):
         """Warmup calls the channel's prewarm hook (bound from the factory's model), never the wire."""
         import graphflow.channels as channels_module
-        import graphflow.toy
+        import plans.toy_model
         from graphflow.channels import GroupBinding
         from graphflow.session import Session
 
@@ -596,9 +596,9 @@ class TestChannels:
             return model
 
         monkeypatch.setattr(channels_module.dist, "all_reduce", all_reduce)
-        monkeypatch.setattr(graphflow.toy, "channel_factory_for_test", factory, raising=False)
+        monkeypatch.setattr(plans.toy_model, "channel_factory_for_test", factory, raising=False)
         plan = self._plan(WarmupPolicy.PREPARE, prewarm="warm_tp", hooks=[Prewarm("warm_tp", "comm.prepare")],
-                          model="graphflow.toy:channel_factory_for_test")
+                          model="plans.toy_model:channel_factory_for_test")
         session = Session(plan, RunOptions(backend="cpu", detectors=False),
                           group_factory=lambda name: GroupBinding(name, wire, (0,)))
         runtime = session.channels

@@ -68,6 +68,21 @@ def test_rules_never_crash_on_plans_broken_many_ways(plan: Plan, codes: list[str
         assert diagnostic.element and "\n" not in str(diagnostic)
 
 
+def test_a_warning_mutation_does_not_compile_a_segment_that_breaks():
+    # Found by the test above: the GF703 mutation compiled the first graph segment even
+    # when it declares breaks, which is the GF704 error, not a warning.
+    import attrs
+
+    from plans.toy_model import toy_plan
+
+    plan = toy_plan(1)
+    first = next(i for i, s in enumerate(plan.segments) if s.is_graph)
+    segments = list(plan.segments)
+    segments[first] = attrs.evolve(segments[first], breaks=("layers.*.attn",))
+    report = validate(MUTATIONS["GF703"](attrs.evolve(plan, segments=segments)))
+    assert not report.errors and "GF703" in {d.code for d in report.diagnostics}
+
+
 @given(valid_plans())
 def test_plans_round_trip_through_yaml(plan: Plan):
     assert loads_plan(dump_plan(plan)) == plan

@@ -131,7 +131,8 @@ class TestFailure:
         import functools
         import threading
 
-        from graphflow import toy
+        monkeypatch.syspath_prepend("plans")  # the module the plan names, as the CLI imports it
+        import toy_model as toy
 
         build = toy.build_toy
 
@@ -259,11 +260,11 @@ class TestProgressDisplay:
 
 
 #: A plan with one channel used by both segments of its one region (world size 1: the
-#: all-reduce is the identity). The factory is put on ``graphflow.toy`` by the fixture.
+#: all-reduce is the identity). The factory is put on ``plans.toy_model`` by the fixture.
 CHANNEL_PLAN = """\
 graphflow: 1
 name: toy-channel
-model: "graphflow.toy:channel_model_for_test"
+model: "plans.toy_model:channel_model_for_test"
 symbols: {B: [1, 2]}
 streams:
   s0: {device: "cuda:0"}
@@ -300,7 +301,7 @@ class ChannelModel:
 
 @pytest.fixture
 def channel_plan(tmp_path, monkeypatch):
-    import graphflow.toy
+    import plans.toy_model
 
     built = []
 
@@ -308,7 +309,7 @@ def channel_plan(tmp_path, monkeypatch):
         built.append(channels)
         return ChannelModel(channels)
 
-    monkeypatch.setattr(graphflow.toy, "channel_model_for_test", factory, raising=False)
+    monkeypatch.setattr(plans.toy_model, "channel_model_for_test", factory, raising=False)
     monkeypatch.delenv("GRAPHFLOW_TRACE", raising=False)
     path = tmp_path / "channel.yaml"
     path.write_text(CHANNEL_PLAN)

@@ -9,7 +9,7 @@ import torch
 from graphflow.engine import CudaBackend, RunOptions, run_pipeline
 from graphflow.plan import Buffer, BufferRole, Descriptor, Mode
 from graphflow.runtime import FallbackReason, Runner
-from graphflow.toy import build_toy, toy_plan
+from plans.toy_model import build_toy, toy_plan
 
 P, F = Mode.PIECEWISE, Mode.FULL
 

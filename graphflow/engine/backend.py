@@ -473,11 +473,12 @@ class CudaBackend(Backend):
 
     def release_pool(self, pool: object) -> None:
         # The pool has no handle to free: its blocks return once every graph using it is
-        # reset; emptying the cache hands them back to the driver. cuBLAS keeps a
-        # workspace per stream it ran on (32 MiB on Hopper), so the capture streams'
-        # would outlive the pipeline: clear them, as torch's own leak checks do.
+        # reset; emptying the cache hands them back to the driver. cuBLAS's per-stream
+        # workspaces stay: every graph that ran a matmul replays into the workspace it
+        # captured, and clearing them (one call for all streams) would free the memory
+        # under the process's other live graphs, another engine's, torch.compile's or the
+        # user's own. They are cuBLAS's cache, bounded by torch's pool of streams.
         torch.cuda.synchronize()
-        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
     def synchronize(self, device: torch.device) -> None:

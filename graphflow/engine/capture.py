@@ -60,9 +60,10 @@ class Captured:
 
 def open_capture(ctx: Context) -> Captured:
     """Freeze the collector and install the JIT tripwires for the captures to come."""
-    gc.collect()
     # Everything alive now leaves the collector's generations: a collection during capture
-    # scans only what capture creates, and stays short.
+    # scans only what capture creates, and stays short. No full collection first: in a
+    # process holding a framework and a model it costs tens of milliseconds or more, and
+    # the garbage it would find is only kept until the unfreeze.
     gc.freeze()
     unfreeze = ctx.stack.push("unfreeze the garbage collector", gc.unfreeze)
     # A JIT compile or module load while a stream captures becomes a named CaptureError

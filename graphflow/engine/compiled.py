@@ -315,12 +315,16 @@ def _watched() -> bool:
 @contextlib.contextmanager
 def _unwatched() -> Iterator[None]:
     """Every torch function and dispatch mode set aside (and put back after), so dynamo
-    compiles and the modes see nothing of the compiled code."""
+    compiles and the detectors see nothing of the compiled code (its autotuning
+    synchronizes)."""
     import torch
     from torch.overrides import _pop_mode_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from graphflow.detectors import aside
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(aside())  # and the detectors' synchronize wrappers
         for _ in range(torch._C._len_torch_function_stack()):
             stack.enter_context(_pop_mode_temporarily())
         stack.enter_context(_disable_current_modes())

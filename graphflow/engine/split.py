@@ -127,7 +127,12 @@ class Splitter:
                                    "never gave it (another call order or other shapes)", segment=self.name,
                                    hint="a segment with breaks must call its submodules in the same order with "
                                         "the same shapes at every size: move the varying work out of the segment")
-            made = self.ctx.backend.cut(functools.partial(self._between, original, args, kwargs, template))
+            detectors = self._detectors()
+            # Ending one graph and beginning the next is no work of the segment (beginning a
+            # capture resets the random generator's graph-safe state, one fill_ off the
+            # capture stream), nor is allocating the outputs the next graph reads.
+            with detectors.eager() if detectors is not None else contextlib.nullcontext():
+                made = self.ctx.backend.cut(functools.partial(self._between, original, args, kwargs, template))
             if made is not None:
                 return made
         self._active = False  # a break inside this submodule is part of it

@@ -17,7 +17,7 @@ from graphflow.events import EventKind, Phase
 from graphflow.integrations.dsv4.plans import plan_variant
 from graphflow.plan import Mode
 from graphflow.runtime import Runner
-from graphflow.toy import build_toy, toy_plan
+from plans.toy_model import build_toy, toy_plan
 from tests.cuda.test_cuda_engine import TrackingBackend, assert_clean, baseline, gc_calls  # noqa: F401 - a fixture
 from tests.test_compiled import Probe, probe_plan
 

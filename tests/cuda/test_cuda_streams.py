@@ -149,8 +149,8 @@ def assert_clean(backend: TrackingBackend, start: int):
         with torch.cuda.stream(stream):
             assert not torch.cuda.is_current_stream_capturing(), stream
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
-    torch.cuda.synchronize()
-    assert abs(torch.cuda.memory_allocated() - start) <= MiB, (torch.cuda.memory_allocated(), start)
+    after = baseline()
+    assert abs(after - start) <= MiB, (after, start)
 
 
 def baseline() -> int:

@@ -103,7 +103,7 @@ def toy_plan(layers: int = 3, *, hidden: int = 32, vocab: int = 64, sizes: Seque
     segments.append(Segment("head", SegmentKind.GRAPH, "head", reads=("x",), writes=("logits",), stream="s0"))
     return Plan(
         name=f"toy-{layers}l{'-full' if full else ''}", buffers=buffers, streams=[Stream("s0", device)],
-        segments=segments, prewarm=prewarm, symbols={}, model="graphflow.toy:build_toy",
+        segments=segments, prewarm=prewarm, symbols={}, model="plans.toy_model:build_toy",
         model_args={"layers": layers, "hidden": H, "vocab": V, "seed": 0},
         capture=CaptureSettings(modes=tuple(modes), sizes=tuple(sizes), warmup_iters=warmup_iters, atol=atol, rtol=rtol),
     )
