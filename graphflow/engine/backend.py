@@ -451,8 +451,8 @@ class CudaBackend(Backend):
                     graph.capture_end()
             if torch.cuda.current_stream(stream.device) != before:
                 torch.cuda.set_stream(before)
+            recover_from_failed_capture(stream.device, pool)
             graph.reset()
-            recover_generators(stream.device)
             raise
         if self.debug_graphs:
             graph.instantiate()  # kept graphs instantiate lazily: do it here, as capture_end would
@@ -524,16 +524,23 @@ class CudaBackend(Backend):
         return run
 
 
-def recover_generators(device: torch.device) -> None:
-    """Put the device's CUDA random generator back outside capture after a capture that
-    failed to end.
+def recover_from_failed_capture(device: torch.device, pool: object | None) -> None:
+    """Put the allocator and the device's random generator back outside capture after a
+    capture that failed to end.
 
     A capture invalidated midway (a host sync in it) fails in ``capture_end`` before torch
-    runs its generator epilogue: the default generator still counts itself inside a
-    capture, and every later random op on the device fails with "Offset increment outside
-    graph capture encountered unexpectedly". An empty capture, begun and ended, runs the
-    prologue and the epilogue and sets it right; it records nothing and holds no memory.
+    runs its epilogue. The caching allocator still routes the stream's allocations to
+    ``pool`` ("already recording to mempool_id" at the next capture into it: vLLM captures
+    every size into one pool), so that recording is ended here. And the default generator
+    still counts itself inside a capture, so every later random op on the device fails
+    with "Offset increment outside graph capture encountered unexpectedly": an empty
+    capture, begun and ended, runs the prologue and the epilogue and sets it right; it
+    records nothing and holds no memory.
     """
+    if pool is not None:
+        with contextlib.suppress(RuntimeError):  # ended already: the capture got that far
+            torch._C._cuda_endAllocateToPool(device.index if device.index is not None else
+                                             torch.cuda.current_device(), pool)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be

@@ -136,7 +136,8 @@ def _release_frames(error: BaseException) -> None:
     still counts itself inside a capture, so every later random op fails ("Offset
     increment outside graph capture"). vLLM's wrapper keeps that graph only in its frame,
     so here, before the frame goes: end the capture if it is still open, reset the graph
-    and set the generator right (``recover_generators``), as graphflow's own backend does.
+    and put the allocator and the generator right (``recover_from_failed_capture``), as
+    graphflow's own backend does.
     """
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
@@ -158,7 +159,7 @@ def _release_frames(error: BaseException) -> None:
 def _end_graphs(values) -> None:
     import torch
 
-    from graphflow.engine.backend import recover_generators
+    from graphflow.engine.backend import recover_from_failed_capture
 
     for value in list(values):
         graph = value if isinstance(value, torch.cuda.CUDAGraph) else getattr(value, "cuda_graph", None)
@@ -170,6 +171,9 @@ def _end_graphs(values) -> None:
                 if torch.cuda.is_current_stream_capturing():
                     with contextlib.suppress(RuntimeError):
                         graph.capture_end()
+        pool = None
+        with contextlib.suppress(RuntimeError):
+            pool = graph.pool()
+        recover_from_failed_capture(torch.device("cuda", torch.cuda.current_device()), pool)
         with contextlib.suppress(RuntimeError):
             graph.reset()
-        recover_generators(torch.device("cuda", torch.cuda.current_device()))
