@@ -192,26 +192,37 @@ def main() -> int:
     sizes = (4, 2, 1) if args.smoke else (tuple(int(s) for s in args.sizes.split(",")) if args.sizes else None)
     results = {"device": torch.cuda.get_device_name(0) if backend == "cuda" else "cpu", "torch": torch.__version__,
                "layers": overrides["n_layers"], "plans": {}}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def done(what: str) -> None:
+        # Each run is saved and told as it ends: a run cut short by a deadline keeps the rest.
+        (out / "ready.json").write_text(json.dumps(results, indent=2))
+        print(f"ready_bench: {what} done, {time.perf_counter() - started:.1f} s in", flush=True)
+
+    started = time.perf_counter()
     for name in args.plans.split(","):
         plan = plan_variant(PLANS[name], sizes=sizes, **overrides)
         t = time.perf_counter()
         model = build_model(plan, {"device": torch.device(backend if backend == "cpu" else "cuda:0"), "plan": plan})
         sync()
         built = time.perf_counter()
-        rows = {"hand loop": hand_loop(plan, model, backend)}
-        rows["graphflow bare"] = graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))
-        rows["graphflow default"] = graphflow_run(plan, model, RunOptions(backend=backend))
+        rows: dict = {}
         entry = {"descriptors": len(plan.descriptors()), "build_s": built - t, "rows": rows}
+        results["plans"][name] = entry
+        for run, measure in (("hand loop", lambda: hand_loop(plan, model, backend)),
+                             ("graphflow bare", lambda: graphflow_run(
+                                 plan, model, RunOptions(backend=backend, verify=False, detectors=False))),
+                             ("graphflow default", lambda: graphflow_run(plan, model, RunOptions(backend=backend)))):
+            rows[run] = measure()
+            done(f"{name} {run} ({rows[run]['total_s']:.2f} s)")
         if name == "FULL":
             model_built = time.perf_counter()
             entry["lazy"] = lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
                                      args.lazy_timeout_s)
-        results["plans"][name] = entry
+            done(f"{name} lazy")
         del model
         gc.collect()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ready.json").write_text(json.dumps(results, indent=2))
     _print(results)
     return 0
 

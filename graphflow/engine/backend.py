@@ -353,7 +353,8 @@ class CudaBackend(Backend):
     """``torch.cuda.CUDAGraph`` regions on explicit per-device streams and one pool per device.
 
     Capture on a non-default GPU needs a stream created on that device: with only
-    ``set_device`` the graph records nothing or replays stale data (seed 002).
+    ``set_device``, the capture runs on another device's stream, and the graph records
+    nothing or replays stale data.
 
     Buffers may also live on ``cpu``: host memory the runner fills with a plain copy and
     only eager segments read (validation rule GF302 keeps graph segments off them), as
