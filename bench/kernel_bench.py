@@ -38,9 +38,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from graphflow.events import Event, EventKind, Phase  # noqa: E402
+from graphflow.events import Phase  # noqa: E402
 from graphflow.integrations.dsv4.kernels import jit_kernel  # noqa: E402
 from graphflow.jit import JitRegistry  # noqa: E402
+from graphflow.locus import Locus  # noqa: E402
 
 BATCHES = (1, 8, 32, 128, 512)
 ROWS = (2048, 8192)
@@ -152,14 +153,19 @@ def prewarm_61l() -> dict | None:
             first = time.perf_counter() - start
             result[str(spec)] = {"compile_ms": compiled * 1e3, f"cache_{how}_ms": loaded * 1e3,
                                  "first_launch_ms": first * 1e3}
-        registry.on_event(Event(EventKind.PIPELINE_BEGIN))
-        registry.on_event(Event(EventKind.PHASE_BEGIN, phase=Phase.WARMUP))
-        for i, args in enumerate(calls):
-            registry.on_event(Event(EventKind.SEGMENT_BEGIN, segment=f"L{i}.pre"))
-            kernel(*args)
-            registry.on_event(Event(EventKind.SEGMENT_END, segment=f"L{i}.pre"))
-        registry.on_event(Event(EventKind.PHASE_BEGIN, phase=Phase.PREWARM))
-        report = registry.prewarm({torch.device("cuda", torch.cuda.current_device()): torch.cuda.Stream()})
+        # A pipeline's warmup as the registry follows it (run_pipeline attaches it to its
+        # locus): each segment launches its specialization, then the prewarm phase.
+        locus = Locus()
+        registry.attach(locus)
+        try:
+            with locus.at(phase=Phase.WARMUP):
+                for i, args in enumerate(calls):
+                    with locus.segment(f"L{i}.pre"):
+                        kernel(*args)
+            with locus.at(phase=Phase.PREWARM):
+                report = registry.prewarm({torch.device("cuda", torch.cuda.current_device()): torch.cuda.Stream()})
+        finally:
+            registry.detach(locus)
         result["prewarm"] = {"ms": report.seconds * 1e3, "summary": report.summary()}
     return result
 
@@ -184,9 +190,15 @@ def main(argv=None) -> int:
         line += f"  {ratio:>11.3f}  " if ratio is not None else f"  {'-':>11}  "
         line += " ".join(f"{row[f'{n}_eager_us']:>11.1f}" for n in names)
         print(line)
-    prewarm = prewarm_61l() if "cute" in names else None
+    try:
+        prewarm = prewarm_61l() if "cute" in names else None
+    except Exception as exc:  # noqa: BLE001 - the kernel rows above are kept either way
+        prewarm = {"error": f"{type(exc).__name__}: {exc}"}
     if prewarm is not None:
         for spec, numbers in prewarm.items():
+            if not isinstance(numbers, dict):  # the error that stopped it
+                print(f"prewarm: {numbers}")
+                continue
             print(f"{spec}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k}: {v}"
                                           for k, v in numbers.items()))
     args.out.mkdir(parents=True, exist_ok=True)
