@@ -525,7 +525,7 @@ class CudaBackend(Backend):
         return run
 
 
-def recover_from_failed_capture(device: torch.device, pool: object | None) -> None:
+def recover_from_failed_capture(device: torch.device | None, pool: object | None) -> None:
     """Put the allocator and the device's random generator back outside capture after a
     capture that failed to end.
 
@@ -536,8 +536,13 @@ def recover_from_failed_capture(device: torch.device, pool: object | None) -> No
     still counts itself inside a capture, so every later random op on the device fails
     with "Offset increment outside graph capture encountered unexpectedly": an empty
     capture, begun and ended, runs the prologue and the epilogue and sets it right; it
-    records nothing and holds no memory.
+    records nothing and holds no memory. ``device`` None: the current one. Without CUDA
+    there is neither to put back.
     """
+    if not torch.cuda.is_available():
+        return
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if pool is not None:
         with contextlib.suppress(RuntimeError):  # ended already: the capture got that far
             torch._C._cuda_endAllocateToPool(device.index if device.index is not None else

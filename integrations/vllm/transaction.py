@@ -171,9 +171,9 @@ def _end_graphs(values) -> None:
                 if torch.cuda.is_current_stream_capturing():
                     with contextlib.suppress(RuntimeError):
                         graph.capture_end()
-        pool = None
+        pool = getattr(graph, "pool", None)
         with contextlib.suppress(RuntimeError):
-            pool = graph.pool()
-        recover_from_failed_capture(torch.device("cuda", torch.cuda.current_device()), pool)
+            pool = pool() if pool is not None else None
+        recover_from_failed_capture(None, pool)
         with contextlib.suppress(RuntimeError):
             graph.reset()
