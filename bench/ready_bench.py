@@ -18,7 +18,8 @@ In one process, on one model (the weights built once and shared), for each plan 
   bit-exact to the plan's eager step on the same (padded) inputs.
 
 Prints a table of total / warmup / capture / verify seconds with each row's ratio to the
-hand loop, and writes ``ready.json`` to ``--out``. Targets: default within 1.25x of the
+hand loop, and writes ``ready.json`` to ``--out`` (``ready-full.json`` for ``--plans FULL``
+alone, and so on, so that one call per plan keeps both). Targets: default within 1.25x of the
 hand loop, bare at or below 1.0x, lazy first step within 2 s of the model being built.
 """
 
@@ -194,14 +195,16 @@ def main() -> int:
                "layers": overrides["n_layers"], "plans": {}}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    chosen = args.plans.split(",")
+    name_of_file = "ready.json" if sorted(chosen) == sorted(PLANS) else f"ready-{'-'.join(chosen).lower()}.json"
 
     def done(what: str) -> None:
         # Each run is saved and told as it ends: a run cut short by a deadline keeps the rest.
-        (out / "ready.json").write_text(json.dumps(results, indent=2))
+        (out / name_of_file).write_text(json.dumps(results, indent=2))
         print(f"ready_bench: {what} done, {time.perf_counter() - started:.1f} s in", flush=True)
 
     started = time.perf_counter()
-    for name in args.plans.split(","):
+    for name in chosen:
         plan = plan_variant(PLANS[name], sizes=sizes, **overrides)
         t = time.perf_counter()
         model = build_model(plan, {"device": torch.device(backend if backend == "cpu" else "cuda:0"), "plan": plan})
