@@ -53,7 +53,8 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "make_backend"]
+__all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "WorkspaceClearedWarning", "make_backend",
+           "workspace_watch"]
 
 Call = Callable[[], object]
 
@@ -392,7 +393,9 @@ class CudaBackend(Backend):
             raise ValueError("a graph segment on cpu cannot be captured by the cuda backend — put its buffers "
                              "and stream on a cuda device, or make it an eager segment")
         with torch.cuda.device(device):
-            return torch.cuda.graph_pool_handle()
+            pool = torch.cuda.graph_pool_handle()
+        workspace_watch.hold(pool)
+        return pool
 
     def new_event(self, device: torch.device) -> object:
         if device.type == "cpu":
@@ -481,6 +484,7 @@ class CudaBackend(Backend):
         # user's own. They are cuBLAS's cache, bounded by torch's pool of streams.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        workspace_watch.release(pool)
 
     def synchronize(self, device: torch.device) -> None:
         if device.type != "cpu":
@@ -523,6 +527,69 @@ class CudaBackend(Backend):
             return [start.elapsed_time(stop) / 1000.0 for start, stop in events]
 
         return run
+
+
+class WorkspaceClearedWarning(UserWarning):
+    """cuBLAS's workspaces were cleared while graphflow holds captured graphs."""
+
+
+class _WorkspaceWatch:
+    """Warns when cuBLAS's workspaces are cleared while graphflow holds graph pools.
+
+    ``torch._C._cuda_clearCublasWorkspaces`` frees the workspace of every stream at once,
+    and torch.compile's reduce-overhead mode calls it whenever it records its graphs
+    (``torch._inductor.cudagraph_trees.clear_cublas_manager``). A graph that ran a matmul
+    replays into the workspace it captured: after the clear, into freed memory, giving
+    wrong results or an illegal memory access long after the cause. While any pool is
+    held the call is wrapped to say so at the moment it happens; the wrapper goes with
+    the last pool. The clear itself still runs: torch.compile's own graphs rely on it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[int, object] = {}
+        self._original: Callable[[], None] | None = None
+
+    def hold(self, pool: object) -> None:
+        with self._lock:
+            self._pools[id(pool)] = pool
+            if self._original is None and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                self._original = original = torch._C._cuda_clearCublasWorkspaces
+
+                def clearing() -> None:  # a reference kept past the release still clears
+                    self._warn()
+                    original()
+
+                torch._C._cuda_clearCublasWorkspaces = clearing
+
+    def release(self, pool: object) -> None:
+        with self._lock:
+            self._pools.pop(id(pool), None)
+            if not self._pools:
+                self._unwrap()
+
+    def reset(self) -> None:
+        """Forget every pool and put torch's function back (tests)."""
+        with self._lock:
+            self._pools.clear()
+            self._unwrap()
+
+    def _unwrap(self) -> None:
+        if self._original is not None:
+            torch._C._cuda_clearCublasWorkspaces = self._original
+            self._original = None
+
+    def _warn(self) -> None:
+        if self._pools:
+            warnings.warn(WorkspaceClearedWarning(
+                f"cuBLAS's workspaces are being cleared (torch.compile(mode='reduce-overhead') does it when it "
+                f"records its CUDA graphs) while graphflow holds {len(self._pools)} graph pool(s): graphs captured "
+                "before replay their matmuls into freed memory — warm torch.compile up before graphflow captures, "
+                "or compile the segments inside the plan (compile: inductor); see docs/compile.md"), stacklevel=3)
+
+
+#: The process's one watch over cuBLAS's workspaces (see ``_WorkspaceWatch``).
+workspace_watch = _WorkspaceWatch()
 
 
 def recover_from_failed_capture(device: torch.device | None, pool: object | None) -> None:

@@ -517,3 +517,18 @@ def test_closing_an_engine_leaves_the_processs_other_graphs_working():
 
     done = subprocess.run([sys.executable, "-c", OTHER_GRAPH], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_torch_compiles_own_graphs_recorded_beside_a_live_engine_warn():
+    """torch.compile(reduce-overhead) clears cuBLAS's workspaces as it records: the engine's
+    graphs would replay into freed memory, and the user hears it then, not at a crash."""
+    from graphflow.engine.backend import WorkspaceClearedWarning
+
+    plan = toy_plan(1, full=True, modes=(Mode.FULL,), sizes=(2,))
+    with run_pipeline(plan, RunOptions(backend="cuda"), model=build_toy(1, device="cuda")):
+        weight = torch.randn(64, 64, device="cuda")
+        step = torch.compile(lambda x: (x @ weight).relu(), mode="reduce-overhead")
+        with pytest.warns(WorkspaceClearedWarning, match="warm torch.compile up before graphflow captures"):
+            for _ in range(3):
+                step(torch.randn(8, 64, device="cuda"))
+    torch._dynamo.reset()
