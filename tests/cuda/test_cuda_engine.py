@@ -20,6 +20,7 @@ from graphflow.plan import Channel, ChannelKind, Descriptor, Mode, Prewarm
 from graphflow.runtime import Runner
 from graphflow.session import Session
 from plans.toy_model import build_toy, toy_plan
+from tests.cuda.memory import allocated as baseline
 from tests.source_markers import marked
 
 pytestmark = pytest.mark.cuda
@@ -134,15 +135,6 @@ def assert_clean(backend: TrackingBackend, start: int, gc_calls: list):
     print(f"gc freeze count after rollback: {gc.get_freeze_count()} (engine calls: {gc_calls})")
     after = baseline()
     assert abs(after - start) <= MiB, (after, start)
-
-
-def baseline() -> int:
-    """Allocated bytes now, after collecting garbage and without cuBLAS's per-stream
-    workspaces (torch's own leak checks measure the same way)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    return torch.cuda.memory_allocated()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ use, and closing the session must give the GPU memory back.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from graphflow.engine import RunOptions
 from graphflow.integrations.hf import greedy
 from graphflow.session import Session
+from tests.cuda.memory import allocated
 from tests.hf_examples import MODELS, example, hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -71,17 +71,9 @@ class TestCudaHuggingFace:
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_closing_gives_the_gpu_memory_back(mode):
     module, plan = example("hf_llama")
-    before = _allocated()
+    before = allocated()
     with Session(plan.with_modes([mode]), RunOptions(backend="cuda")) as session:
         session.capture()
         greedy(session.runner, torch.zeros(2, 2, dtype=torch.long, device="cuda:0"), 4)
-    assert _allocated() - before < 1 << 20
+    assert allocated() - before < 1 << 20
 
-
-def _allocated() -> int:
-    """Allocated bytes without garbage or cuBLAS's per-stream workspaces (its cache, which
-    the engine leaves: other live graphs replay into it)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    return torch.cuda.memory_allocated()

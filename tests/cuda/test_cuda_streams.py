@@ -21,6 +21,7 @@ from graphflow.events import EventKind, Phase
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 from graphflow.runtime import Runner
 from test_cuda_engine import TrackingBackend
+from tests.cuda.memory import allocated as baseline
 
 pytestmark = pytest.mark.cuda
 
@@ -151,12 +152,6 @@ def assert_clean(backend: TrackingBackend, start: int):
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     after = baseline()
     assert abs(after - start) <= MiB, (after, start)
-
-
-def baseline() -> int:
-    torch.cuda.synchronize()
-    torch._C._cuda_clearCublasWorkspaces()
-    return torch.cuda.memory_allocated()
 
 
 class TestRollback:
