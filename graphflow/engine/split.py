@@ -120,6 +120,7 @@ class Splitter:
         here = self.ctx.locus.here
         cutting = (here.phase is Phase.CAPTURE and here.descriptor is not None
                    and here.descriptor.mode is Mode.PIECEWISE)
+        detectors = self._detectors()
         if cutting:
             template = self._templates.get(key)
             if template is None:
@@ -127,7 +128,6 @@ class Splitter:
                                    "never gave it (another call order or other shapes)", segment=self.name,
                                    hint="a segment with breaks must call its submodules in the same order with "
                                         "the same shapes at every size: move the varying work out of the segment")
-            detectors = self._detectors()
             # Ending one graph and beginning the next is no work of the segment (beginning a
             # capture resets the random generator's graph-safe state, one fill_ off the
             # capture stream), nor is allocating the outputs the next graph reads.
@@ -136,7 +136,6 @@ class Splitter:
             if made is not None:
                 return made
         self._active = False  # a break inside this submodule is part of it
-        detectors = self._detectors()
         # Run eagerly at replay (PIECEWISE), it may read values on the host, as an eager
         # segment may; captured inside a FULL graph, it is watched like the rest.
         eager = detectors is not None and (here.descriptor is None or here.descriptor.mode is Mode.PIECEWISE)
