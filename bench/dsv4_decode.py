@@ -70,13 +70,12 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor
 import attrs  # noqa: E402
 
 from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
-from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
 from graphflow.plan import BufferRole, Compile  # noqa: E402
 from graphflow.integrations.dsv4 import build_model  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
 from graphflow.runtime import Runner  # noqa: E402
-from bench.timing import guard as _guard, sync as _sync, time_ms as _time  # noqa: E402
+from bench.timing import guard as _guard, sync as _sync, time_ms as _time, verified_or_not  # noqa: E402
 
 STARTED = time.perf_counter()
 POSITION = 200  # sequence b decodes token POSITION + 1 + b % compress_every: ~50 compressed entries + a short tail
@@ -292,16 +291,9 @@ def _compiled_variant(plan, atol: float):
 def _compiled_pipeline(plan, args, model) -> tuple[object, dict]:
     """Run the compiled FULL plan; if its verify fails, record why and capture it again unverified."""
     start = time.perf_counter()
-    try:
-        return run_pipeline(plan, RunOptions(backend=args.backend), model=model), {
-            "pipeline_s": time.perf_counter() - start}
-    except CaptureError as error:
-        if error.phase != Phase.VERIFY.value:
-            raise
-        failed = {"verify_error": str(error)[:800], "first_pipeline_s": time.perf_counter() - start}
-    start = time.perf_counter()
-    engine = run_pipeline(plan, RunOptions(backend=args.backend, verify=False), model=model)
-    return engine, {**failed, "pipeline_s": time.perf_counter() - start, "verified": False}
+    engine, notes = verified_or_not(lambda verify: run_pipeline(plan, RunOptions(backend=args.backend, verify=verify),
+                                                                model=model))
+    return engine, {**notes, "pipeline_s": time.perf_counter() - start - notes.get("first_pipeline_s", 0.0)}
 
 
 def _logits_diff(reference, engine, size: int, inputs: dict) -> float:

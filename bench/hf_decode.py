@@ -17,9 +17,9 @@ the cache between rounds, outside the timing). A new column is one more row:
 * ``graphflow PIECEWISE`` / ``graphflow FULL``: the plan ``decode_plan`` writes (the one
   examples/hf_*/decode.yaml spell), captured through ``Session`` at every size, run
   with ``Runner.run(tokens=...)``; PIECEWISE cuts the forward at every ``self_attn``;
-* ``hand-written graph``: ``torch.cuda.CUDAGraph`` over the same forward and a
-  StaticCache of its own, tokens copied into a static input before each replay (the
-  work the runner does);
+* ``hand-written graph``: ``torch.cuda.CUDAGraph`` over the same forward, on the
+  same weights as graphflow FULL and a StaticCache of its own, tokens copied into a
+  static input before each replay (the work the runner does);
 * ``torch.compile``: ``torch.compile(model.forward, mode="reduce-overhead")`` on its own
   StaticCache (initialized eagerly first, as transformers recommends), one compile per
   batch size; its warm-up time, and whether inductor skipped CUDA graphs, are recorded.
@@ -158,7 +158,11 @@ def _graphflow(mode: str):
 
 
 def _hand_graph(bench: Bench, size: int) -> Prepared:
-    model = bench.model()
+    # The weights graphflow FULL runs on (a cache of its own): the two graphs run the same
+    # kernels, so they are compared on the same memory too; apart, where each copy of the
+    # weights lies moved either column by several percent from run to run.
+    session = bench.sessions.get("FULL")
+    model = session.engine.model if session is not None else bench.model()
     cache, tokens = bench.cache(model, size), bench.tokens(size)
     static = tokens.clone()
     stream = torch.cuda.Stream()

@@ -7,7 +7,7 @@ import traceback
 
 import torch
 
-__all__ = ["guard", "sync", "time_ms"]
+__all__ = ["guard", "sync", "time_ms", "verified_or_not"]
 
 
 def sync() -> None:
@@ -34,3 +34,20 @@ def guard(record: dict, key: str, measure) -> None:
     except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the others
         traceback.print_exc()
         record.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:800]
+
+
+def verified_or_not(run):
+    """``run(verify)`` with verify on; if verify refuses it (compiled segments beyond the
+    plan's tolerance), the refusal recorded and ``run(False)``: the speed is still measured,
+    and the table says the capture was not verified. ``(result, notes)``."""
+    from graphflow.errors import CaptureError
+    from graphflow.events import Phase
+
+    start = time.perf_counter()
+    try:
+        return run(True), {}
+    except CaptureError as error:
+        if error.phase != Phase.VERIFY.value:
+            raise
+        notes = {"verify_error": str(error)[:800], "first_pipeline_s": time.perf_counter() - start, "verified": False}
+    return run(False), notes

@@ -1071,3 +1071,61 @@ class TestDetectorScope:
 
         assert (RunOptions(detectors=True).detectors, RunOptions(detectors=False).detectors) == (Watch.FIRST,
                                                                                                  Watch.OFF)
+
+
+class TestVerifyCopies:
+    """Verify's snapshots: one pass to compare, memory reused across descriptors."""
+
+    def test_floats_are_compared_by_their_bits(self):
+        from graphflow.engine.verify import _equal
+
+        a = torch.tensor([1.0, float("nan"), 0.0])
+        assert bool(_equal(a, a.clone()))
+        assert not bool(_equal(torch.tensor([0.0]), torch.tensor([-0.0]))), "bit for bit: -0.0 is not 0.0"
+        other_nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+        assert not bool(_equal(torch.tensor([float("nan")]), other_nan)), "a NaN of other bits differs"
+        b = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+        assert bool(_equal(b[:, 1:], b.clone()[:, 1:])), "views that are not contiguous compare too"
+        assert not bool(_equal(torch.tensor([1, 2]), torch.tensor([1, 3])))
+
+    def test_copies_take_each_size_into_the_same_memory(self):
+        from graphflow.engine.buffers import Copies, StaticBuffers
+
+        plan = toy_plan(1, device="cpu", sizes=(1, 4))
+        buffers = StaticBuffers(plan, 4, lambda _: torch.device("cpu"))
+        copies = Copies(buffers, ["x", "logits"])
+        rooms = {n: t.data_ptr() for n, t in copies.tensors.items()}
+        for size in (4, 1):
+            views = buffers.views(size)
+            views["x"].copy_(torch.randn_like(views["x"]))
+            taken = copies.take(views, size)
+            assert taken["x"].shape == views["x"].shape and torch.equal(taken["x"], views["x"])
+            assert {n: t.data_ptr() for n, t in taken.items()} == rooms
+            views["x"].zero_()
+            assert not torch.equal(taken["x"], views["x"]), "a copy, not a view of the buffer"
+        copies.clear()
+        assert copies.tensors == {}
+
+    def test_the_snapshots_are_made_once_and_freed_before_commit(self, monkeypatch):
+        from graphflow.engine.buffers import Copies
+
+        plan, model, rig = rigged(sizes=(1, 2, 4))
+        seen = []
+        made, cleared = Copies.__init__, Copies.clear
+        monkeypatch.setattr(Copies, "__init__", lambda self, *a: (seen.append(("made", rig.phase)), made(self, *a))[1])
+        monkeypatch.setattr(Copies, "clear", lambda self: (seen.append(("freed", rig.phase)), cleared(self))[1])
+        with run(plan, model, rig) as engine:
+            assert all(r.bit_exact for r in engine.report.verify) and len(engine.report.verify) == 3
+        assert seen[:4] == [("made", Phase.ALLOCATE)] * 2 + [("freed", Phase.VERIFY)] * 2, "not one per descriptor"
+
+    def test_a_bit_exact_replay_leaves_the_state_it_wrote_in_place(self):
+        from graphflow.engine.verify import VerifyResult, _still_to_restore
+
+        expected = {"cache": torch.ones(2), "x": torch.ones(2)}
+        kept = {"cache": expected["cache"], "other": torch.zeros(2)}
+        exact = VerifyResult(Descriptor(P, 2), ("cache", "x"), 0.0, True)
+        assert set(_still_to_restore(kept, expected, exact, referenced=False)) == {"other"}
+        assert _still_to_restore(kept, expected, attrs.evolve(exact, bit_exact=False), referenced=False) == kept
+        assert _still_to_restore(kept, expected, exact, referenced=True) == kept, "the reference ran since"
+        cloned = {"cache": expected["cache"].clone()}
+        assert _still_to_restore(cloned, expected, exact, referenced=False) == cloned, "a copy made here goes back"

@@ -17,7 +17,7 @@ import torch
 
 from graphflow.engine.adopt import adopt, attach
 from graphflow.engine.binding import build_model, resolve
-from graphflow.engine.buffers import StaticBuffers
+from graphflow.engine.buffers import Copies, StaticBuffers
 from graphflow.engine.calls import prepare, reference
 from graphflow.engine.compiled import compile_segments
 from graphflow.engine.context import Context
@@ -73,6 +73,11 @@ class Allocation:
     @property
     def detectors(self):
         return self.owned.detectors
+
+    @property
+    def snapshots(self) -> tuple[Copies, Copies] | None:
+        """Warmup's room for verify's start and expected copies (``Copies``), while verify needs them."""
+        return self.owned.snapshots
 
     @property
     def reference(self):
@@ -155,6 +160,9 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
     buffers = StaticBuffers(plan, largest, lambda n: devices[n], given=given)
     stack.push("free the static buffers", buffers.clear)
     attach(adopted, buffers.tensors)
+    if ctx.options.verify and ctx.verify_plan.reuses_warmup:
+        owned.snapshots = (Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written))
+        stack.push("free verify's snapshots", owned.free_snapshots)
     if ctx.options.detectors is not Watch.OFF:
         owned.detectors = _detectors(ctx, buffers, model)
     return Allocation(devices, baseline, streams, pools, schedules, buffers, owned)
@@ -169,6 +177,16 @@ class _Owned:
     hooks: dict = attrs.field(factory=dict)
     detectors: object = None
     reference: object = None
+    #: Where warmup copies the step's start and what it wrote for verify (``Copies``), or None.
+    snapshots: tuple[Copies, Copies] | None = None
+
+    def free_snapshots(self) -> None:
+        """Give verify's snapshot memory back: once every descriptor is verified it holds
+        nothing anyone reads."""
+        if self.snapshots is not None:
+            for copies in self.snapshots:
+                copies.clear()
+            self.snapshots = None
 
     def drop(self) -> None:
         self.model = None

@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import ctypes
 import enum
+import functools
 import threading
 import time
 import warnings
@@ -592,21 +594,38 @@ class _WorkspaceWatch:
 workspace_watch = _WorkspaceWatch()
 
 
-def recover_from_failed_capture(device: torch.device | None, pool: object | None) -> None:
+def recover_from_failed_capture(device: torch.device | None, pool: object | None, graph: object | None = None,
+                                stream: object | None = None) -> None:
     """Put the allocator and the device's random generator back outside capture after a
     capture that failed to end.
 
-    A capture invalidated midway (a host sync in it) fails in ``capture_end`` before torch
-    runs its epilogue. The caching allocator still routes the stream's allocations to
-    ``pool`` ("already recording to mempool_id" at the next capture into it: vLLM captures
-    every size into one pool), so that recording is ended here. And the default generator
-    still counts itself inside a capture, so every later random op on the device fails
-    with "Offset increment outside graph capture encountered unexpectedly": an empty
-    capture, begun and ended, runs the prologue and the epilogue and sets it right; it
-    records nothing and holds no memory. ``device`` None: the current one. Without CUDA
-    there is neither to put back.
+    A capture invalidated midway (a host sync in it) fails in ``capture_end`` at
+    ``cudaStreamEndCapture``, before torch runs the rest of it: the caching allocators
+    (device and pinned host) still route the stream's allocations to the graph's pool
+    ("already recording to mempool_id" at the next capture into it: vLLM captures every
+    size into one pool), and the default generator still counts itself inside a capture,
+    so every later random op on the device fails with "Offset increment outside graph
+    capture encountered unexpectedly". torch has no call that finishes such a capture.
+
+    Given the ``graph`` (a ``CUDAGraph`` whose capture failed) and its capture
+    ``stream``, an empty capture is begun on that stream (through the CUDA driver, not
+    torch, so torch's bookkeeping is not touched) and the graph's own ``capture_end`` is
+    run again: it now ends that empty capture and runs everything the failure skipped,
+    both allocators' pools and the generator's epilogue, and the graph can be reset like
+    any other. Without them, or where that cannot be done, the device allocator's
+    recording to ``pool`` is ended directly and an empty capture of a throwaway graph
+    sets the generator right. ``device`` None: the current one. Without CUDA there is
+    nothing to put back.
+
+    The vLLM plugin's rollback passes the graph and stream (vLLM captures every size into
+    one pool, so the next capture needs both allocators put back). graphflow's own
+    backend does not yet: on the H200 the empty capture after a failure on a side
+    stream, joined into a capture on another, left that stream current afterwards, and a
+    graphflow engine captures into a pool of its own per run, so the direct path serves it.
     """
     if not torch.cuda.is_available():
+        return
+    if graph is not None and stream is not None and _finish_with_an_empty_capture(graph, stream):
         return
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -614,14 +633,55 @@ def recover_from_failed_capture(device: torch.device | None, pool: object | None
         with contextlib.suppress(RuntimeError):  # ended already: the capture got that far
             torch._C._cuda_endAllocateToPool(device.index if device.index is not None else
                                              torch.cuda.current_device(), pool)
-    graph = torch.cuda.CUDAGraph()
+    throwaway = torch.cuda.CUDAGraph()
     with torch.cuda.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream), contextlib.suppress(RuntimeError):
-            graph.capture_begin()
-            graph.capture_end()
-        graph.reset()
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side), contextlib.suppress(RuntimeError):
+            throwaway.capture_begin()
+            throwaway.capture_end()
+        throwaway.reset()
+
+
+#: ``CUstreamCaptureMode``: the empty capture may run beside other threads' CUDA calls.
+_CAPTURE_MODE_RELAXED = 2
+
+
+def _finish_with_an_empty_capture(graph: object, stream: object) -> bool:
+    """Run the failed capture's ``capture_end`` again over an empty capture (see
+    ``recover_from_failed_capture``); False where it did not apply or did not work."""
+    try:
+        graph.pool()
+        return False  # its capture ended: nothing was skipped
+    except RuntimeError:
+        pass
+    begin = _driver_begin_capture()
+    if begin is None:
+        return False
+    with torch.cuda.stream(stream):
+        if torch.cuda.is_current_stream_capturing():
+            return False  # still open: the caller ends it first
+        if begin(ctypes.c_void_p(stream.cuda_stream), _CAPTURE_MODE_RELAXED) != 0:
+            return False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be
+                graph.capture_end()
+        except RuntimeError:
+            return False  # the empty capture is ended by capture_end's first call either way
+    return True
+
+
+@functools.cache
+def _driver_begin_capture():
+    """The CUDA driver's ``cuStreamBeginCapture``, or None where it cannot be loaded."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        begin = driver.cuStreamBeginCapture_v2
+    except (OSError, AttributeError):
+        return None
+    begin.argtypes, begin.restype = (ctypes.c_void_p, ctypes.c_int), ctypes.c_int
+    return begin
 
 
 def _host_available() -> int | None:

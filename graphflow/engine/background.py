@@ -46,6 +46,7 @@ import time
 import attrs
 
 from graphflow.engine.allocate import Allocation
+from graphflow.engine.buffers import Copies
 from graphflow.engine.capture import Captured, capture
 from graphflow.engine.context import Context
 from graphflow.engine.phase import PhaseResult, run_phase, summarize
@@ -73,6 +74,9 @@ class BackgroundCapture:
             *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
             *ctx.verify_plan.written)))
         self.lock = engine.lock
+        # Where a phase keeps what serving left in the buffers it touches (see ``_kept``):
+        # allocated once, as verify's snapshots are, not cloned per phase.
+        self._saved = Copies(alloc.buffers, self._touched)
         self.failures: dict[Descriptor, CaptureError] = {}
         self.verified: list[VerifyResult] = []
         self.times: list[DescriptorTime] = []
@@ -147,6 +151,8 @@ class BackgroundCapture:
         finally:
             with self.lock:
                 self._captured.close()  # gc unfrozen, tripwires removed
+                self._alloc.owned.free_snapshots()
+                self._saved.clear()
                 self._engine.report = self._final_report()
                 self._engine._adopt(events.stack)
             self.finished_at = time.perf_counter()
@@ -202,7 +208,7 @@ class BackgroundCapture:
         def kept():
             views = self._alloc.buffers.views(descriptor.size)
             with self.lock:
-                saved = {n: views[n].clone() for n in self._touched}
+                saved = self._saved.take(views, descriptor.size)
                 try:
                     return body()
                 finally:

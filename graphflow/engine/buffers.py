@@ -19,7 +19,7 @@ import torch
 
 from graphflow.plan import Buffer, Plan, dim_symbols, eval_dim
 
-__all__ = ["StaticBuffers", "torch_dtype"]
+__all__ = ["Copies", "StaticBuffers", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -96,12 +96,47 @@ class StaticBuffers:
         self._views.clear()
         self.tensors.clear()
 
+    def narrow(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
+        """``tensor``, shaped like buffer ``name``'s allocation, narrowed as its view at ``size`` is."""
+        return self._narrow(self.plan.buffer(name), tensor, size)
+
     def _narrow(self, buffer: Buffer, tensor: torch.Tensor, size: int) -> torch.Tensor:
         values = self.plan.buffer_values(buffer, size)
         for index, dim in enumerate(buffer.shape):
             if self.symbol in dim_symbols(dim):
                 tensor = tensor.narrow(index, 0, eval_dim(dim, values))
         return tensor
+
+
+class Copies:
+    """Room for a copy of some buffers, allocated once at their full size and reused at
+    every descriptor size.
+
+    Verify's snapshots (the state a step starts from, what it wrote) are as large as the
+    state itself: gigabytes for a KV cache. Cloned per descriptor, they are freed and
+    allocated again each time, and ``torch.cuda.graph`` empties the allocator's cache
+    before every capture, so each descriptor paid for fresh device allocations of that
+    size. Copied into the same memory, they cost only the copy.
+    """
+
+    def __init__(self, buffers: StaticBuffers, names):
+        self._buffers = buffers
+        self.tensors = {n: torch.empty_like(buffers.tensors[n]) for n in dict.fromkeys(names)}
+
+    def take(self, views: Mapping[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
+        """Copy every buffer's view at ``size`` in; the copies, as views of the same size."""
+        taken = {}
+        for name, room in self.tensors.items():
+            copy = self._buffers.narrow(name, room, size)
+            copy.copy_(views[name])
+            taken[name] = copy
+        return taken
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def clear(self) -> None:
+        self.tensors.clear()
 
 
 def _alias(target: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, buffer: Buffer) -> torch.Tensor:

@@ -41,7 +41,7 @@ class MemoryNeed:
 
 def memory_need(plan: Plan, largest: int, copied: tuple[str, ...] = ()) -> dict[str, MemoryNeed]:
     """Per plan device: the static buffers allocated for descriptors up to ``largest``,
-    and ``copied`` (buffer names verify clones, once each) at that size."""
+    and ``copied`` (buffer names verify copies, once each) at that size."""
     need: dict[str, MemoryNeed] = {}
     for device, buffers in plan.static_memory(largest).items():
         need[device] = MemoryNeed(device, dict(buffers), 0)

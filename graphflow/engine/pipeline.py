@@ -182,7 +182,8 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
                                                         warmed), pool=pool)
                 verified.append(result)
                 times.append(took)
-            warmed = None  # its snapshots go before the next descriptor's are taken
+            warmed = None
+        alloc.owned.free_snapshots()
         if captured is None:
             captured = open_capture(ctx)
         captured.close()

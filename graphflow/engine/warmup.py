@@ -47,7 +47,10 @@ class DescriptorTime:
 class Warmed:
     """One descriptor's warmup: its time, and for verify (when the run verifies) the
     read and state buffers before the last warm run (``start``) and every buffer the
-    step wrote after it (``expected``, in the order of each buffer's last write)."""
+    step wrote after it (``expected``, in the order of each buffer's last write).
+
+    Both are views of the allocation's ``snapshots``, which the next descriptor's warmup
+    overwrites: verify this descriptor first."""
 
     time: DescriptorTime
     start: dict[str, torch.Tensor] = attrs.field(factory=dict)
@@ -123,14 +126,14 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
         iters = ctx.plan.capture.warmup_iters
         for i in range(iters):
             if keep and i == iters - 1:
-                start = {n: views[n].clone() for n in ctx.verify_plan.start}
+                start = alloc.snapshots[0].take(views, descriptor.size)
             # The first step also checks that every segment writes what it declares.
             first = index == 1 and i == 0
             run_eager(ctx.backend, schedule, step, checking(ctx, alloc, descriptor.size, runner) if first else runner)
         alloc.synchronize(ctx)
         check_findings(alloc)
         if keep:
-            expected = {n: views[n].clone() for n in ctx.verify_plan.written}
+            expected = alloc.snapshots[1].take(views, descriptor.size)
     return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected)
 
 

@@ -132,48 +132,62 @@ def _release_frames(error: BaseException) -> None:
     first any capture a graph in them left open.
 
     A capture that raised (``torch.cuda.graph`` whose ``capture_end`` failed) leaves its
-    ``CUDAGraph`` half made: the stream may still be capturing and torch's CUDA generator
-    still counts itself inside a capture, so every later random op fails ("Offset
-    increment outside graph capture"). vLLM's wrapper keeps that graph only in its frame,
-    so here, before the frame goes: end the capture if it is still open, reset the graph
-    and put the allocator and the generator right (``recover_from_failed_capture``), as
-    graphflow's own backend does.
+    ``CUDAGraph`` half made: the stream may still be capturing, the allocator still records
+    the stream's allocations to the graph's pool, and torch's CUDA generator still counts
+    itself inside a capture, so every later random op fails ("Offset increment outside
+    graph capture"). vLLM's wrapper keeps that graph only in its frames, so here, before the
+    frames go: end the capture if it is still open, reset the graph and put the allocator
+    and the generator right (``recover_from_failed_capture``), as graphflow's own backend
+    does. The pool comes from the ``torch.cuda.graph`` context that captured, found in the
+    frame of its ``__exit__``: a graph whose capture failed cannot say its pool itself.
     """
+    frames, graphs = [], {}
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         tb = error.__traceback__
         while tb is not None:
-            frame = tb.tb_frame
-            snapshot = frame.f_locals  # before 3.13 a dict the frame caches: it holds them too
-            _end_graphs(snapshot.values())
-            with contextlib.suppress(AttributeError, TypeError, ValueError):  # 3.13's proxy cannot drop locals
-                snapshot.clear()
-            del snapshot
-            with contextlib.suppress(RuntimeError):  # a frame still running (ours) cannot be cleared
-                frame.clear()
+            frames.append(tb.tb_frame)
+            for value in tb.tb_frame.f_locals.values():
+                _note_graph(value, graphs)
             tb = tb.tb_next
         error = error.__cause__ or error.__context__
+    for graph, stream, pool in graphs.values():
+        _end_graph(graph, stream, pool)
+    for frame in frames:
+        snapshot = frame.f_locals  # before 3.13 a dict the frame caches: it holds them too
+        with contextlib.suppress(AttributeError, TypeError, ValueError):  # 3.13's proxy cannot drop locals
+            snapshot.clear()
+        del snapshot
+        with contextlib.suppress(RuntimeError):  # a frame still running (ours) cannot be cleared
+            frame.clear()
 
 
-def _end_graphs(values) -> None:
+def _note_graph(value, graphs: dict) -> None:
+    """Record in ``graphs`` (by id) a ``CUDAGraph`` ``value`` is or captures with its
+    stream and pool; what a capturing context knows is kept over a bare graph's nothing."""
+    import torch
+
+    graph = value if isinstance(value, torch.cuda.CUDAGraph) else getattr(value, "cuda_graph", None)
+    if not isinstance(graph, torch.cuda.CUDAGraph):
+        return
+    pools = getattr(value, "pool", ())
+    pool = pools[0] if isinstance(pools, tuple) and pools else None
+    stream = getattr(value, "capture_stream", None)
+    known = graphs.get(id(graph), (graph, None, None))
+    graphs[id(graph)] = (graph, stream or known[1], pool if pool is not None else known[2])
+
+
+def _end_graph(graph, stream, pool) -> None:
     import torch
 
     from graphflow.engine.backend import recover_from_failed_capture
 
-    for value in list(values):
-        graph = value if isinstance(value, torch.cuda.CUDAGraph) else getattr(value, "cuda_graph", None)
-        if not isinstance(graph, torch.cuda.CUDAGraph):
-            continue
-        stream = getattr(value, "capture_stream", None)
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                if torch.cuda.is_current_stream_capturing():
-                    with contextlib.suppress(RuntimeError):
-                        graph.capture_end()
-        pool = getattr(graph, "pool", None)
-        with contextlib.suppress(RuntimeError):
-            pool = pool() if pool is not None else None
-        recover_from_failed_capture(None, pool)
-        with contextlib.suppress(RuntimeError):
-            graph.reset()
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            if torch.cuda.is_current_stream_capturing():
+                with contextlib.suppress(RuntimeError):
+                    graph.capture_end()
+    recover_from_failed_capture(None, pool, graph, stream)
+    with contextlib.suppress(RuntimeError):
+        graph.reset()

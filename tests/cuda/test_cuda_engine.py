@@ -16,7 +16,7 @@ from graphflow.channels import ChannelRegistry
 from graphflow.engine import CudaBackend, RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
-from graphflow.plan import Channel, ChannelKind, Descriptor, Mode, Prewarm
+from graphflow.plan import Buffer, BufferRole, Channel, ChannelKind, Descriptor, Mode, Prewarm, Segment, SegmentKind
 from graphflow.runtime import Runner
 from graphflow.session import Session
 from plans.toy_model import build_toy, toy_plan
@@ -89,6 +89,34 @@ def rig(plan, model, fault):
 
 
 class TestReplayEqualsEager:
+    @pytest.mark.parametrize("full", [False, True])
+    def test_verify_leaves_the_state_as_warmup_left_it(self, full):
+        """A bit-exact replay leaves in the state what warmup wrote, which is what verify
+        keeps: it is not copied back, and the state after verify is still that."""
+        plan = toy_plan(2, full=full, modes=(F,) if full else (P,), sizes=(4, 2))
+        cache = Buffer("cache", ("B", 32), "float32", "cuda:0", role=BufferRole.STATE)
+        plan = attrs.evolve(plan, buffers=(*plan.buffers, cache), segments=(*plan.segments, Segment(
+            "append", SegmentKind.GRAPH, "append", reads=("x", "cache"), writes=("cache",), stream="s0")))
+        model = build_toy(2, device="cuda")
+        engine_buffers, seen = {}, {}
+        model.append = lambda x, c: (engine_buffers.setdefault("cache", c), c.add_(x))[1]
+
+        class Snapshot:
+            def on_event(self, event):
+                if event.phase is Phase.VERIFY and event.kind in (EventKind.PHASE_BEGIN, EventKind.PHASE_END):
+                    seen.setdefault(event.kind, []).append(engine_buffers["cache"].clone())
+                if event.phase is Phase.WARMUP and event.kind is EventKind.PHASE_END:
+                    seen.setdefault("warmed", []).append(engine_buffers["cache"].clone())
+
+        with run_pipeline(plan, RunOptions(backend="cuda", detectors=False), model=model,
+                          listeners=[Snapshot()]) as engine:
+            assert all(r.bit_exact for r in engine.report.verify) and len(engine.report.verify) == 2
+            assert "cache" in engine.report.verify[0].buffers
+        begins, ends, warmed = seen[EventKind.PHASE_BEGIN], seen[EventKind.PHASE_END], seen["warmed"]
+        for warm, begin, end in zip(warmed, begins, ends, strict=True):
+            assert torch.equal(warm, begin) and torch.equal(begin, end)
+            assert warm.abs().sum() > 0, "the step wrote the state"
+
     @pytest.mark.parametrize("full", [False, True])
     def test_bit_exact(self, full):
         plan = toy_plan(3, full=full, modes=(P, F) if full else (P,))
