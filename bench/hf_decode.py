@@ -30,6 +30,12 @@ the cache between rounds, outside the timing). A new column is one more row:
 Timing: for each model and batch size, ``--rounds`` rounds; each round times every
 variant in turn (``--steps`` steps from an empty cache), so host drift hits every
 column alike; the table shows each column's median and the JSON every sample.
+graphflow FULL and the hand-written graph run the same kernels (a profile shows the same
+kernels and device time within 1%), yet one capture of either ran up to 6% slower or
+faster than the other from run to run, by where its memory happened to lie. So each is
+captured ``--instances`` times (graphflow: a session each, of every size; hand: a graph
+each, on that session's weights), every instance is timed in every round, and a
+column's median is over all of them (``instances`` in the JSON keeps each one's samples).
 """
 
 from __future__ import annotations
@@ -85,7 +91,9 @@ class Variant:
 
     name: str
     gpu_only: bool
-    make: Callable[[Bench, int], Prepared]
+    make: Callable[[Bench, int, int], Prepared]
+    #: Captured ``--instances`` times, each on memory of its own (see "Timing").
+    instanced: bool = False
 
 
 @attrs.define
@@ -126,7 +134,7 @@ def _model_type(family: str) -> str:
     return {"llama": "llama", "deepseek_v3": "deepseek_v3"}[family]
 
 
-def _eager(bench: Bench, size: int) -> Prepared:
+def _eager(bench: Bench, size: int, instance: int = 0) -> Prepared:
     model = bench.model()
     cache, tokens = bench.cache(model, size), bench.tokens(size)
 
@@ -137,9 +145,9 @@ def _eager(bench: Bench, size: int) -> Prepared:
 
 
 def _graphflow(mode: str):
-    def make(bench: Bench, size: int) -> Prepared:
-        session = bench.sessions.get(mode)
-        if session is None:  # one capture per mode, of every size
+    def make(bench: Bench, size: int, instance: int = 0) -> Prepared:
+        session = bench.sessions.get((mode, instance))
+        if session is None:  # one capture per mode and instance, of every size
             model = bench.model()
             model.cache = static_cache(model, MAX_LEN)
             plan = decode_plan(model, MAX_LEN, sizes=bench.sizes, modes=(mode,), name=f"hf-{bench.family}-decode")
@@ -147,7 +155,7 @@ def _graphflow(mode: str):
             start = time.perf_counter()
             session.capture(model)
             session.capture_s = time.perf_counter() - start
-            bench.sessions[mode] = session
+            bench.sessions[(mode, instance)] = session
         runner, tokens = session.runner, bench.tokens(size)
         report = session.engine.report
         info = {"capture_pipeline_s": session.capture_s, "graphs": report.graphs,
@@ -157,11 +165,9 @@ def _graphflow(mode: str):
     return make
 
 
-def _hand_graph(bench: Bench, size: int) -> Prepared:
-    # The weights graphflow FULL runs on (a cache of its own): the two graphs run the same
-    # kernels, so they are compared on the same memory too; apart, where each copy of the
-    # weights lies moved either column by several percent from run to run.
-    session = bench.sessions.get("FULL")
+def _hand_graph(bench: Bench, size: int, instance: int = 0) -> Prepared:
+    # The weights graphflow FULL's instance of the same index runs on (a cache of its own).
+    session = bench.sessions.get(("FULL", instance))
     model = session.engine.model if session is not None else bench.model()
     cache, tokens = bench.cache(model, size), bench.tokens(size)
     static = tokens.clone()
@@ -196,7 +202,7 @@ class _SkipLog(logging.Handler):
             self.messages.append(record.getMessage())
 
 
-def _compiled(bench: Bench, size: int) -> Prepared:
+def _compiled(bench: Bench, size: int, instance: int = 0) -> Prepared:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -259,8 +265,8 @@ def _compile_first(bench: Bench, args, deadline: float) -> None:
 VARIANTS: tuple[Variant, ...] = (
     Variant("HF eager", False, _eager),
     Variant("graphflow PIECEWISE", False, _graphflow("PIECEWISE")),
-    Variant("graphflow FULL", False, _graphflow("FULL")),
-    Variant("hand-written graph", True, _hand_graph),
+    Variant("graphflow FULL", False, _graphflow("FULL"), instanced=True),
+    Variant("hand-written graph", True, _hand_graph, instanced=True),
     Variant("torch.compile", True, _compiled),
 )
 
@@ -283,8 +289,9 @@ def _time(prepared: Prepared, steps: int) -> float:
 
 
 def _row(bench: Bench, size: int, args, deadline: float) -> dict:
-    row: dict = {"model": bench.family, "batch": size, "ms": {}, "samples": {}, "info": {}, "errors": {}}
-    prepared: dict[str, Prepared] = {}
+    row: dict = {"model": bench.family, "batch": size, "ms": {}, "samples": {}, "instances": {}, "info": {},
+                 "errors": {}}
+    prepared: dict[str, list[Prepared]] = {}
     for variant in VARIANTS:
         if variant.gpu_only and not bench.device.startswith("cuda"):
             row["errors"][variant.name] = "needs a GPU"
@@ -292,24 +299,27 @@ def _row(bench: Bench, size: int, args, deadline: float) -> dict:
         if variant.name == "torch.compile":
             made = bench.compiled.get(size, "skipped: not in --compile-sizes")
             if isinstance(made, Prepared):
-                prepared[variant.name] = made
+                prepared[variant.name] = [made]
                 row["info"][variant.name] = dict(made.info)
             else:
                 row["errors"][variant.name] = made
             continue
         try:
-            prepared[variant.name] = variant.make(bench, size)
-            row["info"][variant.name] = {k: v for k, v in prepared[variant.name].info.items() if k != "graph"}
+            prepared[variant.name] = [variant.make(bench, size, i) for i in range(args.instances if variant.instanced
+                                                                                 else 1)]
+            row["info"][variant.name] = {k: v for k, v in prepared[variant.name][0].info.items() if k != "graph"}
         except Exception as exc:  # noqa: BLE001 - a variant that fails is a result, not the end of the run
             traceback.print_exc()
             row["errors"][variant.name] = f"{type(exc).__name__}: {exc}"[:800]
     for _ in range(args.rounds):
-        for name, ready in prepared.items():
-            row["samples"].setdefault(name, []).append(_time(ready, args.steps))
+        for name, instances in prepared.items():
+            for i, ready in enumerate(instances):
+                row["instances"].setdefault(name, [[] for _ in instances])[i].append(_time(ready, args.steps))
+    row["samples"] = {name: [t for samples in per for t in samples] for name, per in row["instances"].items()}
     row["ms"] = {name: statistics.median(samples) for name, samples in row["samples"].items()}
     hand = row["ms"].get("hand-written graph")
     row["vs_hand_graph"] = {name: ms / hand for name, ms in row["ms"].items()} if hand else {}
-    for ready in prepared.values():
+    for ready in (r for instances in prepared.values() for r in instances):
         graph = ready.info.get("graph")
         if graph is not None:
             graph.reset()
@@ -338,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,2,4,8", help="batch sizes, comma separated")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per variant and round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of side-by-side timing")
+    parser.add_argument("--instances", type=int, default=3,
+                        help="independent captures of graphflow FULL and of the hand-written graph")
     parser.add_argument("--compile-sizes", default="1,8",
                         help="batch sizes torch.compile runs at (each is a warm-up of tens of seconds)")
     parser.add_argument("--budget-s", type=float, default=150.0,
