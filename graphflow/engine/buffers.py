@@ -132,9 +132,6 @@ class Copies:
             taken[name] = copy
         return taken
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
     def clear(self) -> None:
         self.tensors.clear()
 
