@@ -31,6 +31,11 @@ wrapper are built here.
   start served by torch's FX graph and AOT autograd caches.
 * max |diff| vs eager: each mode decodes the same ``--decode-steps`` tokens from an empty
   cache; the largest logit difference from HF eager over those steps.
+
+On the H200, DeepSeek-V3 at four sizes in one process faulted: reduce-overhead recorded
+its graphs again after graphflow captured (graphflow's WorkspaceClearedWarning, then an
+illegal memory access in graphflow's next replay; docs/compile.md, Limits). One process
+per size (``--sizes 2``, ...) measures each; ``bench/results/hf_compile_deepseek.json``.
 """
 
 from __future__ import annotations
@@ -168,7 +173,15 @@ def _reduce_overhead(decode: Decode, sizes, device: str) -> tuple[object, dict]:
     import torch._dynamo
 
     torch._dynamo.reset()
-    compiled = torch.compile(decode.logits, mode="reduce-overhead", fullgraph=True)
+    logits = torch.compile(decode.logits, mode="reduce-overhead", fullgraph=True)
+
+    def compiled(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        # Each call a step of its own (the caller copies what it keeps): without it, a call
+        # at another size than the last is a new path in inductor's tree of graphs, recorded
+        # anew, and recording clears cuBLAS's workspaces under graphflow's graphs.
+        torch.compiler.cudagraph_mark_step_begin()
+        return logits(tokens, position)
+
     position = torch.tensor([POSITION], device=device)
     start = time.perf_counter()
     with torch.no_grad():

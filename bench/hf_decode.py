@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,2,4,8", help="batch sizes, comma separated")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per variant and round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of side-by-side timing")
-    parser.add_argument("--instances", type=int, default=3,
+    parser.add_argument("--instances", type=int, default=5,
                         help="independent captures of graphflow FULL and of the hand-written graph")
     parser.add_argument("--compile-sizes", default="1,8",
                         help="batch sizes torch.compile runs at (each is a warm-up of tens of seconds)")
