@@ -9,6 +9,13 @@ order), and switches each in once it verifies. A descriptor that fails is rolled
 alone (its graphs destroyed) and noted in ``failures``; its batches go on being served
 by a larger descriptor or eagerly.
 
+The thread warms up the first descriptor again although the foreground just did: some
+of CUDA's lazy initialization is per thread (torch gives each thread its own cuBLAS
+handle, and a workspace per handle and stream), so the thread's own first matmul must
+run outside capture. Tried without it on the H200, the thread's first capture failed
+in a process where no thread had used cuBLAS before (the following ones then found the
+pool still recording), which is what cuBLAS initializing inside the capture would do.
+
 Why it is safe beside serving:
 
 * **Execution is serialized.** The engine's ``lock`` is held by the runtime for each
