@@ -176,9 +176,9 @@ def _reduce_overhead(decode: Decode, sizes, device: str) -> tuple[object, dict]:
     logits = torch.compile(decode.logits, mode="reduce-overhead", fullgraph=True)
 
     def compiled(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        # Each call a step of its own (the caller copies what it keeps): without it, a call
-        # at another size than the last is a new path in inductor's tree of graphs, recorded
-        # anew, and recording clears cuBLAS's workspaces under graphflow's graphs.
+        # Each call a step of its own (the caller copies what it keeps), so that a call at
+        # another size starts from the root of inductor's tree of graphs instead of a new
+        # path below the last call's; it did not keep inductor from recording again (see above).
         torch.compiler.cudagraph_mark_step_begin()
         return logits(tokens, position)
 
