@@ -49,6 +49,7 @@ from graphflow.events import Phase  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
 from graphflow.plan import BufferRole  # noqa: E402
 from graphflow.runtime import Runner  # noqa: E402
+from bench.timing import guard  # noqa: E402
 
 PLANS = {"FULL": ROOT / "plans" / "dsv4_61l_full.yaml", "PIECEWISE": ROOT / "plans" / "dsv4_61l_decode.yaml"}
 #: --smoke: the 61-layer plans' structure with the mini model's widths, on the CPU.
@@ -271,13 +272,13 @@ def main() -> int:
                  lambda: graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))),
                 ("graphflow default", "default", lambda: graphflow_run(plan, model, RunOptions(backend=backend)))):
             if key in runs:
-                rows[run] = measure()
-                done(f"{name} {run} ({rows[run]['total_s']:.2f} s)")
+                guard(rows, run, measure)
+                done(f"{name} {run} ({rows[run]['total_s']:.2f} s)" if run in rows else f"{name} {run} (failed)")
         if name == "FULL" and "lazy" in runs:
             model_built = time.perf_counter()
-            entry["lazy"] = lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
-                                     args.lazy_timeout_s)
-            done(f"{name} lazy")
+            guard(entry, "lazy", lambda: lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
+                                                  args.lazy_timeout_s))
+            done(f"{name} lazy" if "lazy" in entry else f"{name} lazy (failed)")
         del model
         gc.collect()
     _print(results)
@@ -287,20 +288,23 @@ def main() -> int:
 def _print(results: dict) -> None:
     print(f"\ntime to ready, {results['layers']} layers, {results['device']}, torch {results['torch']}")
     for name, entry in results["plans"].items():
-        hand = entry["rows"]["hand loop"]["total_s"]
+        rows = {run: row for run, row in entry["rows"].items() if run != "errors"}
+        hand = rows.get("hand loop", {}).get("total_s")
+        ratio = (lambda seconds: f"{seconds / hand:>6.2f}x") if hand else (lambda seconds: f"{'-':>7}")
         print(f"\n{name} ({entry['descriptors']} descriptors)")
         print(f"{'run':<20}{'total s':>9}{'ratio':>7}{'warmup':>9}{'capture':>9}{'verify':>9}{'graphs':>8}")
-        for run, row in entry["rows"].items():
-            print(f"{run:<20}{row['total_s']:>9.2f}{row['total_s'] / hand:>6.2f}x{row['warmup_s']:>9.2f}"
+        for run, row in rows.items():
+            print(f"{run:<20}{row['total_s']:>9.2f}{ratio(row['total_s'])}{row['warmup_s']:>9.2f}"
                   f"{row['capture_s']:>9.2f}{row['verify_s']:>9.2f}{row['graphs']:>8}")
         lazy = entry.get("lazy")
         if lazy:
             print(f"lazy: ready in {lazy['ready_s']:.2f} s, first step {lazy['first_step_after_build_s']:.2f} s after "
-                  f"the model was built, all live in {lazy['all_live_s']:.2f} s ({lazy['all_live_s'] / hand:.2f}x the "
-                  f"hand loop); {lazy['served_steps']} steps served meanwhile ({lazy['steps_on_graphs']} on graphs), "
-                  f"{lazy['checked_steps']} checked against eager ({lazy['checked_descriptors']} descriptors, "
+                  f"the model was built, all live in {lazy['all_live_s']:.2f} s ({ratio(lazy['all_live_s']).strip()} "
+                  f"the hand loop); {lazy['served_steps']} steps served meanwhile ({lazy['steps_on_graphs']} on "
+                  f"graphs), {lazy['checked_steps']} checked against eager ({lazy['checked_descriptors']} descriptors, "
                   f"{lazy['checking_s']:.2f} s): bit-exact {lazy['served_bit_exact']}, failures {len(lazy['failures'])}")
-
+        for run, error in {**entry["rows"].get("errors", {}), **entry.get("errors", {})}.items():
+            print(f"{run} failed: {error}")
 
 if __name__ == "__main__":
     sys.exit(main())

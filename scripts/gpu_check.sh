@@ -33,7 +33,8 @@ if [ "$stage" != tests ]; then
   while read -r bench; do
     [ -z "$bench" ] && continue
     echo "== $bench"
-    timeout "${BENCH_TIMEOUT_S:-540}" python3 $bench --out "$OUT" 2>&1 | tee -a "$OUT/bench.log" || status=1
+    # eval: a line's quotes work as in a shell (--compile-sizes "" passes an empty value).
+    eval "timeout \"\${BENCH_TIMEOUT_S:-540}\" python3 $bench --out \"\$OUT\"" 2>&1 | tee -a "$OUT/bench.log" || status=1
   done <<< "$benches"
 fi
 exit $status
