@@ -290,10 +290,8 @@ def _compiled_variant(plan, atol: float):
 
 def _compiled_pipeline(plan, args, model) -> tuple[object, dict]:
     """Run the compiled FULL plan; if its verify fails, record why and capture it again unverified."""
-    start = time.perf_counter()
-    engine, notes = verified_or_not(lambda verify: run_pipeline(plan, RunOptions(backend=args.backend, verify=verify),
-                                                                model=model))
-    return engine, {**notes, "pipeline_s": time.perf_counter() - start - notes.get("first_pipeline_s", 0.0)}
+    return verified_or_not(lambda verify: run_pipeline(plan, RunOptions(backend=args.backend, verify=verify),
+                                                       model=model))
 
 
 def _logits_diff(reference, engine, size: int, inputs: dict) -> float:

@@ -148,13 +148,15 @@ def decode_plan(vocab: int, sizes: tuple[int, ...], device: str = "cuda:0", *, c
 def _pipeline(plan: Plan, decode: Decode, args) -> tuple[object, dict]:
     """One pipeline and its figures; a compiled plan whose verify refuses it beyond the
     tolerance is captured again unverified, and says so (``verify_error``)."""
-    start = time.perf_counter()
-    engine, notes = verified_or_not(lambda verify: run_pipeline(
-        plan, RunOptions(backend=args.backend, detectors=args.detectors, verify=verify), model=decode))
-    _sync()
+    def run(verify: bool):
+        engine = run_pipeline(plan, RunOptions(backend=args.backend, detectors=args.detectors, verify=verify),
+                              model=decode)
+        _sync()
+        return engine
+
+    engine, notes = verified_or_not(run)
     report = engine.report
-    info = {**notes, "pipeline_s": time.perf_counter() - start - notes.get("first_pipeline_s", 0.0),
-            "graphs": report.graphs,
+    info = {**notes, "graphs": report.graphs,
             "warmup_s": report.phase(Phase.WARMUP).seconds, "capture_s": report.phase(Phase.CAPTURE).seconds,
             "verify_s": report.phase(Phase.VERIFY).seconds,
             "verify_max_abs_diff": max((r.max_abs_diff for r in report.verify), default=None),

@@ -57,6 +57,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import sync as _sync  # noqa: E402
 from graphflow.engine import RunOptions  # noqa: E402
 from graphflow.integrations.hf import decode_plan, static_cache  # noqa: E402
 from graphflow.session import Session  # noqa: E402
@@ -269,11 +270,6 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("hand-written graph", True, _hand_graph, instanced=True),
     Variant("torch.compile", True, _compiled),
 )
-
-
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def _time(prepared: Prepared, steps: int) -> float:

@@ -49,17 +49,12 @@ from graphflow.events import Phase  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402
 from graphflow.plan import BufferRole  # noqa: E402
 from graphflow.runtime import Runner  # noqa: E402
-from bench.timing import guard  # noqa: E402
+from bench.timing import guard, sync  # noqa: E402
 
 PLANS = {"FULL": ROOT / "plans" / "dsv4_61l_full.yaml", "PIECEWISE": ROOT / "plans" / "dsv4_61l_decode.yaml"}
 #: --smoke: the 61-layer plans' structure with the mini model's widths, on the CPU.
 SMOKE_ARGS = dict(vocab_size=512, hidden_size=64, n_heads=4, kv_dim=32, rope_dim=16, n_experts=8, top_k=2,
                   moe_inter=64, shared_inter=128, max_len=128, block_size=16, max_batch=32, dtype="float32")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def hand_loop(plan, model, backend: str) -> dict:

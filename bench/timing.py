@@ -39,15 +39,19 @@ def guard(record: dict, key: str, measure) -> None:
 def verified_or_not(run):
     """``run(verify)`` with verify on; if verify refuses it (compiled segments beyond the
     plan's tolerance), the refusal recorded and ``run(False)``: the speed is still measured,
-    and the table says the capture was not verified. ``(result, notes)``."""
+    and the table says the capture was not verified. ``(result, notes)``; ``pipeline_s`` in
+    the notes is the time of the run returned, ``first_pipeline_s`` that of a refused one."""
     from graphflow.errors import CaptureError
     from graphflow.events import Phase
 
     start = time.perf_counter()
     try:
-        return run(True), {}
+        result = run(True)
+        return result, {"pipeline_s": time.perf_counter() - start}
     except CaptureError as error:
         if error.phase != Phase.VERIFY.value:
             raise
         notes = {"verify_error": str(error)[:800], "first_pipeline_s": time.perf_counter() - start, "verified": False}
-    return run(False), notes
+    start = time.perf_counter()
+    result = run(False)
+    return result, {**notes, "pipeline_s": time.perf_counter() - start}
