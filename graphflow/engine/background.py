@@ -4,8 +4,10 @@ With ``RunOptions(lazy=True)`` the pipeline stops after allocate, the first desc
 warmup and prewarm, and commits an engine with no step program: the runtime serves every
 batch eagerly (on the static buffers) from the first step. ``BackgroundCapture`` then
 warms, captures and verifies one descriptor at a time, in the order batches ask for them
-(the smallest descriptor that holds the first batches seen comes first, then the plan's
-order), and switches each in once it verifies. A descriptor that fails is rolled back
+(the smallest descriptor that holds the first batch seen; then the largest, so every
+batch replays a graph from then on, padded up, and no eager step competes with the
+capture for the host; then the smallest holding each batch size seen, first seen first;
+then the plan's order), and switches each in once it verifies. A descriptor that fails is rolled back
 alone (its graphs destroyed) and noted in ``failures``; its batches go on being served
 by a larger descriptor or eagerly.
 
@@ -20,7 +22,9 @@ Why it is safe beside serving:
 
 * **Execution is serialized.** The engine's ``lock`` is held by the runtime for each
   step and by the background thread for a descriptor's warmup and verify, which run the
-  model on the static buffers. Those two snapshot every buffer they touch (inputs, what
+  model on the static buffers. Steps go first: while one waits for the lock, the thread
+  does not take it for its next phase, so a step waits for one phase at most. The first
+  descriptor's warmup is the foreground's, taken over as it is. Those two snapshot every buffer they touch (inputs, what
   the step writes, the state) at their descriptor's size first and put it back after,
   so the KV cache of the sequences being served, and the outputs the last step
   returned, come back unchanged.
@@ -46,9 +50,11 @@ decides, and their barriers would disagree); capture them in the foreground.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Iterator
 
 import attrs
 
@@ -59,7 +65,7 @@ from graphflow.engine.context import Context
 from graphflow.engine.phase import PhaseResult, run_phase, summarize
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.verify import VerifyResult, verify
-from graphflow.engine.warmup import DescriptorTime, warmup
+from graphflow.engine.warmup import DescriptorTime, Warmed, warmup
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.locus import Locus
@@ -67,16 +73,24 @@ from graphflow.plan import BufferRole, Descriptor
 
 __all__ = ["BackgroundCapture"]
 
+#: The longest the thread lets steps go first before it takes the lock for a phase.
+SERVING_FIRST_S = 1.0
+
 
 class BackgroundCapture:
     """The capture thread of a lazy engine (see the module docstring)."""
 
-    def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, engine, pending: tuple[Descriptor, ...]):
+    def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, engine, pending: tuple[Descriptor, ...],
+                 warmed: Warmed | None = None):
         self._ctx, self._alloc, self._captured, self._engine = ctx, alloc, captured, engine
         self._pending = list(pending)
         self._asked: list[int] = []  # batch sizes, in the order first seen
         self._cond = threading.Condition()
         self._stopping = False
+        self._serving = 0  # steps waiting for the lock or running under it
+        # The foreground's warmup of the first descriptor, until that descriptor is taken:
+        # nothing else warms up meanwhile, so its snapshots still hold what verify needs.
+        self._warmed = warmed
         self._touched = tuple(dict.fromkeys((
             *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
             *ctx.verify_plan.written)))
@@ -110,6 +124,21 @@ class BackgroundCapture:
             with self._cond:
                 self._asked.append(batch)
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Around a step: while one waits for the lock or runs, the thread takes the lock
+        for nothing new (a step waits for one phase of a descriptor at most, not for a
+        queue of them)."""
+        with self._cond:
+            self._serving += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving -= 1
+                if not self._serving:
+                    self._cond.notify_all()
+
     def stop(self) -> None:
         """Capture nothing more; returns once the descriptor under way is done."""
         self._stopping = True
@@ -120,10 +149,14 @@ class BackgroundCapture:
         with self._cond:
             if not self._pending:
                 return None
-            # For each batch size asked for, first seen first: the descriptor that serves it
-            # best (the smallest that holds it, FULL before PIECEWISE), if still pending.
+            # The descriptor that serves the first batch seen; then the largest, so that
+            # every batch from then on replays a graph (padded up) instead of running the
+            # model eagerly beside the capture; then, for each batch size asked for, first
+            # seen first, the one that serves it best (the smallest that holds it, FULL
+            # before PIECEWISE), if still pending; then the plan's order.
             candidates = [*self._pending, *self._engine.programs]
-            for batch in self._asked:
+            largest = max(d.size for d in candidates)
+            for batch in (*self._asked[:1], largest, *self._asked[1:]) if self._asked else ():
                 holders = [d for d in candidates if d.size >= batch]
                 if holders:
                     best = min(holders, key=lambda d: (d.size, d.mode.value != "FULL"))
@@ -179,8 +212,10 @@ class BackgroundCapture:
         index = ctx.descriptors.index(descriptor) + 1
         alloc, captured, phases = self._alloc, self._captured, self.phases
         kept = functools.partial(self._kept, descriptor)
-        warmed = run_phase(ctx, phases, Phase.WARMUP, kept(lambda: warmup(ctx, alloc, descriptor, index)))
-        self.times.append(warmed.time)
+        warmed, self._warmed = self._warmed, None
+        if warmed is None or warmed.time.descriptor != descriptor:
+            warmed = run_phase(ctx, phases, Phase.WARMUP, kept(lambda: warmup(ctx, alloc, descriptor, index)))
+            self.times.append(warmed.time)
         # A CUDA capture records without running: no lock. The CPU backend's runs the region.
         body = lambda: capture(ctx, alloc, captured, descriptor, index)  # noqa: E731
         self.times.append(run_phase(ctx, phases, Phase.CAPTURE, body if ctx.backend.captures_graphs else kept(body)))
@@ -214,6 +249,8 @@ class BackgroundCapture:
 
         def kept():
             views = self._alloc.buffers.views(descriptor.size)
+            with self._cond:  # steps first; bounded, should several serving threads never pause
+                self._cond.wait_for(lambda: not self._serving or self._stopping, timeout=SERVING_FIRST_S)
             with self.lock:
                 saved = self._saved.take(views, descriptor.size)
                 try:

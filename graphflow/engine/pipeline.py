@@ -200,9 +200,10 @@ def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
     """Commit after the first descriptor's warmup and prewarm; the rest is captured by a
     ``BackgroundCapture`` while the engine serves (``graphflow.engine.background``)."""
     times: list[DescriptorTime] = []
-    prewarmed = False
+    prewarmed, warmed = False, None
     if ctx.descriptors:
-        times.append(run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, ctx.descriptors[0], 1)).time)
+        warmed = run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, ctx.descriptors[0], 1))
+        times.append(warmed.time)
         prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
     captured = open_capture(ctx)
     engine = run_phase(ctx, results, Phase.COMMIT, lambda: commit(ctx, alloc, captured, (), tuple(times)))
@@ -214,7 +215,7 @@ def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
     # torch's synchronize for the serving thread too.
     quiet = attrs.evolve(ctx, options=attrs.evolve(ctx.options, detectors=Watch.OFF))
     engine.lock = threading.RLock()
-    engine.background = BackgroundCapture(quiet, alloc, captured, engine, ctx.descriptors)
+    engine.background = BackgroundCapture(quiet, alloc, captured, engine, ctx.descriptors, warmed)
     engine.background.start()
     return engine
 
