@@ -23,8 +23,7 @@ Why it is safe beside serving:
 * **Execution is serialized.** The engine's ``lock`` is held by the runtime for each
   step and by the background thread for a descriptor's warmup and verify, which run the
   model on the static buffers. Steps go first: while one waits for the lock, the thread
-  does not take it for its next phase, so a step waits for one phase at most. The first
-  descriptor's warmup is the foreground's, taken over as it is. Those two snapshot every buffer they touch (inputs, what
+  does not take it for its next phase, so a step waits for one phase at most. Those two snapshot every buffer they touch (inputs, what
   the step writes, the state) at their descriptor's size first and put it back after,
   so the KV cache of the sequences being served, and the outputs the last step
   returned, come back unchanged.
@@ -65,7 +64,7 @@ from graphflow.engine.context import Context
 from graphflow.engine.phase import PhaseResult, run_phase, summarize
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.verify import VerifyResult, verify
-from graphflow.engine.warmup import DescriptorTime, Warmed, warmup
+from graphflow.engine.warmup import DescriptorTime, warmup
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.locus import Locus
@@ -80,17 +79,13 @@ SERVING_FIRST_S = 1.0
 class BackgroundCapture:
     """The capture thread of a lazy engine (see the module docstring)."""
 
-    def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, engine, pending: tuple[Descriptor, ...],
-                 warmed: Warmed | None = None):
+    def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, engine, pending: tuple[Descriptor, ...]):
         self._ctx, self._alloc, self._captured, self._engine = ctx, alloc, captured, engine
         self._pending = list(pending)
         self._asked: list[int] = []  # batch sizes, in the order first seen
         self._cond = threading.Condition()
         self._stopping = False
         self._serving = 0  # steps waiting for the lock or running under it
-        # The foreground's warmup of the first descriptor, until that descriptor is taken:
-        # nothing else warms up meanwhile, so its snapshots still hold what verify needs.
-        self._warmed = warmed
         self._touched = tuple(dict.fromkeys((
             *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
             *ctx.verify_plan.written)))
@@ -212,10 +207,8 @@ class BackgroundCapture:
         index = ctx.descriptors.index(descriptor) + 1
         alloc, captured, phases = self._alloc, self._captured, self.phases
         kept = functools.partial(self._kept, descriptor)
-        warmed, self._warmed = self._warmed, None
-        if warmed is None or warmed.time.descriptor != descriptor:
-            warmed = run_phase(ctx, phases, Phase.WARMUP, kept(lambda: warmup(ctx, alloc, descriptor, index)))
-            self.times.append(warmed.time)
+        warmed = run_phase(ctx, phases, Phase.WARMUP, kept(lambda: warmup(ctx, alloc, descriptor, index)))
+        self.times.append(warmed.time)
         # A CUDA capture records without running: no lock. The CPU backend's runs the region.
         body = lambda: capture(ctx, alloc, captured, descriptor, index)  # noqa: E731
         self.times.append(run_phase(ctx, phases, Phase.CAPTURE, body if ctx.backend.captures_graphs else kept(body)))

@@ -200,10 +200,9 @@ def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
     """Commit after the first descriptor's warmup and prewarm; the rest is captured by a
     ``BackgroundCapture`` while the engine serves (``graphflow.engine.background``)."""
     times: list[DescriptorTime] = []
-    prewarmed, warmed = False, None
+    prewarmed = False
     if ctx.descriptors:
-        warmed = run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, ctx.descriptors[0], 1))
-        times.append(warmed.time)
+        times.append(run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, ctx.descriptors[0], 1)).time)
         prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
     captured = open_capture(ctx)
     engine = run_phase(ctx, results, Phase.COMMIT, lambda: commit(ctx, alloc, captured, (), tuple(times)))
@@ -215,7 +214,7 @@ def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
     # torch's synchronize for the serving thread too.
     quiet = attrs.evolve(ctx, options=attrs.evolve(ctx.options, detectors=Watch.OFF))
     engine.lock = threading.RLock()
-    engine.background = BackgroundCapture(quiet, alloc, captured, engine, ctx.descriptors, warmed)
+    engine.background = BackgroundCapture(quiet, alloc, captured, engine, ctx.descriptors)
     engine.background.start()
     return engine
 
