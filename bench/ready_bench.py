@@ -19,7 +19,13 @@ In one process, on one model (the weights built once and shared), for each plan 
   is served, until every descriptor is live while steps are served back to back, and
   whether the steps checked meanwhile (each descriptor's first, and one in
   ``CHECK_EVERY``, while the checks have taken under ``CHECK_SHARE`` of the time) were
-  bit-exact to the plan's eager step on the same (padded) inputs.
+  bit-exact to the plan's eager step on the same (padded) inputs;
+* **graphflow lazy-idle** (FULL only): the same with no step served, the capture thread
+  alone: what lazy capture costs by itself, apart from what serving beside it costs.
+
+Before the first row, the hand loop runs once untimed (``--no-warm`` skips it): a
+process's first capture loads the modules of every kernel it launches and grows the
+allocator, and the row that ran first would pay for that alone.
 
 Prints a table of total / warmup / capture / verify seconds with each row's ratio to the
 hand loop, and writes ``ready.json`` to ``--out`` (``ready-full.json`` for ``--plans FULL``
@@ -139,12 +145,15 @@ def _per_descriptor(times) -> dict:
             for phase, values in by_phase.items()}
 
 
-def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float) -> dict:
+def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float, serve: bool = True) -> dict:
     """Serve while the background captures, as a server would: a step, its logits read,
     the next. A checked step (``CHECK_EVERY``, and each descriptor's first) is compared
     with the plan's eager step from the same state; the check runs under the engine's
     lock, as the step does, and is the bench's cost, not graphflow's: checking every step
-    would double what the serving side asks of the device and of the lock."""
+    would double what the serving side asks of the device and of the lock.
+
+    ``serve=False`` serves nothing: the capture thread alone, what it costs without
+    steps beside it."""
     start = time.perf_counter()
     engine = run_pipeline(plan, options, model=model)
     ready = time.perf_counter()
@@ -159,7 +168,7 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
     # before they are read in every step.
     touched = [b.name for b in plan.buffers if b.role is not BufferRole.INTERNAL]
     try:
-        while not engine.background.done and time.perf_counter() - ready < timeout_s:
+        while serve and not engine.background.done and time.perf_counter() - ready < timeout_s:
             batch = sizes[int(torch.randint(len(sizes), (1,), generator=generator))]
             batch = max(1, batch - int(torch.randint(2, (1,), generator=generator)))
             inputs = _inputs(runner, batch, generator, device, plan.model_args.get("vocab_size", 512), max_len)
@@ -189,17 +198,29 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
                 first_step = time.perf_counter()
             served += 1
             graph_steps += descriptor is not None
-        engine.background.wait(timeout_s)
-        live = (engine.background.finished_at or time.perf_counter()) - start
-        failures = {str(d): str(e) for d, e in engine.background.failures.items()}
-        verified = all(v.bit_exact for v in engine.background.verified)
+        background = engine.background
+        background.wait(timeout_s)
+        live = (background.finished_at or time.perf_counter()) - start
+        failures = {str(d): str(e) for d, e in background.failures.items()}
+        verified = all(v.bit_exact for v in background.verified)
+        thread = _thread_time(background)
     finally:
         engine.close()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"ready_s": ready - start, "first_step_after_build_s": (first_step or ready) - built_at,
             "all_live_s": live, "served_steps": served, "checked_steps": checks, "checked_descriptors": len(checked),
             "checking_s": checking_s, "steps_on_graphs": graph_steps,
-            "served_bit_exact": exact, "verified_bit_exact": verified, "failures": failures}
+            "served_bit_exact": exact, "verified_bit_exact": verified, "failures": failures, "thread": thread}
+
+
+def _thread_time(background) -> dict:
+    """Where the capture thread's time went: each phase's seconds (under the lock for
+    warmup and verify), and the rest (waiting for the lock and for steps to go first)."""
+    phases: dict = {}
+    for t in background.times:
+        phases[t.phase.value] = phases.get(t.phase.value, 0.0) + t.seconds
+    wall = (background.finished_at or time.perf_counter()) - background.started_at
+    return {**phases, "waiting": wall - sum(phases.values()), "wall": wall}
 
 
 def _inputs(runner, batch, generator, device, vocab, max_len):
@@ -229,8 +250,11 @@ def main() -> int:
     parser.add_argument("--plans", default="FULL,PIECEWISE", help="which plans, by mode (FULL,PIECEWISE)")
     parser.add_argument("--sizes", help="descriptor sizes (default: the plans' 67)")
     parser.add_argument("--lazy-timeout-s", type=float, default=120.0)
-    parser.add_argument("--runs", default="hand,bare,default,lazy",
-                        help="which rows: hand (the loop every ratio is to), bare, default, lazy (FULL only)")
+    parser.add_argument("--runs", default="hand,bare,default,lazy,lazy-idle",
+                        help="which rows: hand (the loop every ratio is to), bare, default; lazy (serving steps "
+                             "back to back) and lazy-idle (the capture thread alone), FULL only")
+    parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the hand loop once untimed first, so that no row pays for the process's cold start")
     parser.add_argument("--smoke", action="store_true", help="CPU, 2 layers, 3 sizes: checks the script")
     args = parser.parse_args()
     backend = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -252,6 +276,7 @@ def main() -> int:
         print(f"ready_bench: {what} done, {time.perf_counter() - started:.1f} s in", flush=True)
 
     started = time.perf_counter()
+    warmed = False
     for name in chosen:
         plan = plan_variant(PLANS[name], sizes=sizes, **overrides)
         t = time.perf_counter()
@@ -261,6 +286,14 @@ def main() -> int:
         rows: dict = {}
         entry = {"descriptors": len(plan.descriptors()), "build_s": built - t, "rows": rows}
         results["plans"][name] = entry
+        if not warmed and args.warm:
+            # The process's first capture loads every kernel's module (CUDA loads them on
+            # first launch) and grows the allocator: the row that ran first would pay for it.
+            t = time.perf_counter()
+            hand_loop(plan, model, backend)
+            entry["warm_pass_s"] = time.perf_counter() - t
+            warmed = True
+            done(f"{name} warm pass ({entry['warm_pass_s']:.2f} s, not timed)")
         for run, key, measure in (
                 ("hand loop", "hand", lambda: hand_loop(plan, model, backend)),
                 ("graphflow bare", "bare",
@@ -269,11 +302,12 @@ def main() -> int:
             if key in runs:
                 guard(rows, run, measure)
                 done(f"{name} {run} ({rows[run]['total_s']:.2f} s)" if run in rows else f"{name} {run} (failed)")
-        if name == "FULL" and "lazy" in runs:
-            model_built = time.perf_counter()
-            guard(entry, "lazy", lambda: lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
-                                                  args.lazy_timeout_s))
-            done(f"{name} lazy" if "lazy" in entry else f"{name} lazy (failed)")
+        for key, serve in (("lazy", True), ("lazy-idle", False)):
+            if name == "FULL" and key in runs:
+                model_built = time.perf_counter()
+                guard(entry, key, lambda: lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
+                                                   args.lazy_timeout_s, serve=serve))
+                done(f"{name} {key}" if key in entry else f"{name} {key} (failed)")
         del model
         gc.collect()
     _print(results)
@@ -291,13 +325,19 @@ def _print(results: dict) -> None:
         for run, row in rows.items():
             print(f"{run:<20}{row['total_s']:>9.2f}{ratio(row['total_s'])}{row['warmup_s']:>9.2f}"
                   f"{row['capture_s']:>9.2f}{row['verify_s']:>9.2f}{row['graphs']:>8}")
-        lazy = entry.get("lazy")
-        if lazy:
-            print(f"lazy: ready in {lazy['ready_s']:.2f} s, first step {lazy['first_step_after_build_s']:.2f} s after "
+        for key in ("lazy-idle", "lazy"):
+            lazy = entry.get(key)
+            if not lazy:
+                continue
+            thread = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in lazy["thread"].items() if phase != "wall")
+            served = (f"{lazy['served_steps']} steps served meanwhile ({lazy['steps_on_graphs']} on graphs), "
+                      f"{lazy['checked_steps']} checked against eager ({lazy['checked_descriptors']} descriptors, "
+                      f"{lazy['checking_s']:.2f} s): bit-exact {lazy['served_bit_exact']}, "
+                      if key == "lazy" else "nothing served, ")
+            print(f"{key}: ready in {lazy['ready_s']:.2f} s, first step {lazy['first_step_after_build_s']:.2f} s after "
                   f"the model was built, all live in {lazy['all_live_s']:.2f} s ({ratio(lazy['all_live_s']).strip()} "
-                  f"the hand loop); {lazy['served_steps']} steps served meanwhile ({lazy['steps_on_graphs']} on "
-                  f"graphs), {lazy['checked_steps']} checked against eager ({lazy['checked_descriptors']} descriptors, "
-                  f"{lazy['checking_s']:.2f} s): bit-exact {lazy['served_bit_exact']}, failures {len(lazy['failures'])}")
+                  f"the hand loop); {served}verified bit-exact {lazy['verified_bit_exact']}, "
+                  f"failures {len(lazy['failures'])}; the thread's seconds: {thread}")
         for run, error in {**entry["rows"].get("errors", {}), **entry.get("errors", {})}.items():
             print(f"{run} failed: {error}")
 

@@ -143,7 +143,7 @@ class Runner:
         engine = self.engine
         position, dim = self._size_of
         engine.background.asked(inputs[position].shape[dim])
-        with engine.lock:
+        with engine.background.serving(), engine.lock:
             if engine.version != self._version:
                 self._build()
             return self._step(inputs)

@@ -9,6 +9,7 @@ failed descriptor, and stopping — not CUDA's concurrency, which tests/cuda che
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -98,6 +99,57 @@ class TestLazy:
             assert engine.background.wait(60)
             order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
             assert order == [8, 1, 4, 2]
+        finally:
+            gate.release.set()
+            engine.close()
+
+    def test_the_first_batch_seen_comes_first_then_the_largest_then_demand(self):
+        """Once the largest is live every batch replays a graph, padded up: no eager step
+        competes with the capture for the host."""
+        started, release = threading.Event(), threading.Event()
+
+        class Hold:
+            segment_events = False
+
+            def on_event(self, event):
+                if event.kind is EventKind.PIPELINE_BEGIN and threading.current_thread().name.startswith("graphflow"):
+                    started.set()
+                    assert release.wait(30)
+
+        engine = run_pipeline(toy_plan(2, sizes=(1, 2, 4, 8, 16)), RunOptions(backend="cpu", lazy=True, verify=False),
+                              listeners=[Hold()])
+        try:
+            assert started.wait(30)  # the thread has chosen nothing yet
+            for batch in (2, 1, 3):
+                engine.background.asked(batch)
+            release.set()
+            assert engine.background.wait(60)
+            order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
+            assert order == [2, 16, 1, 4, 8]
+        finally:
+            release.set()
+            engine.close()
+
+    def test_a_step_waiting_or_running_goes_before_the_threads_next_phase(self):
+        gate = Gate(Phase.CAPTURE)
+        ended = []
+
+        class Ends:
+            segment_events = False
+
+            def on_event(self, event):
+                if event.kind is EventKind.PHASE_END and threading.current_thread() is not threading.main_thread():
+                    ended.append(event.phase)
+
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate, Ends()])
+        try:
+            assert gate.reached.wait(30)  # capturing the first descriptor, which takes no lock
+            with engine.background.serving():
+                gate.release.set()
+                time.sleep(0.3)
+                assert Phase.VERIFY not in ended, "the thread waits for the step before it verifies"
+            assert engine.background.wait(60)
+            assert ended.count(Phase.VERIFY) == len(SIZES)
         finally:
             gate.release.set()
             engine.close()

@@ -287,6 +287,17 @@ class TestCapture:
             assert regions[:4] == ["target:L0.pre", "target:L0.post..L1.pre", "target:L1.post..L2.pre",
                                    "target:L2.post..head"]
 
+    def test_room_is_made_once_per_descriptor_before_its_first_region_not_per_graph(self):
+        plan, model, rig = rigged(layers=3, sizes=(1, 2))
+        backend = RecordingBackend()
+        order = []
+        backend.make_room = lambda device: order.append(("room", device.type))
+        capture = backend.capture
+        backend.capture = lambda *args, **kw: (order.append("graph"), capture(*args, **kw))[1]
+        with run(plan, model, rig, backend=backend):
+            pass
+        assert order == [("room", "cpu"), *["graph"] * 4] * 2
+
     def test_gc_is_frozen_during_capture_only(self):
         plan, model, rig = rigged(layers=1, sizes=(1,))
         frozen = {}

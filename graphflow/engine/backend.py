@@ -25,7 +25,9 @@ Lifecycle of a backend, as the pipeline drives it:
    is current already), ``wait(stream, event)`` before
    and ``record(event, stream)`` after a segment for cross-stream edges, and
    ``join(origin, events)`` at the end (the origin waits for every other stream).
-6. ``capture(calls, recording, stream, pool, side)``, once per region per descriptor,
+6. ``make_room(device)`` once per descriptor before its captures (the device waited for
+   and the allocator's unused cache freed, so the pool can grow), then
+   ``capture(calls, recording, stream, pool, side)``, once per region per descriptor,
    returns a ``Graph``: its ``replay`` is a bare callable the runtime calls in its hot
    loop. ``side`` are the region's other streams: if ``recording`` raises with one of
    them still joined into the capture, the backend joins it back and ends the capture,
@@ -144,6 +146,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def release_pool(self, pool: object) -> None: ...
+
+    def make_room(self, device: torch.device) -> None:
+        """Before a descriptor's captures on ``device``: free what the allocator caches
+        and no tensor uses, so the graph pool can grow into it (nothing on the host)."""
 
     @abc.abstractmethod
     def synchronize(self, device: torch.device) -> None: ...
@@ -287,10 +293,10 @@ class _CudaGraph(Graph):
 
 
 class _Pieces:
-    """What ``torch.cuda.graph`` captures into when a region may be cut: one
-    ``CUDAGraph`` per piece, with the eager calls between them.
+    """What a region is captured into when it may be cut: one ``CUDAGraph`` per
+    piece, with the eager calls between them.
 
-    ``torch.cuda.graph`` calls ``capture_begin`` on entry and ``capture_end`` on exit;
+    ``_capturing`` calls ``capture_begin`` on entry and ``capture_end`` on exit;
     ``cut`` ends the current piece and begins the next with the same pool and options,
     so the context manager ends whichever piece is open last. Replay runs the pieces
     and the calls between them in order; a region never cut is its one graph.
@@ -350,6 +356,22 @@ class _Pieces:
     def replay(self) -> None:
         for step in self._steps:
             step()
+
+
+@contextlib.contextmanager
+def _capturing(graph: _Pieces, pool: object, stream: object, mode: str) -> Iterator[None]:
+    """``torch.cuda.graph`` without what it does before each capture (a device sync and
+    emptying the allocators' caches): ``Backend.make_room`` does the device's once per
+    descriptor.
+    As there, a ``capture_end`` that raises leaves ``stream`` current (the caller restores it)."""
+    context = torch.cuda.stream(stream)
+    context.__enter__()
+    graph.capture_begin(pool, capture_error_mode=mode)
+    try:
+        yield
+    finally:
+        graph.capture_end()
+        context.__exit__(None, None, None)
 
 
 class CudaBackend(Backend):
@@ -433,12 +455,20 @@ class CudaBackend(Backend):
         else:
             stream.wait_event(event)
 
+    def make_room(self, device: torch.device) -> None:
+        # What torch.cuda.graph does before every capture, done once per descriptor: a
+        # PIECEWISE step of 62 graphs would otherwise wait for the device and give the
+        # cache back to the driver 62 times, and its next warmup would allocate it again.
+        if device.type != "cpu":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+
     def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object,
                 side: Sequence[object] = ()) -> Graph:
         graph = _Pieces(self.debug_graphs)
         before = torch.cuda.current_stream(stream.device)
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode):
+            with _capturing(graph, pool, stream, self.capture_error_mode):
                 self._recording.open = graph
                 try:
                     recording()

@@ -3,11 +3,13 @@
 With ``RunOptions(lazy=True)`` the pipeline stops after allocate, the first descriptor's
 warmup and prewarm, and commits an engine with no step program: the runtime serves every
 batch eagerly (on the static buffers) from the first step. ``BackgroundCapture`` then
-warms, captures and verifies one descriptor at a time, in the order batches ask for them
-(the smallest descriptor that holds the first batches seen comes first, then the plan's
-order), and switches each in once it verifies. A descriptor that fails is rolled back
-alone (its graphs destroyed) and noted in ``failures``; its batches go on being served
-by a larger descriptor or eagerly.
+warms, captures and verifies one descriptor at a time and switches each in once it
+verifies. The order: the smallest descriptor that holds the first batch seen; then the
+largest, so that every batch from then on replays a graph (padded up) and no eager step
+competes with the capture for the host; then the smallest holding each batch size seen,
+first seen first; then the plan's order. A descriptor that fails is rolled back alone
+(its graphs destroyed) and noted in ``failures``; its batches go on being served by a
+larger descriptor or eagerly.
 
 The thread warms up the first descriptor again although the foreground just did: some
 of CUDA's lazy initialization is per thread (torch gives each thread its own cuBLAS
@@ -23,7 +25,9 @@ Why it is safe beside serving:
   model on the static buffers. Those two snapshot every buffer they touch (inputs, what
   the step writes, the state) at their descriptor's size first and put it back after,
   so the KV cache of the sequences being served, and the outputs the last step
-  returned, come back unchanged.
+  returned, come back unchanged. Steps go first: while one waits for the lock or runs
+  (``serving``), the thread takes the lock for no new phase, so a step waits for one
+  phase of a descriptor at most.
 * **Recording is not.** A CUDA capture records without running anything, so it goes on
   while batches are served. It runs with ``capture_error_mode="thread_local"`` (as vLLM
   does since its capture ran beside other CUDA work): the capturing thread may not make
@@ -40,15 +44,20 @@ While a capture runs, the serving side must not synchronize the whole device
 (``operation not permitted when stream is capturing``); synchronize its own stream
 (``torch.cuda.current_stream().synchronize()``) instead. The runtime itself never does.
 
+Recording beside serving is slower than alone: on the H200, with a 61-layer step served
+back to back, the thread's captures took 2.5x as long (``docs/engine.md``, Lazy capture).
+
 Limits: one rank and no channels (ranks would capture in orders their own traffic
 decides, and their barriers would disagree); capture them in the foreground.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Iterator
 
 import attrs
 
@@ -67,6 +76,9 @@ from graphflow.plan import BufferRole, Descriptor
 
 __all__ = ["BackgroundCapture"]
 
+#: The longest the thread lets steps go first before it takes the lock for a phase.
+SERVING_FIRST_S = 1.0
+
 
 class BackgroundCapture:
     """The capture thread of a lazy engine (see the module docstring)."""
@@ -77,6 +89,7 @@ class BackgroundCapture:
         self._asked: list[int] = []  # batch sizes, in the order first seen
         self._cond = threading.Condition()
         self._stopping = False
+        self._serving = 0  # steps waiting for the lock or running under it
         self._touched = tuple(dict.fromkeys((
             *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
             *ctx.verify_plan.written)))
@@ -110,6 +123,21 @@ class BackgroundCapture:
             with self._cond:
                 self._asked.append(batch)
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Around a step: while one waits for the lock or runs, the thread takes the lock
+        for nothing new (a step waits for one phase of a descriptor at most, not for a
+        queue of them)."""
+        with self._cond:
+            self._serving += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._serving -= 1
+                if not self._serving:
+                    self._cond.notify_all()
+
     def stop(self) -> None:
         """Capture nothing more; returns once the descriptor under way is done."""
         self._stopping = True
@@ -120,10 +148,14 @@ class BackgroundCapture:
         with self._cond:
             if not self._pending:
                 return None
-            # For each batch size asked for, first seen first: the descriptor that serves it
-            # best (the smallest that holds it, FULL before PIECEWISE), if still pending.
+            # The descriptor that serves the first batch seen; then the largest, so that
+            # every batch from then on replays a graph (padded up) instead of running the
+            # model eagerly beside the capture; then, for each batch size asked for, first
+            # seen first, the one that serves it best (the smallest that holds it, FULL
+            # before PIECEWISE), if still pending; then the plan's order.
             candidates = [*self._pending, *self._engine.programs]
-            for batch in self._asked:
+            largest = max(d.size for d in candidates)
+            for batch in (*self._asked[:1], largest, *self._asked[1:]) if self._asked else ():
                 holders = [d for d in candidates if d.size >= batch]
                 if holders:
                     best = min(holders, key=lambda d: (d.size, d.mode.value != "FULL"))
@@ -214,6 +246,8 @@ class BackgroundCapture:
 
         def kept():
             views = self._alloc.buffers.views(descriptor.size)
+            with self._cond:  # steps first; bounded, should several serving threads never pause
+                self._cond.wait_for(lambda: not self._serving or self._stopping, timeout=SERVING_FIRST_S)
             with self.lock:
                 saved = self._saved.take(views, descriptor.size)
                 try:

@@ -4,8 +4,10 @@ Captures run PIECEWISE then FULL, largest first (a smaller graph then reuses the
 ones' pool blocks), with the garbage collector frozen from the first capture on: a
 collection during capture scans only what capture creates. A region is captured on its
 origin stream (its first segment's), its side streams forked from it and joined back,
-into its device's shared pool. The result is each descriptor's step program: graph
-replays and bound eager breaks, in order, which the runtime calls as bare callables.
+into its device's shared pool; room is made in the device's memory once per descriptor,
+not once per graph as ``torch.cuda.graph`` does. The result is each descriptor's step
+program: graph replays and bound eager breaks, in order, which the runtime calls as bare
+callables.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
     """Capture one descriptor's regions; its program goes into ``captured.programs``."""
     runner = watched(ctx, alloc, Phase.CAPTURE, capturing=True, descriptor=descriptor)
     with ctx.descriptor(descriptor, index) as block:
+        for device in alloc.pools:
+            ctx.backend.make_room(device)
         views = alloc.buffers.views(descriptor.size)
         program: list[Call] = []
         for item in step_items(ctx, descriptor.mode):

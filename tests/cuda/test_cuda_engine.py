@@ -138,6 +138,29 @@ class TestReplayEqualsEager:
                     call()
                 assert torch.equal(graph, views["logits"][:batch]), f"batch {batch} on {descriptor}"
 
+    def test_the_cache_is_emptied_once_per_descriptor_and_piecewise_graphs_still_replay_exactly(self, monkeypatch):
+        """torch.cuda.graph empties the allocator's cache before every graph; graphflow
+        does it once per descriptor, and the graphs it then captures into memory the
+        cache kept still replay what the eager step computes."""
+        plan = toy_plan(3, modes=(P,), sizes=(4, 2))
+        emptied = []
+        empty_cache = torch.cuda.empty_cache
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), empty_cache())[1])
+        backend = TrackingBackend()
+        with run_pipeline(plan, RunOptions(backend="cuda"), backend=backend) as engine:
+            assert len(backend.graphs) == 8 and len(emptied) == 2
+            assert all(r.bit_exact for r in engine.report.verify) and len(engine.report.verify) == 2
+            runner = Runner(engine)
+            x = torch.randn(3, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+            (graph,) = runner.run(x)
+            graph = graph.clone()
+            views = engine.buffers.views(4)
+            views["x"].zero_()
+            views["x"][:3].copy_(x)
+            for call in engine.eager_calls(4):
+                call()
+            assert torch.equal(graph, views["logits"][:3])
+
     def test_replay_does_not_run_python(self):
         plan = toy_plan(1, full=True, modes=(F,), sizes=(2,))
         model = build_toy(1, device="cuda")
