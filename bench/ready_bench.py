@@ -23,6 +23,11 @@ In one process, on one model (the weights built once and shared), for each plan 
 * **graphflow lazy-idle** (FULL only): the same with no step served, the capture thread
   alone: what lazy capture costs by itself, apart from what serving beside it costs.
 
+The hand, bare and default rows run ``--rounds`` times (2 by default), every other
+round in reverse order, and each shows its fastest round beside all of them: one run of
+the same row moves by tens of percent between machines and over a run, as other work on
+the host comes and goes, and noise only ever adds time.
+
 Before the first row, the hand loop runs once untimed (``--no-warm`` skips it): a
 process's first capture loads the modules of every kernel it launches and grows the
 allocator, and the row that ran first would pay for that alone.
@@ -253,6 +258,9 @@ def main() -> int:
     parser.add_argument("--runs", default="hand,bare,default,lazy,lazy-idle",
                         help="which rows: hand (the loop every ratio is to), bare, default; lazy (serving steps "
                              "back to back) and lazy-idle (the capture thread alone), FULL only")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="run the hand, bare and default rows this many times, every other round in reverse "
+                             "order; each row shows its fastest round")
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                         help="run the hand loop once untimed first, so that no row pays for the process's cold start")
     parser.add_argument("--smoke", action="store_true", help="CPU, 2 layers, 3 sizes: checks the script")
@@ -294,14 +302,29 @@ def main() -> int:
             entry["warm_pass_s"] = time.perf_counter() - t
             warmed = True
             done(f"{name} warm pass ({entry['warm_pass_s']:.2f} s, not timed)")
-        for run, key, measure in (
-                ("hand loop", "hand", lambda: hand_loop(plan, model, backend)),
-                ("graphflow bare", "bare",
-                 lambda: graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))),
-                ("graphflow default", "default", lambda: graphflow_run(plan, model, RunOptions(backend=backend)))):
-            if key in runs:
-                guard(rows, run, measure)
-                done(f"{name} {run} ({rows[run]['total_s']:.2f} s)" if run in rows else f"{name} {run} (failed)")
+        chosen_rows = [(run, measure) for run, key, measure in (
+            ("hand loop", "hand", lambda: hand_loop(plan, model, backend)),
+            ("graphflow bare", "bare",
+             lambda: graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))),
+            ("graphflow default", "default", lambda: graphflow_run(plan, model, RunOptions(backend=backend))))
+            if key in runs]
+        measured: dict = {run: [] for run, _ in chosen_rows}
+        for round_ in range(args.rounds):
+            # Every other round in reverse order: a machine that speeds up or slows down
+            # over the run does not favour the rows that come first.
+            for run, measure in chosen_rows if round_ % 2 == 0 else chosen_rows[::-1]:
+                one: dict = {}
+                guard(one, run, measure)
+                if run in one:
+                    measured[run].append(one[run])
+                else:
+                    rows.setdefault("errors", {})[f"{run} (round {round_ + 1})"] = one["errors"][run]
+                done(f"{name} {run} round {round_ + 1} "
+                     + (f"({one[run]['total_s']:.2f} s)" if run in one else "(failed)"))
+        for run, results_ in measured.items():
+            if results_:
+                rows[run] = {**min(results_, key=lambda r: r["total_s"]),
+                             "rounds_total_s": [r["total_s"] for r in results_]}
         for key, serve in (("lazy", True), ("lazy-idle", False)):
             if name == "FULL" and key in runs:
                 model_built = time.perf_counter()
@@ -321,10 +344,12 @@ def _print(results: dict) -> None:
         hand = rows.get("hand loop", {}).get("total_s")
         ratio = (lambda seconds: f"{seconds / hand:>6.2f}x") if hand else (lambda seconds: f"{'-':>7}")
         print(f"\n{name} ({entry['descriptors']} descriptors)")
-        print(f"{'run':<20}{'total s':>9}{'ratio':>7}{'warmup':>9}{'capture':>9}{'verify':>9}{'graphs':>8}")
+        print(f"{'run':<20}{'total s':>9}{'ratio':>7}{'warmup':>9}{'capture':>9}{'verify':>9}{'graphs':>8}"
+              "  every round's total")
         for run, row in rows.items():
+            rounds = ", ".join(f"{t:.2f}" for t in row.get("rounds_total_s", ()))
             print(f"{run:<20}{row['total_s']:>9.2f}{ratio(row['total_s'])}{row['warmup_s']:>9.2f}"
-                  f"{row['capture_s']:>9.2f}{row['verify_s']:>9.2f}{row['graphs']:>8}")
+                  f"{row['capture_s']:>9.2f}{row['verify_s']:>9.2f}{row['graphs']:>8}  {rounds}")
         for key in ("lazy-idle", "lazy"):
             lazy = entry.get(key)
             if not lazy:
@@ -334,8 +359,9 @@ def _print(results: dict) -> None:
                       f"{lazy['checked_steps']} checked against eager ({lazy['checked_descriptors']} descriptors, "
                       f"{lazy['checking_s']:.2f} s): bit-exact {lazy['served_bit_exact']}, "
                       if key == "lazy" else "nothing served, ")
-            print(f"{key}: ready in {lazy['ready_s']:.2f} s, first step {lazy['first_step_after_build_s']:.2f} s after "
-                  f"the model was built, all live in {lazy['all_live_s']:.2f} s ({ratio(lazy['all_live_s']).strip()} "
+            first = (f", first step {lazy['first_step_after_build_s']:.2f} s after the model was built"
+                     if key == "lazy" else "")
+            print(f"{key}: ready in {lazy['ready_s']:.2f} s{first}, all live in {lazy['all_live_s']:.2f} s ({ratio(lazy['all_live_s']).strip()} "
                   f"the hand loop); {served}verified bit-exact {lazy['verified_bit_exact']}, "
                   f"failures {len(lazy['failures'])}; the thread's seconds: {thread}")
         for run, error in {**entry["rows"].get("errors", {}), **entry.get("errors", {})}.items():
