@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from graphflow.engine import RunOptions, run_pipeline
+from graphflow.engine import RunOptions, background, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import Descriptor, Mode
@@ -128,6 +128,40 @@ class TestLazy:
             assert order == [2, 16, 1, 4, 8]
         finally:
             release.set()
+            engine.close()
+
+    def test_the_engines_first_step_goes_before_the_threads_first_phase_and_picks_its_descriptor(self, monkeypatch):
+        monkeypatch.setattr(background, "FIRST_STEP_S", 30.0)  # however slow the machine, the step comes first
+        began = []
+
+        class Phases:
+            segment_events = False
+
+            def on_event(self, event):
+                if event.kind is EventKind.PHASE_BEGIN and threading.current_thread() is not threading.main_thread():
+                    began.append(time.perf_counter())
+
+        engine = run_pipeline(toy_plan(2, sizes=(1, 2, 4, 8)), RunOptions(backend="cpu", lazy=True),
+                              listeners=[Phases()])
+        try:
+            runner = Runner(engine)
+            runner.run(torch.randn(3, 32))
+            served = time.perf_counter()
+            assert engine.background.wait(60)
+            assert began and min(began) > served
+            order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
+            assert order[:2] == [4, 8], "the first batch's descriptor, then the largest"
+        finally:
+            engine.close()
+
+    def test_with_no_step_served_the_thread_starts_after_its_wait_for_one(self, monkeypatch):
+        monkeypatch.setattr(background, "FIRST_STEP_S", 0.2)
+        engine = run_pipeline(toy_plan(2, sizes=(1, 2)), RunOptions(backend="cpu", lazy=True))
+        try:
+            assert engine.background.wait(60) and engine.background.failures == {}
+            assert len(engine.programs) == 2
+            assert engine.background.finished_at - engine.background.started_at >= 0.2
+        finally:
             engine.close()
 
     def test_a_step_waiting_or_running_goes_before_the_threads_next_phase(self):

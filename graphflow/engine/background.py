@@ -27,7 +27,8 @@ Why it is safe beside serving:
   so the KV cache of the sequences being served, and the outputs the last step
   returned, come back unchanged. Steps go first: while one waits for the lock or runs
   (``serving``), the thread takes the lock for no new phase, so a step waits for one
-  phase of a descriptor at most.
+  phase of a descriptor at most; and at its start the thread waits a moment
+  (``FIRST_STEP_S``) for the engine's first step, which then waits for nothing.
 * **Recording is not.** A CUDA capture records without running anything, so it goes on
   while batches are served. It runs with ``capture_error_mode="thread_local"`` (as vLLM
   does since its capture ran beside other CUDA work): the capturing thread may not make
@@ -78,6 +79,10 @@ __all__ = ["BackgroundCapture"]
 
 #: The longest the thread lets steps go first before it takes the lock for a phase.
 SERVING_FIRST_S = 1.0
+#: At its start, how long the thread waits for the engine's first step to be served
+#: before its own first phase: that step then waits for none of the thread's work, and
+#: the thread knows which descriptor to capture first.
+FIRST_STEP_S = 0.5
 
 
 class BackgroundCapture:
@@ -90,6 +95,7 @@ class BackgroundCapture:
         self._cond = threading.Condition()
         self._stopping = False
         self._serving = 0  # steps waiting for the lock or running under it
+        self._served = 0  # steps done
         self._touched = tuple(dict.fromkeys((
             *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
             *ctx.verify_plan.written)))
@@ -135,12 +141,14 @@ class BackgroundCapture:
         finally:
             with self._cond:
                 self._serving -= 1
-                if not self._serving:
-                    self._cond.notify_all()
+                self._served += 1
+                self._cond.notify_all()
 
     def stop(self) -> None:
         """Capture nothing more; returns once the descriptor under way is done."""
-        self._stopping = True
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
         self._thread.join()
 
     # -- the thread ---------------------------------------------------------------------
@@ -171,6 +179,8 @@ class BackgroundCapture:
         events = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
         events.emit(EventKind.PIPELINE_BEGIN, total=len(self._pending))
         try:
+            with self._cond:
+                self._cond.wait_for(lambda: self._served or self._stopping, timeout=FIRST_STEP_S)
             while not self._stopping:
                 descriptor = self._next()
                 if descriptor is None:
