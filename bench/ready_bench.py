@@ -308,23 +308,7 @@ def main() -> int:
              lambda: graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))),
             ("graphflow default", "default", lambda: graphflow_run(plan, model, RunOptions(backend=backend))))
             if key in runs]
-        measured: dict = {run: [] for run, _ in chosen_rows}
-        for round_ in range(args.rounds):
-            # Every other round in reverse order: a machine that speeds up or slows down
-            # over the run does not favour the rows that come first.
-            for run, measure in chosen_rows if round_ % 2 == 0 else chosen_rows[::-1]:
-                one: dict = {}
-                guard(one, run, measure)
-                if run in one:
-                    measured[run].append(one[run])
-                else:
-                    rows.setdefault("errors", {})[f"{run} (round {round_ + 1})"] = one["errors"][run]
-                done(f"{name} {run} round {round_ + 1} "
-                     + (f"({one[run]['total_s']:.2f} s)" if run in one else "(failed)"))
-        for run, results_ in measured.items():
-            if results_:
-                rows[run] = {**min(results_, key=lambda r: r["total_s"]),
-                             "rounds_total_s": [r["total_s"] for r in results_]}
+        _best_of_rounds(rows, chosen_rows, args.rounds, lambda what: done(f"{name} {what}"))
         for key, serve in (("lazy", True), ("lazy-idle", False)):
             if name == "FULL" and key in runs:
                 model_built = time.perf_counter()
@@ -335,6 +319,25 @@ def main() -> int:
         gc.collect()
     _print(results)
     return 0
+
+
+def _best_of_rounds(rows: dict, measures: list, rounds: int, done) -> None:
+    """Each ``(run, measure)`` ``rounds`` times, every other round in reverse order (a
+    machine that speeds up or slows down over the run does not favour the rows that come
+    first); ``rows[run]`` is its fastest round, with every round's total beside it."""
+    measured: dict = {run: [] for run, _ in measures}
+    for round_ in range(rounds):
+        for run, measure in measures if round_ % 2 == 0 else measures[::-1]:
+            one: dict = {}
+            guard(one, run, measure)
+            if run in one:
+                measured[run].append(one[run])
+            else:
+                rows.setdefault("errors", {})[f"{run} (round {round_ + 1})"] = one["errors"][run]
+            done(f"{run} round {round_ + 1} " + (f"({one[run]['total_s']:.2f} s)" if run in one else "(failed)"))
+    for run, results in measured.items():
+        if results:
+            rows[run] = {**min(results, key=lambda r: r["total_s"]), "rounds_total_s": [r["total_s"] for r in results]}
 
 
 def _print(results: dict) -> None:
