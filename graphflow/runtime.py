@@ -169,7 +169,7 @@ class Runner:
 
     def _program(self, descriptor: Descriptor, batch: int) -> _Program:
         plan = self.engine.plan
-        views = self.engine.buffers.views(descriptor.size)
+        views = self.engine.buffers.views_of(descriptor)
         pad = descriptor.size - batch
         inputs, pads = [], []
         for name in self.inputs:

@@ -42,6 +42,9 @@ class StaticBuffers:
         self.tensors: dict[str, torch.Tensor] = {}
         self.alloc_values: dict[str, dict[str, int]] = {}
         self._views: dict[int, dict[str, torch.Tensor]] = {}
+        # descriptor -> its views, with the outputs its graphs return where they put them
+        # (``graphflow.engine.returned``): the runtime and verify read those outputs there.
+        self._placed: dict[object, dict[str, torch.Tensor]] = {}
         # Roots first, then each alias after its target: sorted by the length of the chain.
         for buffer in sorted(plan.buffers, key=lambda b: len(plan.alias_chain(b.name))):
             self.alloc_values[buffer.name] = plan.allocation_values(buffer, max_size)
@@ -77,6 +80,18 @@ class StaticBuffers:
             self._views[size] = views
         return views
 
+    def views_of(self, descriptor) -> dict[str, torch.Tensor]:
+        """``views(descriptor.size)``, with the outputs this descriptor's graphs return
+        in place of their buffers' views (``place``)."""
+        return self._placed.get(descriptor) or self.views(descriptor.size)
+
+    def place(self, descriptor, outputs: Mapping[str, torch.Tensor]) -> None:
+        """From now on, ``views_of(descriptor)`` gives these tensors for these buffers."""
+        self._placed[descriptor] = {**self.views(descriptor.size), **outputs}
+
+    def unplace(self, descriptor) -> None:
+        self._placed.pop(descriptor, None)
+
     def view(self, name: str, size: int) -> torch.Tensor:
         """One buffer at ``size``; ``size`` may exceed other buffers' allocations."""
         views = self._views.get(size)
@@ -94,6 +109,7 @@ class StaticBuffers:
 
     def clear(self) -> None:
         self._views.clear()
+        self._placed.clear()
         self.tensors.clear()
 
     def narrow(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:

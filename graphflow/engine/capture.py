@@ -23,6 +23,7 @@ from graphflow.engine.backend import Call, Graph
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, run_scheduled
 from graphflow.engine.memory import pool_estimate
+from graphflow.engine.returned import Placed, placeable
 from graphflow.engine.warmup import DescriptorTime, check_findings, watched
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
@@ -51,6 +52,8 @@ class Captured:
     pool_estimate: dict[str, int] = attrs.field(factory=dict)
     _pool_by_mode: dict = attrs.field(factory=dict)  # mode -> pool sizes after its first captures
     _pool_read_at: float = 0.0
+    #: The outputs whose returned tensor capture keeps (``graphflow.engine.returned``).
+    placeable: frozenset[str] = frozenset()
     _undos: tuple = ()
     _ctx: Context | None = None
 
@@ -73,7 +76,10 @@ def open_capture(ctx: Context) -> Captured:
     tripwires = jit_registry.tripwires()
     tripwires.install()
     untrip = ctx.stack.push("remove the JIT tripwires", tripwires.remove)
-    captured = Captured(undos=(untrip, unfreeze), ctx=ctx)
+    # Outputs kept where the graphs return them: not in lazy capture (``graphflow.engine.returned``).
+    keep = ctx.backend.captures_graphs and not ctx.options.lazy
+    captured = Captured(placeable=placeable(ctx.plan, ctx.segments) if keep else frozenset(),
+                        undos=(untrip, unfreeze), ctx=ctx)
     ctx.stack.push("drop the step programs", captured.programs.clear)
     return captured
 
@@ -86,15 +92,20 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
         for device in alloc.pools:
             ctx.backend.make_room(device)
         views = alloc.buffers.views(descriptor.size)
+        placed = (Placed(captured.placeable, views, alloc.detectors if ctx.watches(descriptor) else None)
+                  if captured.placeable else None)
         program: list[Call] = []
         for item in step_items(ctx, descriptor.mode):
             if isinstance(item, Segment):
                 program.append(bind(item, alloc.fns[item.name], views))
                 continue
             region, segments = item
-            graph = _capture_region(ctx, alloc, index, region, segments, views, runner)
+            graph = _capture_region(ctx, alloc, index, region, segments, views, runner, placed)
             captured.graphs.append(graph)
             program.append(graph.replay)
+        if placed is not None and placed.tensors:
+            alloc.buffers.place(descriptor, placed.unowned())
+            ctx.stack.push(f"forget the outputs {descriptor}'s graphs return", lambda: alloc.buffers.unplace(descriptor))
         captured.programs[descriptor] = tuple(program)
         _estimate_pool(ctx, alloc, captured, descriptor)
         # The pool's size costs an allocator snapshot: read it for listeners, not too often.
@@ -133,10 +144,11 @@ def _estimate_pool(ctx: Context, alloc: Allocation, captured: Captured, descript
 
 
 def _capture_region(ctx: Context, alloc: Allocation, index: int, region: CaptureRegion,
-                    segments: tuple[Segment, ...], views: dict[str, torch.Tensor], runner) -> Graph:
+                    segments: tuple[Segment, ...], views: dict[str, torch.Tensor], runner,
+                    placed: Placed | None = None) -> Graph:
     with ctx.locus.at(region=region.name):
         ctx.emit(EventKind.REGION_BEGIN, index=index, total=len(ctx.descriptors))
-        calls = [bind(s, alloc.fns[s.name], views) for s in segments]
+        calls = [bind(s, alloc.fns[s.name], views, placed) for s in segments]
         scheduled = alloc.schedules[tuple(s.name for s in segments)]
 
         def recording() -> None:

@@ -31,17 +31,22 @@ from graphflow.engine.schedule import Schedule
 from graphflow.events import EventKind
 from graphflow.plan import Segment
 
-__all__ = ["BoundSchedule", "SegmentCall", "Slot", "bind", "call_segment", "returned", "run_eager", "run_scheduled"]
+__all__ = ["BoundSchedule", "Placer", "SegmentCall", "Slot", "bind", "call_segment", "returned", "run_eager", "run_scheduled"]
 
 
-def bind(segment: Segment, fn: Callable[..., object], views: Mapping[str, torch.Tensor]) -> Call:
+#: ``place(buffer, value)``: True when ``value``, returned for ``buffer``, is kept as it is.
+Placer = Callable[[str, torch.Tensor], bool]
+
+
+def bind(segment: Segment, fn: Callable[..., object], views: Mapping[str, torch.Tensor],
+         place: Placer | None = None) -> Call:
     """The calling convention: ``fn(*reads, *writes_not_in_reads)``, as views at one size.
 
     A ``SegmentCall`` binds itself (``SegmentCall.bind``); a bare callable gets every
     buffer positionally.
     """
     if isinstance(fn, SegmentCall):
-        return fn.bind(views)
+        return fn.bind(views, place)
     names = (*segment.reads, *(w for w in segment.writes if w not in segment.reads))
     return functools.partial(fn, *(views[n] for n in names)) if names else fn
 
@@ -91,8 +96,11 @@ class SegmentCall:
         on buffers of its own); the engine binds it instead."""
         return self.fn(*args, **kwargs)
 
-    def bind(self, views: Mapping[str, torch.Tensor]) -> Call:
-        """The call at the size of ``views``; with nothing but positional buffers, a bare partial."""
+    def bind(self, views: Mapping[str, torch.Tensor], place: Placer | None = None) -> Call:
+        """The call at the size of ``views``; with nothing but positional buffers, a bare partial.
+
+        ``place``, in a capture, may keep a returned tensor where the capture put it
+        instead of copying it into its buffer (``graphflow.engine.returned``)."""
         fn, name = self.fn, self.name
         args = tuple(views[n] for n in self.positional)
         if not (self.keywords or self.fixed or self.returns or self.adopted or self.split):
@@ -116,7 +124,8 @@ class SegmentCall:
                         raise ValueError(f"segment {name} returned {buffer!r} of shape {list(value.shape)}, but "
                                          f"buffer {buffer!r} is {list(view.shape)} at this size — declare the "
                                          "buffer with the shape the callable returns")
-                    view.copy_(value)
+                    if place is None or not place(buffer, value):
+                        view.copy_(value)
             return result
 
         return call

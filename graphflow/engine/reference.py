@@ -46,7 +46,7 @@ def check_reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, sta
     if reference is None:
         return None
     plan = ctx.plan
-    views = alloc.buffers.views(descriptor.size)
+    views = alloc.buffers.views_of(descriptor)
     written = {w for s in ctx.segments for w in s.writes}
     state = [b.name for b in plan.buffers if b.role is BufferRole.STATE and b.name in written]
     names = [*dict.fromkeys(plan.reference.returns), *(n for n in state if n not in plan.reference.returns)]
@@ -95,7 +95,7 @@ def explain(ctx: Context, alloc: Allocation, programs: Mapping[Descriptor, tuple
 def _explain(ctx: Context, alloc: Allocation, programs: Mapping[Descriptor, tuple], descriptor: Descriptor,
              start: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
              error: CaptureError) -> CaptureError:
-    views = alloc.buffers.views(descriptor.size)
+    views = alloc.buffers.views_of(descriptor)
     diff, scale, like = _largest(ctx.plan, expected, views)  # the buffers hold the replay's results now
     first = _bisect(ctx, alloc, programs[descriptor], descriptor, views, start)
     _restore(views, start)

@@ -84,7 +84,7 @@ def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descripto
     """Replay one descriptor from its warmup's start and compare with what warmup wrote."""
     plan, needs = ctx.plan, ctx.verify_plan
     with ctx.descriptor(descriptor, index) as block:
-        views = alloc.buffers.views(descriptor.size)
+        views = alloc.buffers.views_of(descriptor)  # the outputs where the replay writes them
         kept = _kept_state(ctx, views, warmed)
         if not needs.reuses_warmup:
             warmed = _reference(ctx, alloc, descriptor, warmed)
