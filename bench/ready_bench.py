@@ -24,9 +24,15 @@ In one process, on one model (the weights built once and shared), for each plan 
   alone: what lazy capture costs by itself, apart from what serving beside it costs.
 
 The hand, bare and default rows run ``--rounds`` times (2 by default), every other
-round in reverse order, and each shows its fastest round beside all of them: one run of
-the same row moves by tens of percent between machines and over a run, as other work on
-the host comes and goes, and noise only ever adds time.
+round in reverse order (hand, bare, default, then default, bare, hand). One run of the
+same row moves by tens of percent over a run and between machines: in one process the
+hand loop took 22.3 s in the first round and 32.7 s in the second. So a row's ratio is
+paired: its seconds summed over the rounds over the hand loop's summed over the same
+rounds. Over an even number of rounds every row's mean place in the run is the same,
+so a machine that speeds up or slows down steadily favours none of them. Each row also
+shows its fastest round (the phase columns are that round's) and every round's total.
+The lazy runs come after the rounds, right after the hand loop's last round (an even
+``--rounds`` ends on it): their ratio is to that round.
 
 Before the first row, the hand loop runs once untimed (``--no-warm`` skips it): a
 process's first capture loads the modules of every kernel it launches and grows the
@@ -260,7 +266,8 @@ def main() -> int:
                              "back to back) and lazy-idle (the capture thread alone), FULL only")
     parser.add_argument("--rounds", type=int, default=2,
                         help="run the hand, bare and default rows this many times, every other round in reverse "
-                             "order; each row shows its fastest round")
+                             "order (even: every row's mean place in the run is the same); ratios are paired over "
+                             "the rounds")
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                         help="run the hand loop once untimed first, so that no row pays for the process's cold start")
     parser.add_argument("--smoke", action="store_true", help="CPU, 2 layers, 3 sizes: checks the script")
@@ -308,12 +315,15 @@ def main() -> int:
              lambda: graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))),
             ("graphflow default", "default", lambda: graphflow_run(plan, model, RunOptions(backend=backend))))
             if key in runs]
-        _best_of_rounds(rows, chosen_rows, args.rounds, lambda what: done(f"{name} {what}"))
+        _rounds(rows, chosen_rows, args.rounds, lambda what: done(f"{name} {what}"))
         for key, serve in (("lazy", True), ("lazy-idle", False)):
             if name == "FULL" and key in runs:
                 model_built = time.perf_counter()
                 guard(entry, key, lambda: lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
                                                    args.lazy_timeout_s, serve=serve))
+                last_hand = [t for t in rows.get("hand loop", {}).get("rounds_total_s", ()) if t is not None]
+                if key in entry and last_hand:
+                    entry[key]["vs_hand_last_round"] = entry[key]["all_live_s"] / last_hand[-1]
                 done(f"{name} {key}" if key in entry else f"{name} {key} (failed)")
         del model
         gc.collect()
@@ -321,37 +331,46 @@ def main() -> int:
     return 0
 
 
-def _best_of_rounds(rows: dict, measures: list, rounds: int, done) -> None:
-    """Each ``(run, measure)`` ``rounds`` times, every other round in reverse order (a
-    machine that speeds up or slows down over the run does not favour the rows that come
-    first); ``rows[run]`` is its fastest round, with every round's total beside it."""
-    measured: dict = {run: [] for run, _ in measures}
+def _rounds(rows: dict, measures: list, rounds: int, done) -> None:
+    """Each ``(run, measure)`` ``rounds`` times, every other round in reverse order;
+    ``rows[run]`` is its fastest round, with every round's total beside it and, when the
+    hand loop is among them, ``vs_hand``: its totals over the hand loop's in the rounds
+    both finished (see the module docstring)."""
+    measured: dict = {run: [None] * rounds for run, _ in measures}
     for round_ in range(rounds):
         for run, measure in measures if round_ % 2 == 0 else measures[::-1]:
             one: dict = {}
             guard(one, run, measure)
             if run in one:
-                measured[run].append(one[run])
+                measured[run][round_] = one[run]
             else:
                 rows.setdefault("errors", {})[f"{run} (round {round_ + 1})"] = one["errors"][run]
             done(f"{run} round {round_ + 1} " + (f"({one[run]['total_s']:.2f} s)" if run in one else "(failed)"))
+    hand = measured.get("hand loop", [None] * rounds)
     for run, results in measured.items():
-        if results:
-            rows[run] = {**min(results, key=lambda r: r["total_s"]), "rounds_total_s": [r["total_s"] for r in results]}
+        finished = [r for r in results if r is not None]
+        if not finished:
+            continue
+        rows[run] = {**min(finished, key=lambda r: r["total_s"]),
+                     "rounds_total_s": [None if r is None else r["total_s"] for r in results]}
+        paired = [(r["total_s"], h["total_s"]) for r, h in zip(results, hand) if r is not None and h is not None]
+        if paired:
+            rows[run]["vs_hand"] = sum(r for r, _ in paired) / sum(h for _, h in paired)
 
 
 def _print(results: dict) -> None:
     print(f"\ntime to ready, {results['layers']} layers, {results['device']}, torch {results['torch']}")
     for name, entry in results["plans"].items():
         rows = {run: row for run, row in entry["rows"].items() if run != "errors"}
-        hand = rows.get("hand loop", {}).get("total_s")
-        ratio = (lambda seconds: f"{seconds / hand:>6.2f}x") if hand else (lambda seconds: f"{'-':>7}")
+        hand_rounds = [t for t in rows.get("hand loop", {}).get("rounds_total_s", ()) if t is not None]
+        last_hand = hand_rounds[-1] if hand_rounds else None
         print(f"\n{name} ({entry['descriptors']} descriptors)")
-        print(f"{'run':<20}{'total s':>9}{'ratio':>7}{'warmup':>9}{'capture':>9}{'verify':>9}{'graphs':>8}"
-              "  every round's total")
+        print(f"{'run':<20}{'paired ratio':>13}{'fastest s':>10}{'warmup':>9}{'capture':>9}{'verify':>9}"
+              f"{'graphs':>8}  every round's total")
         for run, row in rows.items():
-            rounds = ", ".join(f"{t:.2f}" for t in row.get("rounds_total_s", ()))
-            print(f"{run:<20}{row['total_s']:>9.2f}{ratio(row['total_s'])}{row['warmup_s']:>9.2f}"
+            rounds = ", ".join("-" if t is None else f"{t:.2f}" for t in row.get("rounds_total_s", ()))
+            ratio = f"{row['vs_hand']:.3f}x" if "vs_hand" in row else "-"
+            print(f"{run:<20}{ratio:>13}{row['total_s']:>10.2f}{row['warmup_s']:>9.2f}"
                   f"{row['capture_s']:>9.2f}{row['verify_s']:>9.2f}{row['graphs']:>8}  {rounds}")
         for key in ("lazy-idle", "lazy"):
             lazy = entry.get(key)
@@ -364,8 +383,10 @@ def _print(results: dict) -> None:
                       if key == "lazy" else "nothing served, ")
             first = (f", first step {lazy['first_step_after_build_s']:.2f} s after the model was built"
                      if key == "lazy" else "")
-            print(f"{key}: ready in {lazy['ready_s']:.2f} s{first}, all live in {lazy['all_live_s']:.2f} s ({ratio(lazy['all_live_s']).strip()} "
-                  f"the hand loop); {served}verified bit-exact {lazy['verified_bit_exact']}, "
+            against = (f"{lazy['all_live_s'] / last_hand:.2f}x the hand loop's last round, {last_hand:.2f} s"
+                       if last_hand else "no hand loop to compare")
+            print(f"{key}: ready in {lazy['ready_s']:.2f} s{first}, all live in {lazy['all_live_s']:.2f} s ({against}); "
+                  f"{served}verified bit-exact {lazy['verified_bit_exact']}, "
                   f"failures {len(lazy['failures'])}; the thread's seconds: {thread}")
         for run, error in {**entry["rows"].get("errors", {}), **entry.get("errors", {})}.items():
             print(f"{run} failed: {error}")

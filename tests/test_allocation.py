@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.buffers import StaticBuffers
-from graphflow.plan import Plan
+from graphflow.plan import Buffer, CaptureSettings, Plan, eval_dim
 from graphflow.rules import validate
 from strategies import valid_plans
 from tests.allocation_plans import CACHE_BYTES, Cache, Chain, cache_plan, chain_plan, shown_static_bytes
@@ -52,6 +53,32 @@ class TestCapacity:
         for buffer in plan.buffers:
             assert buffers.tensors[buffer.name].shape == plan.allocated_shape(buffer)
         assert buffers.nbytes() == sum(n for device in plan.static_memory().values() for n in device.values())
+
+
+#: Dimensions as a plan spells them: ints, the size symbol, another symbol, products of them.
+_DIMS = st.sampled_from([3, "B", "H", "2*B", "B*H", "B*B", "4*H", "2*B*H"])
+
+
+class TestViews:
+    @settings(max_examples=60)
+    @given(shapes=st.lists(st.lists(_DIMS, min_size=0, max_size=4), min_size=1, max_size=4),
+           sizes=st.lists(st.integers(1, 6), min_size=1, max_size=3, unique=True),
+           capacity=st.one_of(st.none(), st.integers(1, 9)), size=st.integers(1, 6))
+    def test_a_view_at_any_size_has_the_shape_the_plan_gives_and_shares_the_storage(self, shapes, sizes, capacity,
+                                                                                       size):
+        buffers = [Buffer(f"b{i}", tuple(shape), "float32", "cpu", capacity={"B": capacity} if capacity else {})
+                   for i, shape in enumerate(shapes)]
+        plan = Plan("views", buffers=buffers, symbols={"H": 2}, capture=CaptureSettings(sizes=tuple(sizes)))
+        static = StaticBuffers(plan, plan.max_size, lambda device: CPU)
+        if any("B" in str(d) for b in buffers for d in b.shape) and size > min(static.capacity(b.name) for b in buffers):
+            size = 1  # a view larger than its allocation is the runtime's fallback, not a view
+        views = static.views(size)
+        for buffer in buffers:
+            want = tuple(eval_dim(d, plan.buffer_values(buffer, size)) for d in buffer.shape)
+            for view in (views[buffer.name], static.view(buffer.name, size),
+                         static.narrow(buffer.name, torch.empty_like(static.tensors[buffer.name]), size)):
+                assert tuple(view.shape) == want, (buffer.shape, size)
+            assert views[buffer.name].data_ptr() == static.tensors[buffer.name].data_ptr()
 
 
 class TestAliasChains:

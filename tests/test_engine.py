@@ -17,6 +17,7 @@ import torch
 
 from graphflow.engine import CpuBackend, Outcome, RunOptions, run_pipeline
 from graphflow.engine.backend import Graph
+from graphflow.engine.verify import VerifyPlan
 from graphflow.errors import CaptureError, InvalidPlanError, PlanError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,
@@ -323,7 +324,7 @@ class TestVerify:
             results = engine.report.verify
             assert [r.descriptor.size for r in results] == [8, 4, 2, 1]
             assert all(r.bit_exact and r.max_abs_diff == 0.0 for r in results)
-            assert results[0].buffers == ("h0", "m0", "h1", "m1", "h2", "m2", "x", "logits")
+            assert results[0].buffers == ("x", "logits"), "what the step leaves behind, in last-write order"
 
     def test_the_replay_starts_from_the_inputs_of_the_last_warmup_run_its_reference(self):
         plan, model, rig = rigged(layers=1, sizes=(2,))
@@ -379,6 +380,33 @@ class TestVerify:
         eager = seen[Phase.WARMUP][-1]  # the reference: warmup's last run
         assert torch.equal(eager, replay) and not torch.equal(replay, seen[EventKind.PHASE_END])
 
+    def test_scratch_the_replay_leaves_otherwise_is_no_mismatch_and_is_not_copied(self):
+        # An internal buffer is written before it is read in every step (the validator's
+        # rule), so only what the step leaves behind (outputs, state, written inputs)
+        # decides a replay; a scratch buffer may hold anything once it has been read.
+        plan, model, rig = rigged(layers=1, sizes=(2,))
+        scratch = Buffer("scratch", ("B", 32), "float32", "cuda:0")
+        calls = []
+
+        def noisy(x, s):
+            calls.append(rig.phase)
+            s.fill_(len(calls))  # differs in every run: warmup's and the replay's
+
+        def use(s, x):
+            x.add_(s * 0)
+
+        model.noisy, model.use = noisy, use
+        plan = attrs.evolve(plan, buffers=(*plan.buffers, scratch), segments=(
+            *plan.segments[:1],
+            Segment("noisy", SegmentKind.GRAPH, "noisy", reads=("x",), writes=("scratch",), stream="s0"),
+            Segment("use", SegmentKind.GRAPH, "use", reads=("scratch", "x"), writes=("x",), stream="s0"),
+            *plan.segments[1:]))
+        with run(plan, model, rig) as engine:
+            (result,) = engine.report.verify
+            assert result.bit_exact and Phase.VERIFY in calls
+            assert result.buffers == ("x", "logits")
+        assert "scratch" not in VerifyPlan.of(plan, plan.segments).written, "nor snapshot"
+
     def test_mismatch_fails_naming_descriptor_buffer_and_segment(self):
         plan, model, rig = rigged()
         rig.drift.add("L1.pre")
@@ -386,11 +414,12 @@ class TestVerify:
         with pytest.raises(CaptureError) as info:
             run(plan, model, rig, backend=backend)
         error = info.value
-        # L1.pre adds a constant to h1 in the replay only; everything after it differs too,
-        # and the first buffer in final-write order that differs is h1 (h0, m0 are equal).
+        # L1.pre adds a constant to h1 in the replay only; everything after it differs too:
+        # the step leaves x and logits behind, x first in final-write order. Replayed item
+        # by item, the first segment whose writes differ is L1.pre.
         assert (error.phase, error.descriptor, error.segment) == ("verify", Descriptor(P, 8), "L1.pre")
-        assert error.message.startswith("graph replay of PIECEWISE(B=8) differs from eager in buffer 'h1' (last "
-                                        "written by L1.pre; it or an earlier segment diverged): 256 of 256 elements, "
+        assert error.message.startswith("graph replay of PIECEWISE(B=8) differs from eager in buffer 'x' (last "
+                                        "written by L2.post; it or an earlier segment diverged): 256 of 256 elements, "
                                         "max |diff| ")
         assert error.message.endswith("; replayed from the eager step's own values, region target:L0.post..L1.pre "
                                       "first differs in segment L1.pre ('h1')")

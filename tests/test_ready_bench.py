@@ -19,12 +19,16 @@ def results(tmp_path, monkeypatch):
     return json.loads((tmp_path / "ready-full.json").read_text())["plans"]["FULL"]
 
 
-def test_each_row_keeps_its_fastest_round_of_all_it_ran(results):
+def test_each_row_keeps_its_fastest_round_and_its_ratio_paired_over_the_rounds(results):
     assert "warm_pass_s" in results
+    hand = results["rows"]["hand loop"]["rounds_total_s"]
     for run in ("hand loop", "graphflow bare", "graphflow default"):
         row = results["rows"][run]
         assert len(row["rounds_total_s"]) == 3
         assert row["total_s"] == min(row["rounds_total_s"])
+        assert row["vs_hand"] == pytest.approx(sum(row["rounds_total_s"]) / sum(hand))
+    assert results["rows"]["hand loop"]["vs_hand"] == pytest.approx(1.0)
+    assert results["lazy"]["vs_hand_last_round"] == pytest.approx(results["lazy"]["all_live_s"] / hand[-1])
     assert results["rows"]["graphflow default"]["bit_exact"] is True
     assert "errors" not in results["rows"]
 
@@ -38,3 +42,24 @@ def test_lazy_runs_with_and_without_steps_served_and_says_where_the_thread_waite
         assert {"warmup", "capture", "verify", "waiting"} <= set(thread)
         assert sum(v for k, v in thread.items() if k != "wall") == pytest.approx(thread["wall"])
     assert serving["served_bit_exact"] is True and serving["checked_steps"] >= 1
+
+
+def test_rounds_alternate_their_order_and_pair_only_rounds_both_finished():
+    order, clock = [], iter(range(1, 100))
+
+    def measure(run, fail_round=None):
+        def one():
+            order.append(run)
+            if len([r for r in order if r == run]) == fail_round:
+                raise RuntimeError("injected")
+            return {"total_s": float(next(clock))}
+        return one
+
+    rows: dict = {}
+    ready_bench._rounds(rows, [("hand loop", measure("hand loop")), ("b", measure("b", fail_round=2))], 4,
+                        lambda what: None)
+    assert order == ["hand loop", "b", "b", "hand loop", "hand loop", "b", "b", "hand loop"]
+    # The clock ticks once per finished run: b took 2, (failed), 5, 6; the hand loop 1, 3, 4, 7.
+    assert rows["b"]["rounds_total_s"] == [2.0, None, 5.0, 6.0]
+    assert rows["b"]["vs_hand"] == pytest.approx((2 + 5 + 6) / (1 + 4 + 7))
+    assert list(rows["errors"]) == ["b (round 2)"]

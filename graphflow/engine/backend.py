@@ -103,8 +103,9 @@ class Backend(abc.ABC):
     def on_stream(self, stream: object) -> contextlib.AbstractContextManager[None]: ...
 
     @abc.abstractmethod
-    def use(self, stream: object) -> contextlib.AbstractContextManager[None]:
-        """Make ``stream`` current for the work inside, without ordering it against anything."""
+    def use(self, stream: object, current: object) -> contextlib.AbstractContextManager[None]:
+        """Make ``stream`` current for the work inside, without ordering it against
+        anything, and ``current`` (the caller's current stream) again after."""
 
     @abc.abstractmethod
     def record(self, event: object, stream: object) -> None:
@@ -233,7 +234,7 @@ class CpuBackend(Backend):
     def on_stream(self, stream: object) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def use(self, stream: object) -> contextlib.AbstractContextManager[None]:
+    def use(self, stream: object, current: object) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def record(self, event: object, stream: object) -> None:
@@ -374,6 +375,23 @@ def _capturing(graph: _Pieces, pool: object, stream: object, mode: str) -> Itera
         context.__exit__(None, None, None)
 
 
+class _Switch:
+    """``torch.cuda.stream(to)`` for a caller that knows its current stream (``back``, on
+    ``to``'s device): two switches and none of the lookups, which a step that switches
+    streams hundreds of times pays for in every warmup and capture."""
+
+    __slots__ = ("back", "to")
+
+    def __init__(self, to: torch.cuda.Stream, back: torch.cuda.Stream) -> None:
+        self.to, self.back = to, back
+
+    def __enter__(self) -> None:
+        torch.cuda.set_stream(self.to)
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.cuda.set_stream(self.back)
+
+
 class CudaBackend(Backend):
     """``torch.cuda.CUDAGraph`` regions on explicit per-device streams and one pool per device.
 
@@ -437,10 +455,12 @@ class CudaBackend(Backend):
             yield
         caller.wait_stream(stream)
 
-    def use(self, stream: object) -> contextlib.AbstractContextManager[None]:
+    def use(self, stream: object, current: object) -> contextlib.AbstractContextManager[None]:
         if isinstance(stream, _CpuStream):
             return contextlib.nullcontext()
-        return torch.cuda.stream(stream)
+        if isinstance(current, torch.cuda.Stream) and current.device_index == stream.device_index:
+            return _Switch(stream, current)
+        return torch.cuda.stream(stream)  # another device's stream: it restores both devices' streams
 
     def record(self, event: object, stream: object) -> None:
         # Host work is done when its Python returns: a host event needs no record.

@@ -45,9 +45,13 @@ class StaticBuffers:
         # descriptor -> its views, with the outputs its graphs return where they put them
         # (``graphflow.engine.returned``): the runtime and verify read those outputs there.
         self._placed: dict[object, dict[str, torch.Tensor]] = {}
+        # name -> how each dimension using the size symbol narrows (``_sized_dims``): views
+        # are made per descriptor and snapshot, hundreds of buffers each time.
+        self._sized: dict[str, tuple[tuple[int, int, int], ...]] = {}
         # Roots first, then each alias after its target: sorted by the length of the chain.
         for buffer in sorted(plan.buffers, key=lambda b: len(plan.alias_chain(b.name))):
             self.alloc_values[buffer.name] = plan.allocation_values(buffer, max_size)
+            self._sized[buffer.name] = _sized_dims(buffer, self.symbol, self.alloc_values[buffer.name])
             shape = plan.allocated_shape(buffer, max_size)
             dtype = torch_dtype(buffer.dtype)
             if buffer.name in given:
@@ -76,7 +80,7 @@ class StaticBuffers:
         """Every buffer narrowed to batch ``size`` (cached: the same view objects each call)."""
         views = self._views.get(size)
         if views is None:
-            views = {name: self._narrow(self.plan.buffer(name), tensor, size) for name, tensor in self.tensors.items()}
+            views = {name: self._narrow(name, tensor, size) for name, tensor in self.tensors.items()}
             self._views[size] = views
         return views
 
@@ -95,7 +99,7 @@ class StaticBuffers:
     def view(self, name: str, size: int) -> torch.Tensor:
         """One buffer at ``size``; ``size`` may exceed other buffers' allocations."""
         views = self._views.get(size)
-        return views[name] if views is not None else self._narrow(self.plan.buffer(name), self.tensors[name], size)
+        return views[name] if views is not None else self._narrow(name, self.tensors[name], size)
 
     def fresh(self, name: str, size: int) -> torch.Tensor:
         """A new zeroed tensor shaped like ``name`` at ``size`` (eager fallback beyond capacity)."""
@@ -114,14 +118,24 @@ class StaticBuffers:
 
     def narrow(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
         """``tensor``, shaped like buffer ``name``'s allocation, narrowed as its view at ``size`` is."""
-        return self._narrow(self.plan.buffer(name), tensor, size)
+        return self._narrow(name, tensor, size)
 
-    def _narrow(self, buffer: Buffer, tensor: torch.Tensor, size: int) -> torch.Tensor:
-        values = self.plan.buffer_values(buffer, size)
-        for index, dim in enumerate(buffer.shape):
-            if self.symbol in dim_symbols(dim):
-                tensor = tensor.narrow(index, 0, eval_dim(dim, values))
+    def _narrow(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
+        for index, factor, power in self._sized[name]:
+            tensor = tensor.narrow(index, 0, factor * size**power)
         return tensor
+
+
+def _sized_dims(buffer: Buffer, symbol: str, values: Mapping[str, int]) -> tuple[tuple[int, int, int], ...]:
+    """``(index, factor, power)`` for each dimension of ``buffer`` that uses the size
+    symbol: a dimension is a product of terms, so at batch ``b`` its length is ``factor *
+    b**power``, the other symbols at their allocation values (``Plan.buffer_values``)."""
+    sized = []
+    for index, dim in enumerate(buffer.shape):
+        power = dim_symbols(dim).count(symbol)
+        if power:
+            sized.append((index, eval_dim(dim, {**values, symbol: 1}), power))
+    return tuple(sized)
 
 
 class Copies:
@@ -138,18 +152,21 @@ class Copies:
     def __init__(self, buffers: StaticBuffers, names):
         self._buffers = buffers
         self.tensors = {n: torch.empty_like(buffers.tensors[n]) for n in dict.fromkeys(names)}
+        self._rooms: dict[int, dict[str, torch.Tensor]] = {}  # size -> the copies' views at it
 
     def take(self, views: Mapping[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
-        """Copy every buffer's view at ``size`` in; the copies, as views of the same size."""
-        taken = {}
-        for name, room in self.tensors.items():
-            copy = self._buffers.narrow(name, room, size)
-            copy.copy_(views[name])
-            taken[name] = copy
-        return taken
+        """Copy every buffer's view at ``size`` in; the copies, as views of the same size
+        (the same view objects at each call of a size: the next call overwrites them)."""
+        rooms = self._rooms.get(size)
+        if rooms is None:
+            rooms = self._rooms[size] = {n: self._buffers.narrow(n, t, size) for n, t in self.tensors.items()}
+        for name, room in rooms.items():
+            room.copy_(views[name])
+        return dict(rooms)
 
     def clear(self) -> None:
         self.tensors.clear()
+        self._rooms.clear()
 
 
 def _alias(target: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, buffer: Buffer) -> torch.Tensor:

@@ -210,7 +210,7 @@ def run_scheduled(backend: Backend, scheduled: BoundSchedule, step: Sequence[tup
         if bound.stream is scheduled.origin:  # already current: no switch to pay for
             run(segment, call)
         else:
-            with backend.use(bound.stream):
+            with backend.use(bound.stream, scheduled.origin):
                 run(segment, call)
         if bound.record is not None:
             backend.record(bound.record, bound.stream)

@@ -3,15 +3,18 @@
 The eager reference is the descriptor's warmup (``graphflow.engine.warmup.Warmed``): it
 ran on verify's random inputs and kept the buffers it started from and the buffers it
 wrote. Verify keeps the state buffers as it finds them, puts the start back, runs the
-captured step program, compares every buffer the step writes — bit for bit unless the
-plan declares tolerances — and puts the state back. Two exceptions, where warmup's
+captured step program, compares every buffer the step writes and leaves behind (outputs,
+state, written inputs; internal buffers are scratch, written before they are read) —
+bit for bit unless the plan declares tolerances — and puts the state back. Two exceptions, where warmup's
 outputs are not the reference, so verify runs the eager step itself first, from the
 same inputs: when a channel the step uses does not communicate in warmup (``prepare``,
 ``placeholder``), and when the plan compiles segments (``torch.compile``: warmup ran the
 compiled callables, which is what compiled them; the reference runs the model's
 uncompiled ones, so verify compares the compiled capture with the model's own code,
 within the plan's tolerance). Buffers are compared in the order of their last write,
-so a mismatch names the first buffer to differ and the segment that last wrote it.
+so a mismatch names the first of them to differ and the segment that last wrote it;
+then the step is replayed item by item from the eager values to name the first segment
+whose writes differ, internal buffers included.
 """
 
 from __future__ import annotations
@@ -69,7 +72,13 @@ class VerifyPlan:
 
     @classmethod
     def of(cls, plan: Plan, segments: tuple[Segment, ...], *, compiled: bool = False) -> VerifyPlan:
-        last_writer = {w: s.name for s in segments for w in s.writes}
+        # What the step leaves behind decides a replay: internal buffers are written before
+        # they are read in every step (GF201), so once read they may
+        # hold anything, and comparing or copying them (most of a deep model's buffers)
+        # would only cost time. A mismatch is then located by replaying segment by
+        # segment (``graphflow.engine.reference.explain``).
+        internal = {b.name for b in plan.buffers if b.role is BufferRole.INTERNAL}
+        last_writer = {w: s.name for s in segments for w in s.writes if w not in internal}
         position = {s.name: i for i, s in enumerate(segments)}
         written = tuple(sorted(last_writer, key=lambda b: position[last_writer[b]]))
         read = tuple(dict.fromkeys(r for s in segments for r in s.reads))

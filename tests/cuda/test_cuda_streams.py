@@ -103,6 +103,37 @@ class TestReplay:
                 torch.cuda.synchronize()
                 assert torch.equal(y, serial(model, x, runner.descriptor_for(batch).size)), batch
 
+    @pytest.mark.parametrize("modes", [(P,), (F,)], ids=["piecewise", "full"])
+    def test_each_segment_runs_on_its_stream_and_the_callers_stream_comes_back(self, modes):
+        seen: dict[tuple[Phase, str], set] = {}
+
+        class Watching(Branches):
+            def _saw(self, name):
+                seen.setdefault((self.phase, name), set()).add(torch.cuda.current_stream().cuda_stream)
+
+            def left(self, x, a):
+                self._saw("left")
+                super().left(x, a)
+
+            def right(self, x, b):
+                self._saw("right")
+                super().right(x, b)
+
+            def merge(self, a, b, y):
+                self._saw("merge")
+                super().merge(a, b, y)
+
+        model = Watching()
+        caller = torch.cuda.Stream()
+        with torch.cuda.stream(caller):
+            with run_pipeline(branches_plan(modes), RunOptions(backend="cuda"), model=model, listeners=[model]):
+                assert torch.cuda.current_stream() == caller
+        for phase in (Phase.WARMUP, Phase.CAPTURE):
+            origin, side, merge = (seen[phase, n] for n in ("left", "right", "merge"))
+            assert len(origin) == len(side) == 1 and origin == merge and origin != side, (phase, seen)
+            assert torch.cuda.default_stream().cuda_stream not in origin | side | {caller.cuda_stream}
+        assert seen[Phase.WARMUP, "right"] == seen[Phase.CAPTURE, "right"]
+
     def test_an_eager_break_on_the_side_stream_between_regions(self):
         model = Branches()
         with run_pipeline(branches_plan((P,), piecewise_break=True), RunOptions(backend="cuda"), model=model, listeners=[model]) as engine:
