@@ -316,6 +316,7 @@ def main() -> int:
             ("graphflow default", "default", lambda: graphflow_run(plan, model, RunOptions(backend=backend))))
             if key in runs]
         _rounds(rows, chosen_rows, args.rounds, lambda what: done(f"{name} {what}"))
+        done(f"{name} rounds")  # the rows are made from every round, once all have run
         for key, serve in (("lazy", True), ("lazy-idle", False)):
             if name == "FULL" and key in runs:
                 model_built = time.perf_counter()

@@ -63,3 +63,12 @@ def test_rounds_alternate_their_order_and_pair_only_rounds_both_finished():
     assert rows["b"]["rounds_total_s"] == [2.0, None, 5.0, 6.0]
     assert rows["b"]["vs_hand"] == pytest.approx((2 + 5 + 6) / (1 + 4 + 7))
     assert list(rows["errors"]) == ["b (round 2)"]
+
+
+def test_the_rounds_are_saved_without_any_lazy_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["ready_bench.py", "--smoke", "--plans", "FULL", "--runs", "hand,bare",
+                                      "--rounds", "2", "--out", str(tmp_path)])
+    assert ready_bench.main() == 0
+    rows = json.loads((tmp_path / "ready-full.json").read_text())["plans"]["FULL"]["rows"]
+    assert set(rows) == {"hand loop", "graphflow bare"}
+    assert len(rows["graphflow bare"]["rounds_total_s"]) == 2 and "vs_hand" in rows["graphflow bare"]

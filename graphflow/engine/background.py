@@ -45,8 +45,9 @@ While a capture runs, the serving side must not synchronize the whole device
 (``operation not permitted when stream is capturing``); synchronize its own stream
 (``torch.cuda.current_stream().synchronize()``) instead. The runtime itself never does.
 
-Recording beside serving is slower than alone: on the H200, with a 61-layer step served
-back to back, the thread's captures took 2.5x as long (``docs/engine.md``, Lazy capture).
+Serving beside the thread makes it slower than alone: it waits (steps go first, and
+warmup and verify take the lock), and its captures record more slowly beside the steps
+(``docs/engine.md``, Lazy capture, has the H200's figures).
 
 Limits: one rank and no channels (ranks would capture in orders their own traffic
 decides, and their barriers would disagree); capture them in the foreground.
