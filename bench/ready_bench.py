@@ -386,7 +386,8 @@ def _print(results: dict) -> None:
                      if key == "lazy" else "")
             against = (f"{lazy['all_live_s'] / last_hand:.2f}x the hand loop's last round, {last_hand:.2f} s"
                        if last_hand else "no hand loop to compare")
-            print(f"{key}: ready in {lazy['ready_s']:.2f} s{first}, all live in {lazy['all_live_s']:.2f} s ({against}); "
+            print(f"{key}: ready in {lazy['ready_s']:.2f} s{first}, all live in {lazy['all_live_s']:.2f} s "
+                  f"({against}); "
                   f"{served}verified bit-exact {lazy['verified_bit_exact']}, "
                   f"failures {len(lazy['failures'])}; the thread's seconds: {thread}")
         for run, error in {**entry["rows"].get("errors", {}), **entry.get("errors", {})}.items():

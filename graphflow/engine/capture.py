@@ -105,7 +105,8 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
             program.append(graph.replay)
         if placed is not None and placed.tensors:
             alloc.buffers.place(descriptor, placed.unowned())
-            ctx.stack.push(f"forget the outputs {descriptor}'s graphs return", lambda: alloc.buffers.unplace(descriptor))
+            ctx.stack.push(f"forget the outputs {descriptor}'s graphs return",
+                           lambda: alloc.buffers.unplace(descriptor))
         captured.programs[descriptor] = tuple(program)
         _estimate_pool(ctx, alloc, captured, descriptor)
         # The pool's size costs an allocator snapshot: read it for listeners, not too often.

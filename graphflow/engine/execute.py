@@ -31,7 +31,8 @@ from graphflow.engine.schedule import Schedule
 from graphflow.events import EventKind
 from graphflow.plan import Segment
 
-__all__ = ["BoundSchedule", "Placer", "SegmentCall", "Slot", "bind", "call_segment", "returned", "run_eager", "run_scheduled"]
+__all__ = ["BoundSchedule", "Placer", "SegmentCall", "Slot", "bind", "call_segment", "returned", "run_eager",
+           "run_scheduled"]
 
 
 #: ``place(buffer, value)``: True when ``value``, returned for ``buffer``, is kept as it is.
