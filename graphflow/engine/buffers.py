@@ -80,7 +80,7 @@ class StaticBuffers:
         """Every buffer narrowed to batch ``size`` (cached: the same view objects each call)."""
         views = self._views.get(size)
         if views is None:
-            views = {name: self._narrow(name, tensor, size) for name, tensor in self.tensors.items()}
+            views = {name: self.narrow(name, tensor, size) for name, tensor in self.tensors.items()}
             self._views[size] = views
         return views
 
@@ -99,7 +99,7 @@ class StaticBuffers:
     def view(self, name: str, size: int) -> torch.Tensor:
         """One buffer at ``size``; ``size`` may exceed other buffers' allocations."""
         views = self._views.get(size)
-        return views[name] if views is not None else self._narrow(name, self.tensors[name], size)
+        return views[name] if views is not None else self.narrow(name, self.tensors[name], size)
 
     def fresh(self, name: str, size: int) -> torch.Tensor:
         """A new zeroed tensor shaped like ``name`` at ``size`` (eager fallback beyond capacity)."""
@@ -118,9 +118,6 @@ class StaticBuffers:
 
     def narrow(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
         """``tensor``, shaped like buffer ``name``'s allocation, narrowed as its view at ``size`` is."""
-        return self._narrow(name, tensor, size)
-
-    def _narrow(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
         for index, factor, power in self._sized[name]:
             tensor = tensor.narrow(index, 0, factor * size**power)
         return tensor

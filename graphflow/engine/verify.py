@@ -5,9 +5,9 @@ ran on verify's random inputs and kept the buffers it started from and the buffe
 wrote. Verify keeps the state buffers as it finds them, puts the start back, runs the
 captured step program, compares every buffer the step writes and leaves behind (outputs,
 state, written inputs; internal buffers are scratch, written before they are read) —
-bit for bit unless the plan declares tolerances — and puts the state back. Two exceptions, where warmup's
-outputs are not the reference, so verify runs the eager step itself first, from the
-same inputs: when a channel the step uses does not communicate in warmup (``prepare``,
+bit for bit unless the plan declares tolerances — and puts the state back. Two
+exceptions, where warmup's outputs are not the reference, so verify runs the eager step
+itself first, from the same inputs: when a channel the step uses does not communicate in warmup (``prepare``,
 ``placeholder``), and when the plan compiles segments (``torch.compile``: warmup ran the
 compiled callables, which is what compiled them; the reference runs the model's
 uncompiled ones, so verify compares the compiled capture with the model's own code,
@@ -56,8 +56,9 @@ class VerifyPlan:
     """Which buffers verify snapshots and compares, worked out once per run from the step.
 
     ``start``: what the step reads and the state it keeps (put back before the replay);
-    ``written``: what it writes, in the order of each buffer's last write, with the
-    segment that last writes each in ``last_writer``; ``state``: the state buffers.
+    ``written``: what it writes, internal scratch aside, in the order of each buffer's
+    last write, with the segment that last writes each in ``last_writer``; ``state``:
+    the state buffers.
     ``reuses_warmup``: whether warmup's run is the reference (every channel the step
     uses communicates in warmup, and no segment is compiled); ``compiled``: the
     reference runs the uncompiled callables of compiled segments.
