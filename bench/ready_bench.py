@@ -15,6 +15,9 @@ In one process, on one model (the weights built once and shared), for each plan 
 * **graphflow bare**: ``run_pipeline`` with verify and the detectors off;
 * **graphflow default**: what ``graphflow run`` does (verify on, detectors on the first
   descriptor of each mode, one warmup per descriptor);
+* **bare, at once** and **default, at once** (``--runs`` only): the same with every graph
+  instantiated as its capture ends (``CudaBackend(instantiate_async=False)``), as
+  ``torch.cuda.graph`` does, instead of the large ones on graphflow's worker thread;
 * **graphflow lazy** (FULL only): ``RunOptions(lazy=True)``: the time until the first step
   is served, until every descriptor is live while steps are served back to back, and
   whether the steps checked meanwhile (each descriptor's first, and one in
@@ -60,7 +63,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from graphflow.engine import RunOptions, run_pipeline  # noqa: E402
+from graphflow.engine import CudaBackend, RunOptions, run_pipeline  # noqa: E402
 from graphflow.engine.binding import build_model  # noqa: E402
 from graphflow.engine.warmup import fill_inputs  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
@@ -123,9 +126,9 @@ def hand_loop(plan, model, backend: str) -> dict:
             "graphs": len(regions) * len(sizes)}
 
 
-def graphflow_run(plan, model, options: RunOptions) -> dict:
+def graphflow_run(plan, model, options: RunOptions, backend=None) -> dict:
     start = time.perf_counter()
-    engine = run_pipeline(plan, options, model=model)
+    engine = run_pipeline(plan, options, model=model, backend=backend)
     total = time.perf_counter() - start
     report = engine.report
     row = {"total_s": total, "warmup_s": report.phase(Phase.WARMUP).seconds,
@@ -263,8 +266,10 @@ def main() -> int:
     parser.add_argument("--sizes", help="descriptor sizes (default: the plans' 67)")
     parser.add_argument("--lazy-timeout-s", type=float, default=120.0)
     parser.add_argument("--runs", default="hand,bare,default,lazy,lazy-idle",
-                        help="which rows: hand (the loop every ratio is to), bare, default; lazy (serving steps "
-                             "back to back) and lazy-idle (the capture thread alone), FULL only")
+                        help="which rows: hand (the loop every ratio is to), bare, default; bare-at-once and "
+                             "default-at-once (every graph instantiated as its capture ends, as torch.cuda.graph "
+                             "does); lazy (serving steps back to back) and lazy-idle (the capture thread alone), "
+                             "FULL only")
     parser.add_argument("--rounds", type=int, default=4,
                         help="run the hand, bare and default rows this many times, every other round in reverse "
                              "order (even: every row's mean place in the run is the same); ratios are paired over "
@@ -310,11 +315,13 @@ def main() -> int:
             entry["warm_pass_s"] = time.perf_counter() - t
             warmed = True
             done(f"{name} warm pass ({entry['warm_pass_s']:.2f} s, not timed)")
+        bare, default = RunOptions(backend=backend, verify=False, detectors=False), RunOptions(backend=backend)
         chosen_rows = [(run, measure) for run, key, measure in (
             ("hand loop", "hand", lambda: hand_loop(plan, model, backend)),
-            ("graphflow bare", "bare",
-             lambda: graphflow_run(plan, model, RunOptions(backend=backend, verify=False, detectors=False))),
-            ("graphflow default", "default", lambda: graphflow_run(plan, model, RunOptions(backend=backend))))
+            ("graphflow bare", "bare", lambda: graphflow_run(plan, model, bare)),
+            ("bare, at once", "bare-at-once", lambda: graphflow_run(plan, model, bare, at_once(backend))),
+            ("graphflow default", "default", lambda: graphflow_run(plan, model, default)),
+            ("default, at once", "default-at-once", lambda: graphflow_run(plan, model, default, at_once(backend))))
             if key in runs]
         _rounds(rows, chosen_rows, args.rounds, lambda what: done(f"{name} {what}"))
         done(f"{name} rounds")  # the rows are made from every round, once all have run
@@ -331,6 +338,13 @@ def main() -> int:
         gc.collect()
     _print(results)
     return 0
+
+
+def at_once(backend: str):
+    """The backend of the ``-at-once`` rows: every graph instantiated as its capture ends,
+    as ``torch.cuda.graph`` does, instead of the large ones on graphflow's worker thread
+    (and verify then follows each capture); on the CPU there is nothing to instantiate."""
+    return CudaBackend(instantiate_async=False) if backend == "cuda" else None
 
 
 def _rounds(rows: dict, measures: list, rounds: int, done) -> None:

@@ -20,10 +20,12 @@ regions.
 Output aliasing: the tensors ``run`` returns are views of static buffers, valid until
 the next ``run``, which overwrites them. Clone what you keep.
 
-Everything the hot path needs is precomputed at construction (the commit): per batch
-size, one ``_Program`` with the input views, the pad views, the step's callables and
-the output views. ``run`` is a list index and three tight loops: no dict lookups by
-string, no validation, no events.
+Everything the hot path needs is precomputed, per batch size, at the first step of that
+size: one ``_Program`` with the input views, the pad views, the step's callables and
+the output views (made for every size at once, a deep plan's hundreds of padded state
+buffers took half a second, and a lazy engine paid it again at every switch-in). ``run``
+is then a list index and three tight loops: no dict lookups by string, no validation, no
+events.
 """
 
 from __future__ import annotations
@@ -74,34 +76,45 @@ class Runner:
                              f"batch's size — give one input a dimension equal to {symbol!r}")
         self._size_of = self.inputs.index(batched[0]), self._dims[batched[0]]
         self._kept = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE and b.pad == PAD_KEEP)
+        self._dims.update({name: _batch_dim(plan.buffer(name).shape, symbol, name) for name in self._kept})
         self._scratch: dict[str, torch.Tensor] = {}
         self.fallbacks: collections.Counter[FallbackReason] = collections.Counter()
+        self._serving: list[Descriptor | None] = []  # batch size -> the descriptor that serves it
+        self._programs: list[_Program | None] = []  # batch size -> its program, once made
         self._build()
 
     def _build(self) -> None:
-        """The program of every batch size, from the engine's captured descriptors."""
+        """Which descriptor serves each batch size, from the engine's captured descriptors.
+
+        A batch's program is made at its first step (``_program_for``), and kept while the
+        same descriptor serves it: a lazy engine switches a descriptor in at a time, and
+        the batches it takes over are the only ones to make again."""
         engine = self.engine
         best: dict[int, Descriptor] = {}
         for descriptor in engine.programs:
             if descriptor.size not in best or descriptor.mode is Mode.FULL:
                 best[descriptor.size] = descriptor
         sizes = sorted(best)
+        serving: list[Descriptor | None] = [None] * (sizes[-1] + 1 if sizes else 1)
+        at = 0
+        for batch in range(1, len(serving)):
+            at += sizes[at] < batch
+            serving[batch] = best[sizes[at]]
         #: The most rows any batch pads: what a pad: keep copy must hold.
-        self._max_pad = max((next(s for s in sizes if s >= b) - b for b in range(1, sizes[-1] + 1)), default=0) \
-            if sizes else 0
-        self._programs: list[_Program | None] = [None] * (sizes[-1] + 1 if sizes else 1)
-        for batch in range(1, len(self._programs)):
-            size = next(s for s in sizes if s >= batch)
-            self._programs[batch] = self._program(best[size], batch)
+        self._max_pad = max((d.size - b for b, d in enumerate(serving) if d is not None), default=0)
+        kept = [program if serving[batch] is self._serving[batch] else None
+                for batch, program in enumerate(self._programs[:len(serving)])]
+        self._programs = kept + [None] * (len(serving) - len(kept))
+        self._serving = serving
         self._version = engine.version
 
     @property
     def max_size(self) -> int:
-        return len(self._programs) - 1
+        return len(self._serving) - 1
 
     def descriptor_for(self, batch: int) -> Descriptor | None:
         """The descriptor a batch of this size replays, or None when it falls back to eager."""
-        return self._programs[batch].descriptor if 0 < batch < len(self._programs) else None
+        return self._serving[batch] if 0 < batch < len(self._serving) else None
 
     @torch.no_grad()
     def run(self, *inputs: torch.Tensor, **named: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -124,7 +137,7 @@ class Runner:
             return self._fallback(inputs, batch)
         program = self._programs[batch]
         if program is None:
-            raise ValueError("a batch needs at least one row")
+            program = self._program_for(batch)
         for static, value in zip(program.inputs, inputs):
             static.copy_(value)
         for pad, value in program.pads:
@@ -167,6 +180,12 @@ class Runner:
             raise TypeError(f"{'; '.join(problems)}: the inputs are {', '.join(self.inputs)}")
         return tuple(named[n] for n in self.inputs)
 
+    def _program_for(self, batch: int) -> _Program:
+        if batch < 1:
+            raise ValueError("a batch needs at least one row")
+        program = self._programs[batch] = self._program(self._serving[batch], batch)
+        return program
+
     def _program(self, descriptor: Descriptor, batch: int) -> _Program:
         plan = self.engine.plan
         views = self.engine.buffers.views_of(descriptor)
@@ -190,7 +209,7 @@ class Runner:
     def _keep(self, name: str, view: torch.Tensor, batch: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded rows of a ``pad: keep`` state buffer and a copy to save them in: one
         scratch tensor per buffer, as large as the most rows any batch pads."""
-        dim = _batch_dim(self.engine.plan.buffer(name).shape, self.engine.plan.capture.size_symbol, name)
+        dim = self._dims[name]
         rows = view.narrow(dim, batch, pad)
         scratch = self._scratch.get(name)
         if scratch is None or scratch.shape[dim] < pad:  # a lazy engine's sizes grow as it captures

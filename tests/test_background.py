@@ -168,7 +168,8 @@ class TestLazy:
         finally:
             engine.close()
 
-    def test_a_step_waiting_or_running_goes_before_the_threads_next_phase(self):
+    def test_a_step_waiting_or_running_goes_before_the_threads_next_phase(self, monkeypatch):
+        monkeypatch.setattr(background, "SERVING_FIRST_S", 5.0)
         gate = Gate(Phase.CAPTURE)
         ended = []
 
@@ -190,6 +191,19 @@ class TestLazy:
             assert ended.count(Phase.VERIFY) == len(SIZES)
         finally:
             gate.release.set()
+            engine.close()
+
+    def test_a_step_that_never_ends_delays_the_thread_by_its_bound_only(self, monkeypatch):
+        monkeypatch.setattr(background, "SERVING_FIRST_S", 0.2)
+        monkeypatch.setattr(background, "FIRST_STEP_S", 0.0)
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True))
+        try:
+            with engine.background.serving():  # a step in flight the whole time, as back-to-back serving is
+                assert engine.background.wait(60), "the thread waits for a gap between steps forever"
+            phases = 2 * len(SIZES)  # each descriptor's warmup and verify take the lock
+            took = engine.background.finished_at - engine.background.started_at
+            assert took >= phases * 0.2 * 0.9
+        finally:
             engine.close()
 
     def test_the_capture_thread_gives_back_the_buffers_serving_uses(self):

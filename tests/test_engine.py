@@ -22,6 +22,7 @@ from graphflow.errors import CaptureError, InvalidPlanError, PlanError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
+from graphflow.runtime import Runner
 from plans.toy_model import build_toy, toy_plan
 from tests.source_markers import marked
 
@@ -1169,3 +1170,124 @@ class TestVerifyCopies:
         assert _still_to_restore(kept, expected, exact, referenced=True) == kept, "the reference ran since"
         cloned = {"cache": expected["cache"].clone()}
         assert _still_to_restore(cloned, expected, exact, referenced=False) == cloned, "a copy made here goes back"
+
+
+class _Late(Graph):
+    """A graph that can replay only once ``ready()`` says so, as a CUDA graph still being
+    instantiated on the backend's worker thread; ``fail`` makes ready refuse it."""
+
+    def __init__(self, inner: Graph, fail: bool):
+        self.inner, self.fail = inner, fail
+        self.replay = self._too_soon
+
+    def _too_soon(self):
+        raise AssertionError("replayed before ready()")
+
+    def ready(self):
+        if self.fail:
+            raise RuntimeError("the driver refused the graph")
+        self.replay = self.inner.replay
+
+    def destroy(self):
+        self.inner.destroy()
+        self.replay = self._too_soon
+
+
+class LateBackend(CpuBackend):
+    instantiates_later = True
+
+    def __init__(self, fail_at: int | None = None):
+        super().__init__()
+        self.graphs: list[_Late] = []
+        self.fail_at = fail_at
+
+    def capture(self, calls, recording, stream, pool, side=()):
+        graph = _Late(super().capture(calls, recording, stream, pool, side), len(self.graphs) == self.fail_at)
+        self.graphs.append(graph)
+        return graph
+
+
+class TestGraphsReadyLater:
+    """The pipeline waits for its graphs to be ready (``Captured.settle``) before anything
+    replays, and publishes their bare replays."""
+
+    @pytest.mark.parametrize("verify", [True, False])
+    def test_nothing_replays_before_ready_and_programs_hold_the_ready_replays(self, verify):
+        backend = LateBackend()
+        with run_pipeline(toy_plan(3, sizes=(4, 2)), RunOptions(backend="cpu", verify=verify),
+                          backend=backend) as engine:
+            assert len(engine.report.verify) == (2 if verify else 0)
+            ready = {g.inner.replay for g in backend.graphs}
+            held = [call for program in engine.programs.values() for call in program if call in ready]
+            assert len(held) == len(backend.graphs) == 8
+            runner = Runner(engine)
+            x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+            (out,) = runner.run(x)
+            views = engine.buffers.views(4)
+            got = out.clone()
+            views["x"].zero_()
+            views["x"][:3].copy_(x)
+            for call in engine.eager_calls(4):
+                call()
+            assert torch.equal(got, views["logits"][:3])
+
+    def test_a_graph_never_ready_fails_its_descriptors_capture_and_rolls_back(self):
+        backend = LateBackend(fail_at=5)  # the second descriptor's second graph
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(toy_plan(3, sizes=(4, 2)), RunOptions(backend="cpu"), backend=backend)
+        error = info.value
+        assert (error.phase, error.descriptor) == ("capture", Descriptor(P, 2))
+        assert "could not be made replayable" in error.message and "the driver refused the graph" in error.message
+        assert all(g.replay == g._too_soon for g in backend.graphs), "a graph was not destroyed"
+
+
+class TestVerifyBehind:
+    """With graphs ready later and room for a second pair of snapshots, each descriptor is
+    verified after the next one's warmup and capture."""
+
+    @staticmethod
+    def order(rig):
+        return [(e.phase.value[0].upper(), e.descriptor.size) for e in rig.events
+                if e.kind is EventKind.DESCRIPTOR_BEGIN and e.phase in (Phase.WARMUP, Phase.CAPTURE, Phase.VERIFY)]
+
+    def test_each_descriptor_is_verified_after_the_next_ones_capture(self):
+        plan, model, rig = rigged()
+        with run(plan, model, rig, backend=LateBackend()) as engine:
+            assert [r.descriptor.size for r in engine.report.verify] == [8, 4, 2, 1]
+            assert all(r.bit_exact for r in engine.report.verify)
+        assert self.order(rig) == [("W", 8), ("C", 8), ("W", 4), ("C", 4), ("V", 8), ("W", 2), ("C", 2), ("V", 4),
+                                   ("W", 1), ("C", 1), ("V", 2), ("V", 1)]
+
+    def test_a_mismatch_found_one_behind_still_names_its_descriptor_and_segment(self):
+        plan, model, rig = rigged()
+        rig.drift.add("L1.pre")
+        backend = LateBackend()
+        with pytest.raises(CaptureError) as info:
+            run(plan, model, rig, backend=backend)
+        error = info.value
+        assert (error.phase, error.descriptor, error.segment) == ("verify", Descriptor(P, 8), "L1.pre")
+        assert error.message.endswith("region target:L0.post..L1.pre first differs in segment L1.pre ('h1')")
+        assert ("C", 4) in self.order(rig), "found before the next descriptor was captured: not one behind"
+        assert all(g.replay == g._too_soon for g in backend.graphs), "a graph was not destroyed"
+
+    def test_without_room_for_a_second_pair_each_capture_is_verified_at_once(self, monkeypatch):
+        from graphflow.engine import allocate
+
+        monkeypatch.setattr(allocate, "SPARE_BYTES", 1 << 62)
+        plan, model, rig = rigged(sizes=(2, 4))
+        with run(plan, model, rig, backend=LateBackend()) as engine:
+            assert all(r.bit_exact for r in engine.report.verify)
+        assert self.order(rig) == [("W", 4), ("C", 4), ("V", 4), ("W", 2), ("C", 2), ("V", 2)]
+
+
+@pytest.mark.parametrize("free,taken,short", [
+    (80 << 30, None, True),  # before any capture: the largest descriptor comes first
+    (80 << 30, 1 << 30, False),
+    (3 << 30, 2 << 30, True),  # less than twice what a descriptor took
+    (512 << 20, 1 << 20, True),  # below the floor, however little was taken
+    (5 << 30, 2 << 30, False),
+])
+def test_the_cache_is_given_back_only_when_the_device_is_short(free, taken, short):
+    from graphflow.engine.backend import short_of_room
+
+    assert short_of_room(free, taken) is short

@@ -72,3 +72,12 @@ def test_the_rounds_are_saved_without_any_lazy_run(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "ready-full.json").read_text())["plans"]["FULL"]["rows"]
     assert set(rows) == {"hand loop", "graphflow bare"}
     assert len(rows["graphflow bare"]["rounds_total_s"]) == 2 and "vs_hand" in rows["graphflow bare"]
+
+
+def test_the_at_once_rows_run_when_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["ready_bench.py", "--smoke", "--plans", "FULL", "--rounds", "1", "--no-warm",
+                                      "--runs", "hand,bare-at-once,default-at-once", "--out", str(tmp_path)])
+    assert ready_bench.main() == 0
+    rows = json.loads((tmp_path / "ready-full.json").read_text())["plans"]["FULL"]["rows"]
+    assert set(rows) == {"hand loop", "bare, at once", "default, at once"}
+    assert rows["default, at once"]["bit_exact"] is True and rows["bare, at once"]["bit_exact"] is None

@@ -51,6 +51,41 @@ class TestDispatch:
         assert (runner.inputs, runner.outputs) == (("x",), ("logits",))
 
 
+def padded_eager(x, size):
+    """The eager toy at the descriptor's size, its padded rows zero, sliced back."""
+    return eager(3, torch.cat([x, torch.zeros(size - x.shape[0], x.shape[1])]))[:x.shape[0]]
+
+
+class TestPrograms:
+    """A batch's program is made at its first step and kept while the same descriptor
+    serves it: a lazy engine's switch-in makes again only the batches it takes over."""
+
+    def test_made_at_first_use_and_kept_across_a_switch_in_that_does_not_take_the_batch(self):
+        engine = run_pipeline(toy_plan(3, device="cuda:0"), RunOptions(backend="cpu", detectors=False))
+        try:
+            captured = dict(engine.programs)
+            engine.programs = {Descriptor(P, 8): captured[Descriptor(P, 8)]}  # as a lazy engine starts out
+            runner = Runner(engine)
+            assert runner._programs == [None] * 9, "made before any step"
+            for batch in (3, 7):
+                x = torch.randn(batch, 32, generator=torch.Generator().manual_seed(batch))
+                (logits,) = runner.run(x)
+                assert torch.equal(logits, padded_eager(x, 8))
+            made = {b: runner._programs[b] for b in (3, 7)}
+            assert made[3].descriptor == made[7].descriptor == Descriptor(P, 8)
+            engine.programs[Descriptor(P, 4)] = captured[Descriptor(P, 4)]  # switched in
+            runner._build()  # what a lazy engine's next step does, seeing the engine's version change
+            for batch, size in ((3, 4), (7, 8)):
+                x = torch.randn(batch, 32, generator=torch.Generator().manual_seed(10 + batch))
+                (logits,) = runner.run(x)
+                assert torch.equal(logits, padded_eager(x, size))
+            assert runner._programs[7] is made[7], "a batch the new descriptor does not serve was made again"
+            assert runner._programs[3] is not made[3] and runner._programs[3].descriptor == Descriptor(P, 4)
+            assert runner.descriptor_for(4) == Descriptor(P, 4) and runner.descriptor_for(5) == Descriptor(P, 8)
+        finally:
+            engine.close()
+
+
 class TestRun:
     @pytest.mark.parametrize("batch", [1, 2, 4, 8])
     def test_exact_size_equals_the_eager_model(self, piecewise, batch):

@@ -75,9 +75,17 @@ class Allocation:
         return self.owned.detectors
 
     @property
-    def snapshots(self) -> tuple[Copies, Copies] | None:
-        """Warmup's room for verify's start and expected copies (``Copies``), while verify needs them."""
+    def snapshots(self) -> tuple[tuple[Copies, Copies], ...] | None:
+        """Warmup's room for verify's start and expected copies (``Copies``), while verify
+        needs them: one pair, or two when verify runs one descriptor behind (``behind``)."""
         return self.owned.snapshots
+
+    @property
+    def behind(self) -> bool:
+        """Whether each descriptor is verified after the next one's warmup and capture,
+        its snapshots kept in a second pair meanwhile: the graphs of a descriptor are
+        instantiated beside that work (``Graph.ready``) instead of before its verify."""
+        return self.owned.snapshots is not None and len(self.owned.snapshots) > 1
 
     @property
     def reference(self):
@@ -161,8 +169,11 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
     stack.push("free the static buffers", buffers.clear)
     attach(adopted, buffers.tensors)
     if ctx.options.verify and ctx.verify_plan.reuses_warmup:
-        owned.snapshots = (Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written))
+        pair = (Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written))
+        owned.snapshots = (pair,)
         stack.push("free verify's snapshots", owned.free_snapshots)
+        if ctx.backend.instantiates_later and not ctx.options.lazy and _room_for_another(ctx, devices, pair):
+            owned.snapshots += ((Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written)),)
     if ctx.options.detectors is not Watch.OFF:
         owned.detectors = _detectors(ctx, buffers, model)
     return Allocation(devices, baseline, streams, pools, schedules, buffers, owned)
@@ -177,15 +188,16 @@ class _Owned:
     hooks: dict = attrs.field(factory=dict)
     detectors: object = None
     reference: object = None
-    #: Where warmup copies the step's start and what it wrote for verify (``Copies``), or None.
-    snapshots: tuple[Copies, Copies] | None = None
+    #: Where warmup copies the step's start and what it wrote for verify (pairs of ``Copies``), or None.
+    snapshots: tuple[tuple[Copies, Copies], ...] | None = None
 
     def free_snapshots(self) -> None:
         """Give verify's snapshot memory back: once every descriptor is verified it holds
         nothing anyone reads."""
         if self.snapshots is not None:
-            for copies in self.snapshots:
-                copies.clear()
+            for pair in self.snapshots:
+                for copies in pair:
+                    copies.clear()
             self.snapshots = None
 
     def drop(self) -> None:
@@ -228,6 +240,25 @@ def _check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: in
             str(device), {**known.buffers, **need.buffers}, known.verify + need.verify)
     for device, need in by_device.items():
         check_fits(need, ctx.backend.free_memory(device), "the host" if device.type == "cpu" else str(device))
+
+
+#: A second pair of verify's snapshots is allocated only when at least this much, and as
+#: much again as the pair, stays free after it: the capture pool grows into the rest.
+SPARE_BYTES = 1 << 30
+
+
+def _room_for_another(ctx: Context, devices: Mapping[str, torch.device], pair: tuple[Copies, Copies]) -> bool:
+    """Whether a second pair of snapshots like ``pair`` fits on every device it lives on
+    with room to spare (``SPARE_BYTES``); a backend that cannot tell its free memory gets none."""
+    need: dict[torch.device, int] = {}
+    for copies in pair:
+        for tensor in copies.tensors.values():
+            need[tensor.device] = need.get(tensor.device, 0) + tensor.numel() * tensor.element_size()
+    for device, size in need.items():
+        free = ctx.backend.free_memory(device)
+        if free is None or free - size < max(size, SPARE_BYTES):
+            return False
+    return True
 
 
 def _device_names(ctx: Context) -> tuple[str, ...]:

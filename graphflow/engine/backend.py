@@ -25,13 +25,15 @@ Lifecycle of a backend, as the pipeline drives it:
    is current already), ``wait(stream, event)`` before
    and ``record(event, stream)`` after a segment for cross-stream edges, and
    ``join(origin, events)`` at the end (the origin waits for every other stream).
-6. ``make_room(device)`` once per descriptor before its captures (the device waited for
-   and the allocator's unused cache freed, so the pool can grow), then
-   ``capture(calls, recording, stream, pool, side)``, once per region per descriptor,
-   returns a ``Graph``: its ``replay`` is a bare callable the runtime calls in its hot
-   loop. ``side`` are the region's other streams: if ``recording`` raises with one of
-   them still joined into the capture, the backend joins it back and ends the capture,
-   so no stream is left capturing. Inside ``recording``, ``cut(between)`` ends the
+6. ``make_room(device)`` once per descriptor before its captures (when the device is
+   short of free memory: the device waited for and the allocator's unused cache freed,
+   so the pool can grow), then ``capture(calls, recording, stream, pool, side)``, once
+   per region per descriptor, returns a ``Graph``; ``Graph.ready()`` waits until it can
+   replay (the CUDA backend may instantiate it on a worker thread meanwhile), and then
+   its ``replay`` is a bare callable the runtime calls in its hot loop. ``side`` are the
+   region's other streams: if ``recording`` raises with one of them still joined into
+   the capture, the backend joins it back and ends the capture, so no stream is left
+   capturing. Inside ``recording``, ``cut(between)`` ends the
    graph being recorded and starts the next one: the call ``between()`` returns runs
    eagerly between them at replay (a submodule a segment ``breaks`` at,
    ``graphflow.engine.split``); a backend that records no graph does not cut.
@@ -45,6 +47,7 @@ The choice between backends lives in ``make_backend`` (one table, ``BACKENDS``).
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import ctypes
 import enum
@@ -68,6 +71,11 @@ class Graph(abc.ABC):
 
     replay: Callable[[], None]
 
+    def ready(self) -> None:
+        """Return once the graph can replay; raises what making it replayable raised
+        (the CUDA backend instantiates graphs on a worker thread, ``_instantiator``).
+        Until then ``replay`` waits for it first; after, ``replay`` is the bare replay."""
+
     @abc.abstractmethod
     def destroy(self) -> None:
         """Free the graph; replay is invalid afterwards. Safe to call twice."""
@@ -82,6 +90,9 @@ class Backend(abc.ABC):
     #: ``torch.cuda.graph``'s: "global" refuses unsafe CUDA calls from any thread during a
     #: capture; "thread_local" only from the capturing one (a lazy engine serves meanwhile).
     capture_error_mode: str = "global"
+    #: Whether captured graphs become replayable later (``Graph.ready``): the pipeline then
+    #: verifies each descriptor one behind, when memory allows (``Allocation.behind``).
+    instantiates_later: bool = False
 
     def __init__(self) -> None:
         #: Plan device names this backend replaced (``cuda:0 -> cpu``), for the report.
@@ -280,17 +291,58 @@ class _CpuPool:
 
 
 class _CudaGraph(Graph):
-    __slots__ = ("graph", "replay")
+    __slots__ = ("_instantiating", "graph", "replay")
 
-    def __init__(self, graph):
+    def __init__(self, graph, instantiating: concurrent.futures.Future | None = None):
         self.graph = graph
-        self.replay = graph.replay
+        self._instantiating = instantiating
+        self.replay = graph.replay if instantiating is None else self._replay_when_ready
+
+    def ready(self) -> None:
+        future = self._instantiating
+        if future is not None:
+            future.result()  # raises what instantiating raised, at every call
+            self._instantiating = None
+            self.replay = self.graph.replay
+
+    def _replay_when_ready(self) -> None:
+        self.ready()
+        self.replay()
 
     def destroy(self) -> None:
+        future, self._instantiating = self._instantiating, None
+        if future is not None and not future.cancel():
+            concurrent.futures.wait((future,))  # a reset beside the instantiation would free what it reads
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
             self.replay = _destroyed
+
+
+#: A graph whose recording took at least this long is instantiated on the worker thread;
+#: a shorter one at once. Instantiation grows with the graph as recording does: a whole
+#: step takes tens of milliseconds, worth overlapping; a PIECEWISE piece about one, less
+#: than handing it to another thread and back costs the host. On the H200, 61-layer dsv4
+#: (``bench/results/ready-ab.txt``): FULL went from 1.13x to 1.06x the hand-written loop,
+#: and PIECEWISE, every piece on the worker, from 1.09x to 1.18x.
+ASYNC_INSTANTIATE_S = 0.02
+
+
+@functools.cache
+def _instantiator() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's one thread that instantiates captured graphs.
+
+    ``cudaGraphInstantiate`` turns a recorded graph into one the device can launch: host
+    work that grows with the graph (tens of milliseconds for a whole 61-layer decode
+    step). torch runs it without the GIL, so done here it overlaps the Python that
+    records the next region or warms the next descriptor up, instead of adding to it.
+    One thread: graphs are ready in the order they were captured."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphflow-instantiate")
+
+
+def _instantiate(graph: _Pieces, device: torch.device) -> None:
+    with torch.cuda.device(device):  # the worker's current device is its own: set the graph's
+        graph.instantiate()
 
 
 class _Pieces:
@@ -408,11 +460,22 @@ class CudaBackend(Backend):
     name = "cuda"
     captures_graphs = True
 
-    def __init__(self, *, debug_graphs: bool = False) -> None:
+    def __init__(self, *, debug_graphs: bool = False, instantiate_async: bool = True) -> None:
         super().__init__()
         #: Keep each graph's definition after capture (``CUDAGraph(keep_graph=True)``), so
         #: ``graph.graph.debug_dump(path)`` writes it as Graphviz DOT to inspect what was captured.
         self.debug_graphs = debug_graphs
+        #: Instantiate each large graph on a worker thread (``_instantiator``,
+        #: ``ASYNC_INSTANTIATE_S``) while the pipeline goes on; ``Graph.ready()`` waits for
+        #: it. Graph definitions are kept (host memory), and captures run in "thread_local"
+        #: mode: in "global" mode the worker's CUDA calls during the next capture would be refused.
+        self.instantiate_async = self.instantiates_later = instantiate_async
+        if instantiate_async:
+            self.capture_error_mode = "thread_local"
+        # device -> the most device memory one descriptor's captures have taken, and what
+        # the current descriptor's have taken so far (``make_room`` starts a descriptor).
+        self._taken: dict[torch.device, int] = {}
+        self._taking: dict[torch.device, int] = {}
         # The region this thread records, which ``cut`` ends a piece of. Per thread: a lazy
         # engine's server runs the model eagerly (through the same cut points) meanwhile.
         self._recording = threading.local()
@@ -476,17 +539,25 @@ class CudaBackend(Backend):
             stream.wait_event(event)
 
     def make_room(self, device: torch.device) -> None:
-        # What torch.cuda.graph does before every capture, done once per descriptor: a
-        # PIECEWISE step of 62 graphs would otherwise wait for the device and give the
-        # cache back to the driver 62 times, and its next warmup would allocate it again.
-        if device.type != "cpu":
+        # What torch.cuda.graph does before every capture, done once per descriptor and only
+        # when the device is short of memory (vLLM skips it after its first graph): emptying
+        # the cache waits for the device, and the next warmup allocates it all again.
+        if device.type == "cpu":
+            return
+        last = self._taking.pop(device, None)
+        if last is not None:
+            self._taken[device] = max(self._taken.get(device, 0), last)
+        free, _ = torch.cuda.mem_get_info(device)
+        if short_of_room(free, self._taken.get(device)):
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
 
     def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object,
                 side: Sequence[object] = ()) -> Graph:
-        graph = _Pieces(self.debug_graphs)
+        graph = _Pieces(self.debug_graphs or self.instantiate_async)
         before = torch.cuda.current_stream(stream.device)
+        reserved = torch.cuda.memory_reserved(stream.device)
+        began = time.perf_counter()
         try:
             with _capturing(graph, pool, stream, self.capture_error_mode):
                 self._recording.open = graph
@@ -510,7 +581,11 @@ class CudaBackend(Backend):
             recover_from_failed_capture(stream.device, pool)
             graph.reset()
             raise
-        if self.debug_graphs:
+        device = stream.device
+        self._taking[device] = self._taking.get(device, 0) + torch.cuda.memory_reserved(device) - reserved
+        if self.instantiate_async and time.perf_counter() - began >= ASYNC_INSTANTIATE_S:
+            return _CudaGraph(graph.result(), _instantiator().submit(_instantiate, graph, device))
+        if self.debug_graphs or self.instantiate_async:
             graph.instantiate()  # kept graphs instantiate lazily: do it here, as capture_end would
         return _CudaGraph(graph.result())
 
@@ -642,6 +717,21 @@ class _WorkspaceWatch:
 
 #: The process's one watch over cuBLAS's workspaces (see ``_WorkspaceWatch``).
 workspace_watch = _WorkspaceWatch()
+
+
+#: Free device memory below which ``make_room`` empties the allocator's cache however
+#: little the captures so far have taken: room for cuBLAS's workspaces, a kernel's
+#: module, the pool's first block of a larger size.
+ROOM_BYTES = 1 << 30
+
+
+def short_of_room(free: int, taken: int | None) -> bool:
+    """Whether a descriptor's captures need the allocator's cache given back first:
+    before any capture on the device (the largest descriptor comes first, and takes the
+    most), or when less is free than twice the most one descriptor's captures have taken
+    (``taken``), or than ``ROOM_BYTES``. Otherwise what the cache holds stays for the next
+    warmup, which would allocate it again."""
+    return taken is None or free < max(ROOM_BYTES, 2 * taken)
 
 
 def recover_from_failed_capture(device: torch.device | None, pool: object | None, graph: object | None = None,

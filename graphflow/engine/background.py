@@ -26,9 +26,10 @@ Why it is safe beside serving:
   the step writes, the state) at their descriptor's size first and put it back after,
   so the KV cache of the sequences being served, and the outputs the last step
   returned, come back unchanged. Steps go first: while one waits for the lock or runs
-  (``serving``), the thread takes the lock for no new phase, so a step waits for one
-  phase of a descriptor at most; and at its start the thread waits a moment
-  (``FIRST_STEP_S``) for the engine's first step, which then waits for nothing.
+  (``serving``), the thread takes the lock for no new phase for up to
+  ``SERVING_FIRST_S``, so a step waits for one phase of a descriptor at most; and at
+  its start the thread waits a moment (``FIRST_STEP_S``) for the engine's first step,
+  which then waits for nothing.
 * **Recording is not.** A CUDA capture records without running anything, so it goes on
   while batches are served. It runs with ``capture_error_mode="thread_local"`` (as vLLM
   does since its capture ran beside other CUDA work): the capturing thread may not make
@@ -78,8 +79,10 @@ from graphflow.plan import BufferRole, Descriptor
 
 __all__ = ["BackgroundCapture"]
 
-#: The longest the thread lets steps go first before it takes the lock for a phase.
-SERVING_FIRST_S = 1.0
+#: The longest the thread lets steps go first before it takes the lock for a phase: a
+#: step or two. Steps served back to back leave no gap to wait for, so a longer wait only
+#: delays the capture (the step after it waits for the phase either way).
+SERVING_FIRST_S = 0.05
 #: At its start, how long the thread waits for the engine's first step to be served
 #: before its own first phase: that step then waits for none of the thread's work, and
 #: the thread knows which descriptor to capture first.
@@ -227,10 +230,11 @@ class BackgroundCapture:
         # A CUDA capture records without running: no lock. The CPU backend's runs the region.
         body = lambda: capture(ctx, alloc, captured, descriptor, index)  # noqa: E731
         self.times.append(run_phase(ctx, phases, Phase.CAPTURE, body if ctx.backend.captures_graphs else kept(body)))
+        captured.settle()  # before verify takes the lock: steps are served while the graphs instantiate
         program = captured.programs[descriptor]
         if ctx.options.verify:
             result, took = run_phase(ctx, phases, Phase.VERIFY,
-                                     kept(lambda: verify(ctx, alloc, program, descriptor, index, warmed)))
+                                     kept(lambda: verify(ctx, alloc, captured, descriptor, index, warmed)))
             self.verified.append(result)
             self.times.append(took)
         with self.lock:

@@ -7,7 +7,9 @@ origin stream (its first segment's), its side streams forked from it and joined 
 into its device's shared pool; room is made in the device's memory once per descriptor,
 not once per graph as ``torch.cuda.graph`` does. The result is each descriptor's step
 program: graph replays and bound eager breaks, in order, which the runtime calls as bare
-callables.
+callables. The backend may still be instantiating a descriptor's graphs when its capture
+returns (the CUDA backend does it on a worker thread, overlapping the next capture or
+warmup): ``Captured.settle`` waits for them before verify or commit replays anything.
 """
 
 from __future__ import annotations
@@ -56,6 +58,31 @@ class Captured:
     placeable: frozenset[str] = frozenset()
     _undos: tuple = ()
     _ctx: Context | None = None
+    #: descriptor -> its graphs not known ready yet (``settle``), with each one's region
+    #: and place in the descriptor's program.
+    _unready: dict = attrs.field(factory=dict)
+
+    def settle(self) -> None:
+        """Wait until every graph captured so far can replay (the backend may still be
+        instantiating them, ``Graph.ready``), and put their bare replays in the programs.
+        Verify and commit call it before anything replays."""
+        unready, self._unready = self._unready, {}
+        for descriptor, graphs in unready.items():
+            if descriptor not in self.programs:  # its capture failed, and was rolled back
+                continue
+            program = list(self.programs[descriptor])
+            for position, region, graph in graphs:
+                try:
+                    graph.ready()
+                except Exception as exc:
+                    raise CaptureError(f"graph of region {region} could not be made replayable: "
+                                       f"{type(exc).__name__}: {exc}", phase=Phase.CAPTURE.value,
+                                       descriptor=descriptor,
+                                       hint="instantiating a captured graph failed (device memory, or a graph "
+                                            "the driver refuses): capture fewer sizes, or report the graph"
+                                       ) from exc
+                program[position] = graph.replay
+            self.programs[descriptor] = tuple(program)
 
     def close(self) -> None:
         for undo in self._undos:
@@ -95,6 +122,7 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
         placed = (Placed(captured.placeable, views, alloc.detectors if ctx.watches(descriptor) else None)
                   if captured.placeable else None)
         program: list[Call] = []
+        unready = captured._unready.setdefault(descriptor, [])
         for item in step_items(ctx, descriptor.mode):
             if isinstance(item, Segment):
                 program.append(bind(item, alloc.fns[item.name], views))
@@ -102,6 +130,7 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
             region, segments = item
             graph = _capture_region(ctx, alloc, index, region, segments, views, runner, placed)
             captured.graphs.append(graph)
+            unready.append((len(program), region.name, graph))
             program.append(graph.replay)
         if placed is not None and placed.tensors:
             alloc.buffers.place(descriptor, placed.unowned())

@@ -122,6 +122,7 @@ class Engine:
 def commit(ctx: Context, alloc: Allocation, captured: Captured, verified: tuple[VerifyResult, ...],
            times: tuple[DescriptorTime, ...]) -> Engine:
     """Publish the step programs in an ``Engine``; its report's phases are added last."""
+    captured.settle()
     report = PipelineReport(
         backend=ctx.backend.name, captures_graphs=ctx.backend.captures_graphs, rank=ctx.rank,
         descriptors=ctx.descriptors, graphs=len(captured.graphs), phases=(), verify=verified,

@@ -35,7 +35,11 @@ rollback stack the moment it succeeds. The steps:
    d. **verify** (``graphflow.engine.verify``): put warmup's start back, replay, compare
       with what warmup wrote, bit for bit unless the plan declares tolerances, then with
       the model's own ``reference`` when the plan names one (skipped with
-      ``RunOptions(verify=False)``).
+      ``RunOptions(verify=False)``). When a second pair of verify's snapshots fits in
+      memory (``Allocation.behind``), a descriptor is verified after the next one's warmup
+      and capture: its graphs are instantiated (on the backend's worker) beside that work
+      instead of before its verify can replay them. A broken replay of the first
+      descriptor then fails after the second descriptor's capture.
 4. **commit** (``graphflow.engine.engine``): publish the step programs in an ``Engine``,
    which keeps the rollback stack and unwinds it on ``close()``.
 
@@ -88,7 +92,7 @@ from graphflow.engine.options import RunOptions, Watch
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
 from graphflow.engine.verify import VerifyResult, verify
-from graphflow.engine.warmup import DescriptorTime, prewarm, warmup
+from graphflow.engine.warmup import DescriptorTime, Warmed, prewarm, warmup
 from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError
 from graphflow.events import Event, EventKind, Listener, Phase
 from graphflow.jit import registry as jit_registry
@@ -168,6 +172,16 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
             return _lazy(ctx, alloc, results)
         captured = None
         pool = lambda _: captured.pool_bytes if captured is not None else None  # noqa: E731 - end events' pool
+        queued: list[tuple[Descriptor, int, Warmed]] = []  # captured, not verified yet
+
+        def verify_queued(leave: int) -> None:
+            while len(queued) > leave:
+                descriptor, index, warmed = queued.pop(0)
+                result, took = run_phase(ctx, results, Phase.VERIFY,
+                                         lambda: verify(ctx, alloc, captured, descriptor, index, warmed), pool=pool)
+                verified.append(result)
+                times.append(took)
+
         for index, descriptor in enumerate(ctx.descriptors, 1):
             warmed = run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, descriptor, index), pool=pool)
             times.append(warmed.time)
@@ -177,12 +191,10 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
             times.append(run_phase(ctx, results, Phase.CAPTURE,
                                    lambda: capture(ctx, alloc, captured, descriptor, index), pool=pool))
             if ctx.options.verify:
-                result, took = run_phase(ctx, results, Phase.VERIFY,
-                                         lambda: verify(ctx, alloc, captured.programs[descriptor], descriptor, index,
-                                                        warmed), pool=pool)
-                verified.append(result)
-                times.append(took)
+                queued.append((descriptor, index, warmed))
+                verify_queued(1 if alloc.behind else 0)  # behind: after the next one's capture
             warmed = None
+        verify_queued(0)
         alloc.owned.free_snapshots()
         if captured is None:
             captured = open_capture(ctx)

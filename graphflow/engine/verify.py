@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from graphflow.engine.allocate import Allocation, step_items
-from graphflow.engine.backend import Call
+from graphflow.engine.capture import Captured
 from graphflow.engine.context import Context
 from graphflow.engine.execute import call_segment, run_eager
 from graphflow.engine.reference import check_reference, explain
@@ -89,11 +89,13 @@ class VerifyPlan:
         return cls(tuple(dict.fromkeys((*read, *state))), written, state, last_writer, reuses, compiled)
 
 
-def verify(ctx: Context, alloc: Allocation, program: tuple[Call, ...], descriptor: Descriptor, index: int,
+def verify(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
            warmed: Warmed) -> tuple[VerifyResult, DescriptorTime]:
     """Replay one descriptor from its warmup's start and compare with what warmup wrote."""
     plan, needs = ctx.plan, ctx.verify_plan
     with ctx.descriptor(descriptor, index) as block:
+        captured.settle()
+        program = captured.programs[descriptor]
         views = alloc.buffers.views_of(descriptor)  # the outputs where the replay writes them
         kept = _kept_state(ctx, views, warmed)
         if not needs.reuses_warmup:

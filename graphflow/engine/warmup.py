@@ -49,8 +49,9 @@ class Warmed:
     read and state buffers before the last warm run (``start``) and every buffer the
     step wrote after it (``expected``, in the order of each buffer's last write).
 
-    Both are views of the allocation's ``snapshots``, which the next descriptor's warmup
-    overwrites: verify this descriptor first."""
+    Both are views of one of the allocation's ``snapshots`` pairs, which the next
+    descriptor to use that pair overwrites: verify this descriptor first (with two pairs,
+    the next descriptor's warmup uses the other one)."""
 
     time: DescriptorTime
     start: dict[str, torch.Tensor] = attrs.field(factory=dict)
@@ -124,16 +125,18 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
         fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=ctx.options.verify)
         step = eager_step(ctx, alloc, descriptor.size)
         iters = ctx.plan.capture.warmup_iters
+        # Consecutive descriptors take turns when there are two pairs (``Allocation.behind``).
+        pair = alloc.snapshots[index % len(alloc.snapshots)] if keep else None
         for i in range(iters):
             if keep and i == iters - 1:
-                start = alloc.snapshots[0].take(views, descriptor.size)
+                start = pair[0].take(views, descriptor.size)
             # The first step also checks that every segment writes what it declares.
             first = index == 1 and i == 0
             run_eager(ctx.backend, schedule, step, checking(ctx, alloc, descriptor.size, runner) if first else runner)
         alloc.synchronize(ctx)
         check_findings(alloc)
         if keep:
-            expected = alloc.snapshots[1].take(views, descriptor.size)
+            expected = pair[1].take(views, descriptor.size)
     return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected)
 
 
