@@ -1270,6 +1270,13 @@ class TestVerifyBehind:
         assert ("C", 4) in self.order(rig), "found before the next descriptor was captured: not one behind"
         assert all(g.replay == g._too_soon for g in backend.graphs), "a graph was not destroyed"
 
+    def test_several_ranks_verify_each_capture_at_once_whatever_their_memory(self):
+        plan, model, rig = rigged(sizes=(2, 4))
+        with run_pipeline(plan, RunOptions(detectors=False), backend=LateBackend(), model=model, listeners=[rig],
+                          rank=0, world_size=2) as engine:
+            assert all(r.bit_exact for r in engine.report.verify)
+        assert self.order(rig) == [("W", 4), ("C", 4), ("V", 4), ("W", 2), ("C", 2), ("V", 2)]
+
     def test_without_room_for_a_second_pair_each_capture_is_verified_at_once(self, monkeypatch):
         from graphflow.engine import allocate
 
@@ -1291,3 +1298,22 @@ def test_the_cache_is_given_back_only_when_the_device_is_short(free, taken, shor
     from graphflow.engine.backend import short_of_room
 
     assert short_of_room(free, taken) is short
+
+
+def test_a_forked_child_makes_its_own_instantiation_worker():
+    import os
+
+    from graphflow.engine import backend
+
+    parent = backend._instantiator()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: the parent's worker thread is not here
+        os.close(read)
+        os.write(write, b"1" if backend._instantiator() is not parent else b"0")
+        os._exit(0)
+    os.close(write)
+    said = os.read(read, 1)
+    os.waitpid(child, 0)
+    os.close(read)
+    assert said == b"1"

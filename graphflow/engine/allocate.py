@@ -172,7 +172,7 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
         pair = (Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written))
         owned.snapshots = (pair,)
         stack.push("free verify's snapshots", owned.free_snapshots)
-        if ctx.backend.instantiates_later and not ctx.options.lazy and _room_for_another(ctx, devices, pair):
+        if _may_verify_behind(ctx) and _room_for_another(ctx, devices, pair):
             owned.snapshots += ((Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written)),)
     if ctx.options.detectors is not Watch.OFF:
         owned.detectors = _detectors(ctx, buffers, model)
@@ -245,6 +245,16 @@ def _check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: in
 #: A second pair of verify's snapshots is allocated only when at least this much, and as
 #: much again as the pair, stays free after it: the capture pool grows into the rest.
 SPARE_BYTES = 1 << 30
+
+
+def _may_verify_behind(ctx: Context) -> bool:
+    """Whether verifying one behind can pay and is safe: the backend instantiates graphs
+    later, the run is not lazy (its thread verifies each descriptor at once), and it is one
+    rank without channels. Ranks must run their phases in the same order (their barriers
+    and their collectives pair up by it), and each rank would decide from its own free
+    memory."""
+    return (ctx.backend.instantiates_later and not ctx.options.lazy and ctx.world_size == 1
+            and not ctx.plan.channels)
 
 
 def _room_for_another(ctx: Context, devices: Mapping[str, torch.device], pair: tuple[Copies, Copies]) -> bool:

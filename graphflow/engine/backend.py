@@ -52,6 +52,7 @@ import contextlib
 import ctypes
 import enum
 import functools
+import os
 import threading
 import time
 import warnings
@@ -160,8 +161,9 @@ class Backend(abc.ABC):
     def release_pool(self, pool: object) -> None: ...
 
     def make_room(self, device: torch.device) -> None:
-        """Before a descriptor's captures on ``device``: free what the allocator caches
-        and no tensor uses, so the graph pool can grow into it (nothing on the host)."""
+        """Before a descriptor's captures on ``device``: when the device is short of
+        memory, free what the allocator caches and no tensor uses, so the graph pool can
+        grow into it (nothing on the host)."""
 
     @abc.abstractmethod
     def synchronize(self, device: torch.device) -> None: ...
@@ -340,6 +342,10 @@ def _instantiator() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphflow-instantiate")
 
 
+# A forked child has none of the parent's threads: it makes its own worker, should it capture.
+os.register_at_fork(after_in_child=_instantiator.cache_clear)
+
+
 def _instantiate(graph: _Pieces, device: torch.device) -> None:
     with torch.cuda.device(device):  # the worker's current device is its own: set the graph's
         graph.instantiate()
@@ -414,8 +420,8 @@ class _Pieces:
 @contextlib.contextmanager
 def _capturing(graph: _Pieces, pool: object, stream: object, mode: str) -> Iterator[None]:
     """``torch.cuda.graph`` without what it does before each capture (a device sync and
-    emptying the allocators' caches): ``Backend.make_room`` does the device's once per
-    descriptor.
+    emptying the allocators' caches): ``Backend.make_room`` does the device's before a
+    descriptor's captures, when it is short of memory.
     As there, a ``capture_end`` that raises leaves ``stream`` current (the caller restores it)."""
     context = torch.cuda.stream(stream)
     context.__enter__()

@@ -141,9 +141,9 @@ class Copies:
 
     Verify's snapshots (the state a step starts from, what it wrote) are as large as the
     state itself: gigabytes for a KV cache. Cloned per descriptor, they are freed and
-    allocated again each time, and the allocator's cache is emptied before every
-    descriptor's captures (``Backend.make_room``), so each descriptor paid for fresh
-    device allocations of that size. Copied into the same memory, they cost only the copy.
+    allocated again each time, and whenever the allocator's cache is emptied before a
+    descriptor's captures (``Backend.make_room``), that descriptor paid for fresh device
+    allocations of that size. Copied into the same memory, they cost only the copy.
     """
 
     def __init__(self, buffers: StaticBuffers, names):

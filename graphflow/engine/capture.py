@@ -4,8 +4,9 @@ Captures run PIECEWISE then FULL, largest first (a smaller graph then reuses the
 ones' pool blocks), with the garbage collector frozen from the first capture on: a
 collection during capture scans only what capture creates. A region is captured on its
 origin stream (its first segment's), its side streams forked from it and joined back,
-into its device's shared pool; room is made in the device's memory once per descriptor,
-not once per graph as ``torch.cuda.graph`` does. The result is each descriptor's step
+into its device's shared pool; room is made in the device's memory before a
+descriptor's captures when it is short (``Backend.make_room``), not before every graph as
+``torch.cuda.graph`` does. The result is each descriptor's step
 program: graph replays and bound eager breaks, in order, which the runtime calls as bare
 callables. The backend may still be instantiating a descriptor's graphs when its capture
 returns (the CUDA backend does it on a worker thread, overlapping the next capture or

@@ -35,11 +35,11 @@ rollback stack the moment it succeeds. The steps:
    d. **verify** (``graphflow.engine.verify``): put warmup's start back, replay, compare
       with what warmup wrote, bit for bit unless the plan declares tolerances, then with
       the model's own ``reference`` when the plan names one (skipped with
-      ``RunOptions(verify=False)``). When a second pair of verify's snapshots fits in
-      memory (``Allocation.behind``), a descriptor is verified after the next one's warmup
-      and capture: its graphs are instantiated (on the backend's worker) beside that work
-      instead of before its verify can replay them. A broken replay of the first
-      descriptor then fails after the second descriptor's capture.
+      ``RunOptions(verify=False)``). On one rank without channels, when a second pair of
+      verify's snapshots fits in memory (``Allocation.behind``), a descriptor is verified
+      after the next one's warmup and capture: its graphs are instantiated (on the
+      backend's worker) beside that work instead of before its verify can replay them.
+      A broken replay of the first descriptor then fails after the second one's capture.
 4. **commit** (``graphflow.engine.engine``): publish the step programs in an ``Engine``,
    which keeps the rollback stack and unwinds it on ``close()``.
 
