@@ -169,11 +169,13 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
     stack.push("free the static buffers", buffers.clear)
     attach(adopted, buffers.tensors)
     if ctx.options.verify and ctx.verify_plan.reuses_warmup:
-        pair = (Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written))
-        owned.snapshots = (pair,)
+        def pair() -> tuple[Copies, Copies]:
+            return Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written)
+
+        owned.snapshots = (pair(),)
         stack.push("free verify's snapshots", owned.free_snapshots)
-        if _may_verify_behind(ctx) and _room_for_another(ctx, devices, pair):
-            owned.snapshots += ((Copies(buffers, ctx.verify_plan.start), Copies(buffers, ctx.verify_plan.written)),)
+        if _may_verify_behind(ctx) and _room_for_another(ctx, devices, owned.snapshots[0]):
+            owned.snapshots += (pair(),)
     if ctx.options.detectors is not Watch.OFF:
         owned.detectors = _detectors(ctx, buffers, model)
     return Allocation(devices, baseline, streams, pools, schedules, buffers, owned)

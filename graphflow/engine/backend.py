@@ -475,7 +475,7 @@ class CudaBackend(Backend):
         #: ``ASYNC_INSTANTIATE_S``) while the pipeline goes on; ``Graph.ready()`` waits for
         #: it. Graph definitions are kept (host memory), and captures run in "thread_local"
         #: mode: in "global" mode the worker's CUDA calls during the next capture would be refused.
-        self.instantiate_async = self.instantiates_later = instantiate_async
+        self.instantiate_async = instantiate_async
         if instantiate_async:
             self.capture_error_mode = "thread_local"
         # device -> the most device memory one descriptor's captures have taken, and what
@@ -485,6 +485,10 @@ class CudaBackend(Backend):
         # The region this thread records, which ``cut`` ends a piece of. Per thread: a lazy
         # engine's server runs the model eagerly (through the same cut points) meanwhile.
         self._recording = threading.local()
+
+    @property
+    def instantiates_later(self) -> bool:
+        return self.instantiate_async
 
     def device(self, name: str) -> torch.device:
         device = torch.device(name)
@@ -560,7 +564,8 @@ class CudaBackend(Backend):
 
     def capture(self, calls: Sequence[Call], recording: Call, stream: object, pool: object,
                 side: Sequence[object] = ()) -> Graph:
-        graph = _Pieces(self.debug_graphs or self.instantiate_async)
+        keep = self.debug_graphs or self.instantiate_async  # kept graphs instantiate when asked to
+        graph = _Pieces(keep)
         before = torch.cuda.current_stream(stream.device)
         reserved = torch.cuda.memory_reserved(stream.device)
         began = time.perf_counter()
@@ -591,8 +596,8 @@ class CudaBackend(Backend):
         self._taking[device] = self._taking.get(device, 0) + torch.cuda.memory_reserved(device) - reserved
         if self.instantiate_async and time.perf_counter() - began >= ASYNC_INSTANTIATE_S:
             return _CudaGraph(graph.result(), _instantiator().submit(_instantiate, graph, device))
-        if self.debug_graphs or self.instantiate_async:
-            graph.instantiate()  # kept graphs instantiate lazily: do it here, as capture_end would
+        if keep:
+            graph.instantiate()  # here, as capture_end would
         return _CudaGraph(graph.result())
 
     def cut(self, between: Callable[[], tuple[Call, object]]) -> object | None:
