@@ -196,14 +196,18 @@ class TestLazy:
     def test_a_step_that_never_ends_delays_the_thread_by_its_bound_only(self, monkeypatch):
         monkeypatch.setattr(background, "SERVING_FIRST_S", 0.2)
         monkeypatch.setattr(background, "FIRST_STEP_S", 0.0)
-        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True))
+        gate = Gate(Phase.WARMUP)  # the thread would otherwise be done before the step below begins
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
         try:
+            assert gate.reached.wait(30)
             with engine.background.serving():  # a step in flight the whole time, as back-to-back serving is
+                released = time.perf_counter()
+                gate.release.set()
                 assert engine.background.wait(60), "the thread waits for a gap between steps forever"
             phases = 2 * len(SIZES)  # each descriptor's warmup and verify take the lock
-            took = engine.background.finished_at - engine.background.started_at
-            assert took >= phases * 0.2 * 0.9
+            assert engine.background.finished_at - released >= phases * 0.2 * 0.9
         finally:
+            gate.release.set()
             engine.close()
 
     def test_the_capture_thread_gives_back_the_buffers_serving_uses(self):
