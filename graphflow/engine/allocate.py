@@ -265,7 +265,7 @@ def _room_for_another(ctx: Context, devices: Mapping[str, torch.device], pair: t
     need: dict[torch.device, int] = {}
     for copies in pair:
         for tensor in copies.tensors.values():
-            need[tensor.device] = need.get(tensor.device, 0) + tensor.numel() * tensor.element_size()
+            need[tensor.device] = need.get(tensor.device, 0) + tensor.nbytes
     for device, size in need.items():
         free = ctx.backend.free_memory(device)
         if free is None or free - size < max(size, SPARE_BYTES):
