@@ -45,7 +45,8 @@ Lifecycle of a ``ChannelRuntime`` (it is a ``graphflow.events.Listener``):
 5. ``PIPELINE_END``: committed; the hot path is a plain collective (plus a trace event
    if tracing).
 6. ``close()``: handles (communicators) closed, ids released, owned process groups
-   destroyed, trace closed: every step runs even when an earlier one raises, and the
+   destroyed, no process group held any longer (by the runtime or by a handle a model
+   keeps), trace closed: every step runs even when an earlier one raises, and the
    failures are raised together as one ExceptionGroup.
 """
 
@@ -100,6 +101,10 @@ class GroupBinding:
     group: Any
     members: tuple[int, ...] = attrs.field(converter=tuple)
     destroy: Callable[[], None] | None = attrs.field(default=None, eq=False)
+
+    def released(self) -> GroupBinding:
+        """The same binding holding no process group: what a closed runtime keeps."""
+        return attrs.evolve(self, group=None, destroy=None)
 
 
 def world_group_factory(world_size: int) -> Callable[[str], GroupBinding]:
@@ -304,10 +309,16 @@ class ChannelHandle:
         return {t.untyped_storage().data_ptr() for t in self._scratch.values() if t.numel()}
 
     def close(self) -> None:
-        """Release this handle's buffers; later calls raise."""
+        """Release this handle's buffers and its process group; later calls raise.
+
+        A model may keep its handles after the session (a class attribute, a cycle only
+        the garbage collector frees): a process group they held would outlive
+        ``destroy_process_group``, and a gloo group still alive as the interpreter
+        finalizes aborts the process ("terminate called without an active exception")."""
         self._closed = True
         self._scratch.clear()
         self._prepared.clear()
+        self.binding = self.binding.released()
 
     # -- the slow path: trace, agree, then serve by path ----------------------------------
     def _call(self, kind: ChannelKind, tensor: torch.Tensor, out: torch.Tensor | None, p2p) -> torch.Tensor:
@@ -650,7 +661,8 @@ class ChannelRuntime:
 
     # -- teardown ----------------------------------------------------------------------
     def close(self) -> None:
-        """Close handles, then release ids, then destroy owned groups, then the trace.
+        """Close handles, then release ids, then destroy owned groups and let go of every
+        group, then the trace.
 
         Every step runs; the failures are raised together (``UndoError``, each noted
         with the step that raised it).
@@ -658,6 +670,7 @@ class ChannelRuntime:
         steps = UndoStack()  # last in, first out: pushed in the reverse of the order they run
         if self.tracer is not None:
             steps.push("close trace", self.tracer.close)
+        steps.push("let go of the process groups", self._release_groups)
         for binding in reversed(self._bindings.values()):
             if binding.destroy:
                 steps.push(f"destroy group {binding.name}", binding.destroy)
@@ -670,6 +683,11 @@ class ChannelRuntime:
         if failures is not None:
             raise type(failures)(f"channel teardown: {len(failures.exceptions)} of {count} steps failed",
                                  failures.exceptions)
+
+    def _release_groups(self) -> None:
+        """Hold no process group once closed (``ChannelHandle.close`` says why): whoever
+        destroys one then frees it, its threads joined, while the interpreter is whole."""
+        self._bindings = {name: binding.released() for name, binding in self._bindings.items()}
 
 
 _METHODS = {

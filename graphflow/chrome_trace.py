@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from graphflow.trace import comparable, describe, diff_traces
+from graphflow.trace import comparable, describe, diff_traces, incomplete
 
 __all__ = ["chrome_trace"]
 
@@ -146,8 +146,13 @@ def _instant(pid: int, event: Mapping[str, Any], micros) -> dict:
 
 
 def _state(index: int, trace: Sequence[Mapping[str, Any]], found) -> str | None:
-    """``diverged at #N`` / ``stalled at #N ...``: what the process name says, or None for a healthy rank."""
+    """``diverged at #N`` / ``stalled at #N ...`` / ``trace incomplete ...``: what the process
+    name says, or None for a healthy rank. An incomplete trace's rank did not stall: its
+    tracer stopped writing (``graphflow.trace.INCOMPLETE``)."""
     ended = found is not None and index in found.differing and found.events[index] is None
+    lost = incomplete(trace)
+    if lost is not None and not (found is not None and index in found.differing):
+        return f"trace incomplete: {lost.get('lost')} event(s) lost ({lost.get('error')})"
     if found is not None and index in found.differing and not ended:
         return f"diverged at event #{found.index}"
     if trace and (ended or trace[-1].get("event") not in _TERMINAL):

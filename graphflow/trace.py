@@ -13,19 +13,29 @@ with a per-rank monotonic counter ``n``. Two things consume the events:
   When it is off, nothing is written and the runtime's hot path costs one ``None``
   check (see ``bench/trace_bench.py``).
 
+A trace records the capture; it is no part of it. A file that cannot be written (a
+full disk, a dead mount) never fails the capture: the ``Tracer`` warns once
+(``TraceWriteWarning``, naming the file and the error), writes nothing more, counts the
+events it lost, and at close cuts the file back to the events it last flushed whole and
+ends it with one ``trace_incomplete`` record (``INCOMPLETE``: how many events were lost
+and why), when the file can still be written then.
+
 ``diff_traces`` reads the files back and names the first event where ranks differ,
-ignoring the fields that legitimately differ between ranks (``IGNORED_FIELDS``).
-This module imports no torch.
+ignoring the fields that legitimately differ between ranks (``IGNORED_FIELDS``); an
+incomplete trace is compared only as far as it was written. This module imports no
+torch.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,19 +45,23 @@ import attrs
 __all__ = [
     "CallPath",
     "IGNORED_FIELDS",
+    "INCOMPLETE",
     "ScopeState",
     "TRACE_ENV",
     "TraceDiff",
     "TraceLog",
     "TraceReadError",
+    "TraceWriteWarning",
     "Tracer",
     "UNKNOWN",
     "comparable",
     "describe",
     "diff_traces",
     "first_difference",
+    "incomplete",
     "majority",
     "read_trace",
+    "written",
 ]
 
 #: The environment variable that turns tracing on: a directory for the rank files.
@@ -55,6 +69,14 @@ TRACE_ENV = "GRAPHFLOW_TRACE"
 
 #: Fields that differ between healthy ranks: who wrote the event, when, and a p2p peer.
 IGNORED_FIELDS = frozenset({"rank", "ts", "peer"})
+
+#: The ``event`` of the record an incomplete trace ends with: ``lost`` (events not in the
+#: file) and ``error`` (the OS error that stopped the writing).
+INCOMPLETE = "trace_incomplete"
+
+
+class TraceWriteWarning(RuntimeWarning):
+    """A trace file could not be written: the capture goes on, the trace is incomplete."""
 
 
 class CallPath(enum.Enum):
@@ -146,14 +168,20 @@ class Tracer:
 
     ``path`` is a directory (the file is ``rank{rank}.jsonl`` in it) or, when it ends in
     ``.jsonl``, the file itself. Construction is cheap; the file opens at the first event.
+    A write that fails degrades the trace instead of raising (see the module
+    docstring): ``lost`` counts the events not in the file, ``error`` is the OS error.
     """
 
     def __init__(self, path: str | os.PathLike, rank: int = 0):
         path = Path(path)
         self.path = path if path.suffix == ".jsonl" else path / f"rank{rank}.jsonl"
         self.rank = rank
+        self.lost = 0
+        self.error: OSError | None = None
         self._file = None
-        self._mode = "w"  # the first open starts the file; a reopen after close appends
+        self._mode = "wb"  # the first open starts the file; a reopen after close appends
+        self._pending = 0  # events written since the last flush that reached the file
+        self._flushed = 0  # where the file ends after that flush: what a failure cuts it back to
 
     @classmethod
     def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> Tracer | None:
@@ -161,25 +189,84 @@ class Tracer:
         value = (os.environ if env is None else env).get(TRACE_ENV, "")
         return cls(value, rank) if value else None
 
+    @property
+    def incomplete(self) -> bool:
+        """Whether events were lost: the file does not hold the whole trace."""
+        return self.error is not None
+
     def write(self, event: Mapping[str, Any]) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, self._mode, encoding="utf-8")
-            self._mode = "a"
-        self._file.write(json.dumps({**event, "ts": time.time()}, default=str))
-        self._file.write("\n")
+        if self.error is not None:
+            self.lost += 1
+            return
+        line = json.dumps({**event, "ts": time.time()}, default=str) + "\n"
+        self._pending += 1
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self._open()
+                self._mode = "ab"
+                self._flushed = self._file.tell()
+            self._file.write(line.encode("utf-8"))
+        except OSError as error:
+            self._fail(error)
 
     def flush(self) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return
+        try:
             self._file.flush()
+        except OSError as error:
+            self._fail(error)
+            return
+        self._pending = 0
+        self._flushed = self._file.tell()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            self.flush()
+        if self._file is not None:
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as error:
+                self._fail(error)
+        if self.error is not None:
+            self._mark_incomplete()
+
+    def _open(self):
+        return open(self.path, self._mode)
+
+    def _fail(self, error: OSError) -> None:
+        """Stop writing: the events not flushed whole are lost, and so is every later one."""
+        if self.error is None:
+            self.error = error
+            warnings.warn(f"graphflow: cannot write trace {self.path}: {_os_error(error)}; the capture goes on, "
+                          "the trace is incomplete from here", TraceWriteWarning, stacklevel=3)
+        self.lost += self._pending
+        self._pending = 0
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # its unflushed bytes are what close cuts away
+                file.close()
+
+    def _mark_incomplete(self) -> None:
+        """End the file with the ``INCOMPLETE`` record right after its last whole flush,
+        over whatever a failed write left there, and cut it there. Written before the cut,
+        so a file that cannot take the record is never cut into a trace that looks whole."""
+        record = {"rank": self.rank, "event": INCOMPLETE, "lost": self.lost, "error": _os_error(self.error),
+                  "ts": time.time()}
+        with contextlib.suppress(OSError), open(self.path, "r+b") as file:
+            file.seek(self._flushed)
+            file.write((json.dumps(record, default=str) + "\n").encode("utf-8"))
+            file.flush()
+            file.truncate()
 
     def __repr__(self) -> str:
         return f"Tracer({str(self.path)!r})"
+
+
+def _os_error(error: OSError) -> str:
+    return f"[Errno {error.errno}] {error.strerror}" if error.strerror else str(error)
 
 
 class TraceReadError(ValueError):
@@ -258,9 +345,26 @@ def first_difference(sequences: Sequence[Sequence[Mapping[str, Any] | None]], *,
     return None
 
 
+def incomplete(events: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The ``INCOMPLETE`` record a trace ends with when its tracer lost events, or None."""
+    return events[-1] if events and events[-1].get("event") == INCOMPLETE else None
+
+
+def written(events: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    """A trace's events without the ``INCOMPLETE`` record it may end with."""
+    return events[:-1] if incomplete(events) is not None else events
+
+
 def diff_traces(traces: Sequence[Sequence[Mapping[str, Any]]]) -> TraceDiff | None:
-    """Compare whole per-rank traces event by event (see ``first_difference``)."""
-    return first_difference(traces)
+    """Compare whole per-rank traces event by event (see ``first_difference``).
+
+    An incomplete trace stops where its file does, not where its rank did: every trace
+    is compared only up to the events every incomplete one holds, so the events a
+    tracer lost never read as a divergence. A complete trace that ends before that
+    still differs.
+    """
+    horizon = min((len(t) - 1 for t in traces if incomplete(t) is not None), default=None)
+    return first_difference([written(t)[:horizon] for t in traces])
 
 
 def describe(event: Mapping[str, Any] | None) -> str:

@@ -349,7 +349,8 @@ class TestAssignment:
 
 
 class TestTeardown:
-    STEPS = ("close channel tp", "close channel dr", "release channel ids", "destroy group tp", "close trace")
+    STEPS = ("close channel tp", "close channel dr", "release channel ids", "destroy group tp",
+             "let go of the process groups", "close trace")
 
     def _runtime(self, tmp_path, log, failing):
         def destroy():
@@ -365,6 +366,7 @@ class TestTeardown:
         for name, handle in runtime.handles.items():
             handle.close = self._step(log, f"close channel {name}", failing, handle.close)
         runtime._rollback_ids = self._step(log, "release channel ids", failing, runtime._rollback_ids)
+        runtime._release_groups = self._step(log, "let go of the process groups", failing, runtime._release_groups)
         runtime.tracer.close = self._step(log, "close trace", failing, runtime.tracer.close)
         return runtime
 
@@ -392,7 +394,7 @@ class TestTeardown:
         with pytest.raises(ExceptionGroup) as info:
             runtime.close()
         assert tuple(log) == self.STEPS
-        assert info.value.message == "channel teardown: 1 of 5 steps failed"
+        assert info.value.message == "channel teardown: 1 of 6 steps failed"
         (error,) = info.value.exceptions
         assert error.__notes__ == [f"while undoing: {failing}"]
         assert runtime.registry.taken == {}

@@ -2,8 +2,10 @@
 
 Each TRACE is a rank's JSON-lines file or a directory of them (``GRAPHFLOW_TRACE=DIR``
 writes ``DIR/rank{N}.jsonl``). Fields that legitimately differ between ranks (rank,
-timestamps, a p2p peer) are ignored. Exit status: 0 the traces agree, 1 they differ, 2
-a trace could not be read.
+timestamps, a p2p peer) are ignored. A trace whose tracer lost events (it ends with a
+``trace_incomplete`` record: a full disk, a dead mount) is compared only as far as it
+was written. Exit status: 0 the traces agree, 1 they differ, 2 a trace could not be
+read, or they agree as far as an incomplete trace goes and cannot be compared after.
 
 ``graphflow trace export --format chrome TRACE... [-o FILE]``: the traces as one Chrome
 trace (``graphflow.chrome_trace``) for Perfetto (https://ui.perfetto.dev, "Open trace
@@ -72,7 +74,7 @@ def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from graphflow.trace import comparable, describe, diff_traces
+    from graphflow.trace import comparable, describe, diff_traces, incomplete, written
 
     read = _read(args, "diff")
     if read is None:
@@ -83,9 +85,16 @@ def run_diff(args: argparse.Namespace) -> int:
         return 2
     labels = [_label(f, t) for f, t in zip(files, traces)]
     found = diff_traces(traces)
+    lost = "; ".join(f"{label}'s trace is incomplete ({record.get('lost')} events lost: {record.get('error')})"
+                     for label, record in zip(labels, map(incomplete, traces)) if record is not None)
+    if found is None and lost:
+        held = min(len(written(t)) for t in traces if incomplete(t) is not None)
+        print(f"{lost}: the traces agree on the {held} events every trace holds; after that they cannot be compared")
+        return 2
     if found is None:
         print(f"{len(traces)} traces agree: {len(traces[0])} events each ({', '.join(labels)})")
         return 0
+    traces = [written(t) for t in traces]
     index = found.index
     differing = ", ".join(labels[i] for i in found.differing)
     majority = ", ".join(labels[i] for i in found.majority)
@@ -93,6 +102,8 @@ def run_diff(args: argparse.Namespace) -> int:
     print(f"traces differ at event {index}: {differing} {verb} from {majority}")
     for label, path, trace in zip(labels, files, traces):
         print(f"  {label}: {path} ({len(trace)} events)")
+    if lost:
+        print(f"  ({lost}: compared as far as it was written)")
     print()
     start = max(0, index - max(0, args.context))
     for i in range(start, index + 3):

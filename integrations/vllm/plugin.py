@@ -15,8 +15,10 @@ entry point (``pip install graphflow[vllm]`` installs it). It does nothing unles
 3. runs vLLM's capture inside a ``CaptureTransaction``; on any failure it tells the
    other ranks at once (``abandon``), rolls back, and raises ``CaptureError`` naming the
    mode, descriptor and rank, or, with ``GRAPHFLOW_VLLM_ON_FAILURE=eager``, logs one
-   line and serves eagerly;
-4. logs what it captured, how long it took and the memory vLLM reports.
+   line and serves eagerly. A trace file that cannot be written is no such failure:
+   the ``Tracer`` warns once and marks the trace incomplete, and the graphs stand;
+4. logs what it captured, how long it took and the memory vLLM reports (and that the
+   trace is incomplete, when it is).
 
 ``unregister()`` puts every wrapped attribute back. Settings: ``settings.py``.
 """
@@ -170,9 +172,9 @@ class Plugin:
             session.flush()
         if txn is not None:
             txn.commit()
-            log.info("graphflow: captured %d graphs on rank %d in %.1f s (%s); vLLM reports %.2f GiB",
+            log.info("graphflow: captured %d graphs on rank %d in %.1f s (%s); vLLM reports %.2f GiB%s",
                      len(plan.descriptors), rank, time.perf_counter() - start, plan.summary(),
-                     (result or 0) / (1 << 30))
+                     (result or 0) / (1 << 30), _trace_state(session.tracer))
         return result
 
     def _validate(self, plan: VllmPlan, rank: int) -> None:
@@ -265,6 +267,14 @@ class Plugin:
         for hook in self.settings.prepare:
             hook(communicator, tensor)
         self._prepared.add(key)
+
+
+def _trace_state(tracer: Tracer | None) -> str:
+    """What the capture line says of a trace that lost events (``Tracer`` warned when it
+    happened): the graphs stand, the trace file does not hold the whole capture."""
+    if tracer is None or not tracer.incomplete:
+        return ""
+    return f"; trace {tracer.path} incomplete, {tracer.lost} events lost"
 
 
 def _digest(plan: VllmPlan) -> str:

@@ -1,0 +1,98 @@
+"""A trace file that cannot be written, under vLLM's real capture: every graph stands.
+
+The plugin writes graphflow's trace (``GRAPHFLOW_TRACE=DIR``) through the same
+``Tracer`` as graphflow's own runs: a full disk under it warns once and marks the
+trace incomplete; it never rolls back a capture that succeeded, on V1 or V2.
+"""
+
+import errno
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import harness  # noqa: E402
+
+from graphflow.integrations.vllm import plugin as module  # noqa: E402
+from graphflow.trace import INCOMPLETE, Tracer, TraceWriteWarning, read_trace  # noqa: E402
+
+FULL_DISK = "/dev/full"
+
+
+class Failing:
+    """The tracer's file, on a disk that fills up at the ``after``-th write."""
+
+    def __init__(self, file, after: int):
+        self.file, self.after, self.writes = file, after, 0
+
+    def write(self, data: bytes) -> int:
+        self.writes += 1
+        if self.writes >= self.after:
+            self.file.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+@pytest.fixture
+def runner(vllm_world, cpu_cuda):
+    from vllm.config import set_current_vllm_config
+
+    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
+    with set_current_vllm_config(config):
+        yield harness.standin_runner_cls()(config, model=harness.TinyMoE())
+
+
+@pytest.fixture
+def runner_v2(vllm_world, cpu_cuda):
+    from vllm.compilation import monitor
+    from vllm.config import set_current_vllm_config
+
+    monitor.set_cudagraph_capturing_enabled(True)  # as in a fresh process: V2 never turns it on itself
+    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
+    with set_current_vllm_config(config):
+        yield harness.standin_v2_runner_cls()(config, model=harness.TinyMoE())
+
+
+def test_v1_a_trace_that_fills_the_disk_keeps_every_graph_and_says_it_is_incomplete(
+        runner, plugin, cpu_cuda, tmp_path, monkeypatch, caplog):
+    from vllm.compilation import monitor
+
+    real = Tracer._open
+    monkeypatch.setattr(Tracer, "_open", lambda self: Failing(real(self), after=3))
+    monkeypatch.setenv("GRAPHFLOW_TRACE", str(tmp_path))
+    plugin()
+    with caplog.at_level("INFO", logger="graphflow.vllm"), \
+            pytest.warns(TraceWriteWarning, match=r"rank0\.jsonl.*No space left on device"):
+        runner.capture_model()
+    module.unregister()  # closes the trace
+    assert monitor.cudagraph_capturing_enabled is False
+    assert sum(len(k) for k in runner.cudagraph_dispatcher.cudagraph_keys.values()) == 7
+    assert sum(len(w.concrete_cudagraph_entries) for w in (runner.full, runner.piecewise)) == 7
+    messages = [r.getMessage() for r in caplog.records if r.name == "graphflow.vllm"]
+    assert any("captured 7 graphs on rank 0" in m and "incomplete" in m and "events lost" in m for m in messages)
+    events = read_trace(tmp_path / "rank0.jsonl")
+    record = events[-1]
+    assert record["event"] == INCOMPLETE and record["lost"] > 0 and "No space left on device" in record["error"]
+    assert [e["n"] for e in events[:-1]] == list(range(len(events) - 1))
+    captures = cpu_cuda.captures
+    mode, desc, _ = runner.serve(2)
+    assert mode.name == "FULL" and cpu_cuda.captures == captures  # replayed, not captured
+
+
+@pytest.mark.skipif(not os.path.exists(FULL_DISK), reason="needs Linux's /dev/full")
+def test_v2_a_trace_on_a_full_disk_keeps_every_graph(runner_v2, plugin, tmp_path, monkeypatch):
+    (tmp_path / "rank0.jsonl").symlink_to(FULL_DISK)
+    monkeypatch.setenv("GRAPHFLOW_TRACE", str(tmp_path))
+    plugin()
+    with pytest.warns(TraceWriteWarning, match="No space left on device"):
+        runner_v2.capture_model()
+    tracer = module.registered()._log.sink
+    module.unregister()
+    assert tracer.incomplete and tracer.lost > 0
+    manager = runner_v2.cudagraph_manager
+    assert len(manager.graphs) == 3 and manager._graphs_captured
+    assert manager.dispatch(2, 2, 1, 0).cg_mode.name == "FULL"
