@@ -65,6 +65,8 @@ class Check(enum.Enum):
     ESCAPE = "escape"
     UNCAPTURED_KERNEL = "uncaptured_kernel"
     CROSS_DEVICE = "cross_device"
+    #: Not an op check: a plain Python value the step changes (graphflow.engine.host_state).
+    HOST_STATE = "host_state"
 
     @classmethod
     def default(cls) -> frozenset[Check]:

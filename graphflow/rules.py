@@ -1305,8 +1305,10 @@ def duplicated_sizes(plan: Plan) -> Iterator[Violation]:
 def sizes_above_capacity(plan: Plan) -> Iterator[Violation]:
     """A descriptor size (or a symbol's value) is above a buffer's ``capacity``.
 
-    The buffer cannot hold that batch, so the descriptor cannot be captured: the
-    graph would index past the buffer.
+    The buffer was declared to hold at most ``capacity`` rows, which the model may have
+    sized its own tensors and indices for (an adopted cache): a larger batch contradicts
+    it, so the descriptor is not captured, even with the rule skipped (the allocate
+    phase refuses it).
 
     Fix: raise the capacity or drop the sizes above it.
     """

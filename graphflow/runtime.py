@@ -17,8 +17,12 @@ regions.
   are large enough, on fresh tensors otherwise) and is counted in ``fallbacks`` under
   its ``FallbackReason``.
 
-Output aliasing: the tensors ``run`` returns are views of static buffers, valid until
-the next ``run``, which overwrites them. Clone what you keep.
+Output aliasing: the tensors ``run`` returns are valid until the next ``run``, which
+overwrites them. Clone what you keep. They are views of static buffers, except while a
+lazy engine's capture thread is at work: its warmup and verify write the static
+buffers between two steps, while the caller reads the last step's outputs without the
+lock, so each step's outputs are then copied into tensors of the runner's own (one
+copy per output per step, made on the step's stream), which only ``run`` writes.
 
 Everything the hot path needs is precomputed, per batch size, at the first step of that
 size: one ``_Program`` with the input views, the pad views, the step's callables and
@@ -78,6 +82,7 @@ class Runner:
         self._kept = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE and b.pad == PAD_KEEP)
         self._dims.update({name: _batch_dim(plan.buffer(name).shape, symbol, name) for name in self._kept})
         self._scratch: dict[str, torch.Tensor] = {}
+        self._served: dict[str, torch.Tensor] = {}  # the caller's outputs while a capture thread works
         self.fallbacks: collections.Counter[FallbackReason] = collections.Counter()
         self._serving: list[Descriptor | None] = []  # batch size -> the descriptor that serves it
         self._programs: list[_Program | None] = []  # batch size -> its program, once made
@@ -121,7 +126,7 @@ class Runner:
         """One step. Inputs in ``self.inputs`` order, or by name (``run(tokens=t)``);
         outputs in ``self.outputs`` order.
 
-        The outputs are views of static buffers, valid until the next ``run``. Runs
+        The outputs are valid until the next ``run`` (see the module docstring). Runs
         without autograd, like the pipeline that captured it.
         """
         if named:
@@ -159,7 +164,22 @@ class Runner:
         with engine.background.serving(), engine.lock:
             if engine.version != self._version:
                 self._build()
-            return self._step(inputs)
+            outputs = self._step(inputs)
+            if engine.background.done:
+                return outputs
+            return tuple(self._own(name, out) for name, out in zip(self.outputs, outputs))
+
+    def _own(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """``out`` copied into the runner's tensor for output ``name``, as large as the
+        static buffer, so that the capture thread's next phase cannot overwrite it."""
+        mine = self._served.get(name)
+        if mine is None:
+            mine = self._served[name] = torch.empty_like(self.engine.buffers.tensors[name])
+        dim = self._dims[name]
+        if dim is not None and out.shape[dim] > mine.shape[dim]:  # an eager fallback beyond every size
+            mine = self._served[name] = torch.empty_like(out)
+        view = mine if dim is None else mine.narrow(dim, 0, out.shape[dim])
+        return view.copy_(out)
 
     def clear_state(self) -> None:
         """Zero every state buffer (the model's caches start empty: new sequences)."""

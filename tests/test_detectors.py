@@ -49,7 +49,7 @@ def det(buf):
 class TestCheck:
     def test_values_are_lowercase_names(self):
         assert {c.value for c in Check} == {"host_sync", "foreign_tensor", "escape", "uncaptured_kernel",
-                                            "cross_device"}
+                                            "cross_device", "host_state"}
 
     def test_default_is_every_check(self):
         assert Check.default() == frozenset(Check)

@@ -22,12 +22,13 @@ from graphflow.engine.calls import prepare, reference
 from graphflow.engine.compiled import compile_segments
 from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
-from graphflow.engine.memory import MemoryNeed, check_fits, memory_need
+from graphflow.engine.memory import check_memory, largest_size
 from graphflow.engine.options import Watch
 from graphflow.engine.schedule import Schedule, build_schedule, dependencies
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.plan import BufferRole, CaptureRegion, Mode, Segment
+from graphflow.rules import RULES
 
 __all__ = ["Allocation", "allocate", "step_items"]
 
@@ -132,6 +133,7 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
         devices[name] = device
         baseline.setdefault(device, backend.memory_allocated(device))
     first = next(iter(devices.values()), torch.device("cpu"))
+    _check_capturable(ctx)
     if ctx.options.verify:
         _check_verifiable(ctx)
     owned = _Owned()
@@ -146,8 +148,9 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
     if bind is not None:  # so a channel's prewarm hook resolves on this model
         bind(model)
         stack.push("unbind the model from the channels", functools.partial(bind, None))
-    largest = max((d.size for d in ctx.descriptors), default=max(plan.max_size, 1))
+    largest = largest_size(ctx)
     adopted = adopt(ctx, model, largest, devices.__getitem__)
+    owned.holders.update({a.path.rpartition(".")[0] or a.path: a.slot.owner for a in adopted.values()})
     owned.uncompiled.update(prepare(ctx, model, adopted, lambda: owned.detectors))
     owned.fns.update(compile_segments(ctx, owned.uncompiled))
     owned.reference = reference(ctx, model, adopted)
@@ -164,7 +167,9 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
             pools[device] = backend.new_pool(device)
             stack.push(f"release the pool on {device}", functools.partial(_release_pool, backend, pools, device))
     given = {n: a.existing for n, a in adopted.items() if a.existing is not None}
-    _check_memory(ctx, devices, largest, given)
+    # Checked before the model was built too (graphflow.engine.memory); again now that its
+    # weights have taken memory and the tensors it adopts are known.
+    check_memory(ctx, devices, largest, given)
     buffers = StaticBuffers(plan, largest, lambda n: devices[n], given=given)
     stack.push("free the static buffers", buffers.clear)
     attach(adopted, buffers.tensors)
@@ -190,6 +195,9 @@ class _Owned:
     hooks: dict = attrs.field(factory=dict)
     detectors: object = None
     reference: object = None
+    #: The objects adopted tensors sit in, by path (a cache's layers): their plain values
+    #: are state too (``graphflow.engine.host_state``).
+    holders: dict = attrs.field(factory=dict)
     #: Where warmup copies the step's start and what it wrote for verify (pairs of ``Copies``), or None.
     snapshots: tuple[tuple[Copies, Copies], ...] | None = None
 
@@ -209,6 +217,7 @@ class _Owned:
         self.hooks.clear()
         self.detectors = None
         self.reference = None
+        self.holders.clear()
 
 
 def _check_verifiable(ctx: Context) -> None:
@@ -217,31 +226,34 @@ def _check_verifiable(ctx: Context) -> None:
         if buffer.role is BufferRole.INPUT and buffer.values is None and not buffer.dtype.startswith(("float", "bfloat")):
             raise CaptureError(f"input buffer {buffer.name!r} is {buffer.dtype} and declares no values",
                                phase=Phase.ALLOCATE.value,
-                               hint="declare 'values: [low, high)' so verify can draw random inputs, "
-                                    "or run with --no-verify")
+                               hint="declare 'values: [low, high)' in the buffer, the range its values take, "
+                                    "so verify can draw random inputs")
 
 
-def _check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: int, given: Mapping[str, object]) -> None:
-    """The static buffers and verify's copies against each device's free memory, before
-    any buffer is allocated (``graphflow.engine.memory``); ``given`` buffers (adopted
-    from the model) are allocated already."""
-    needs = ctx.verify_plan
-    copied = ()
-    if ctx.options.verify:  # graphflow.engine.verify: the start, the expected, and (some) kept state
-        kept = needs.state if not ctx.backend.captures_graphs else tuple(n for n in needs.state
-                                                                         if n not in needs.written)
-        copied = (*needs.start, *needs.written, *kept)
-    by_device: dict[torch.device, MemoryNeed] = {}
-    for name, need in memory_need(ctx.plan, largest, copied).items():
-        device = devices.get(name)
-        if device is None:
-            continue
-        need = attrs.evolve(need, buffers={b: n for b, n in need.buffers.items() if b not in given})
-        known = by_device.get(device)
-        by_device[device] = need if known is None else MemoryNeed(
-            str(device), {**known.buffers, **need.buffers}, known.verify + need.verify)
-    for device, need in by_device.items():
-        check_fits(need, ctx.backend.free_memory(device), "the host" if device.type == "cpu" else str(device))
+#: Rules a run may skip in validation but not in the engine: a FULL step over an eager
+#: segment cannot be one graph (the segment would be recorded as if static, or break the
+#: capture), and a size above a buffer's capacity contradicts the rows the buffer was
+#: declared to hold, which the model may have sized its own tensors and indices for.
+UNSAFE_TO_SKIP = ("GF601", "GF604")
+
+
+def _check_capturable(ctx: Context) -> None:
+    """Refuse what ``UNSAFE_TO_SKIP`` finds in the descriptors this run captures, whether
+    or not the run skipped those rules: each rule's own check, on the plan restricted to
+    this run's descriptors (``RunOptions.sizes`` may leave out the ones a rule flags)."""
+    sizes: dict[Mode, tuple[int, ...]] = {}
+    for descriptor in ctx.descriptors:
+        sizes[descriptor.mode] = (*sizes.get(descriptor.mode, ()), descriptor.size)
+    capture = attrs.evolve(ctx.plan.capture, modes=tuple(sizes), sizes=(), mode_sizes=sizes)
+    captured = attrs.evolve(ctx.plan, capture=capture)
+    for rule in RULES:
+        if rule.code in UNSAFE_TO_SKIP:
+            for found in rule.check(captured):
+                kind, _, name = found.element.partition(" ")
+                raise CaptureError(f"{found.element}: {found.message} ({found.code} {rule.title}: "
+                                   "not capturable, even with the rule skipped)",
+                                   phase=Phase.ALLOCATE.value, segment=name if kind == "segment" else None,
+                                   hint=found.fix)
 
 
 #: A second pair of verify's snapshots is allocated only when at least this much, and as
@@ -283,9 +295,22 @@ def _device_names(ctx: Context) -> tuple[str, ...]:
 def _streams(ctx: Context, devices: Mapping[str, torch.device], first: torch.device) -> dict[str, object]:
     """Each segment's stream: the plan's, or one per device for segments naming none."""
     plan, backend = ctx.plan, ctx.backend
-    named = {s.name: backend.new_stream(devices[s.device]) for s in plan.streams}
-    defaults: dict[torch.device, object] = {}
+    taken: list[object] = []
+
+    def take(device: torch.device) -> object:
+        taken.append(backend.new_stream(device))
+        return taken[-1]
+
+    def give_back() -> None:
+        streams.clear()
+        while taken:
+            backend.release_stream(taken.pop())
+
     streams: dict[str, object] = {}
+    # Pushed first: the run's graphs, captured on these streams, are destroyed before.
+    ctx.stack.push("give the streams back", give_back)
+    named = {s.name: take(devices[s.device]) for s in plan.streams}
+    defaults: dict[torch.device, object] = {}
     for segment in ctx.segments:
         if segment.stream is not None:
             streams[segment.name] = named[segment.stream]
@@ -293,9 +318,8 @@ def _streams(ctx: Context, devices: Mapping[str, torch.device], first: torch.dev
         name = plan.segment_device(segment)
         device = devices[name] if name is not None else first
         if device not in defaults:
-            defaults[device] = backend.new_stream(device)
+            defaults[device] = take(device)
         streams[segment.name] = defaults[device]
-    ctx.stack.push("drop the streams", streams.clear)
     return streams
 
 

@@ -13,7 +13,9 @@ Lifecycle of a backend, as the pipeline drives it:
    reads without a device sync).
 2. ``memory_allocated(device)`` is read once per device: the baseline rollback returns to
    (0 for host memory, which no graph allocates).
-3. ``new_stream(device)`` and ``new_pool(device)``, once per stream and once per device,
+3. ``new_stream(device)`` and ``new_pool(device)``, once per stream and once per device
+   (the CUDA backend lends streams the process keeps, ``graphflow.engine.streams``;
+   ``release_stream`` gives each back when the run is over),
    and ``new_event(device)`` as many times per device as the largest schedule needs
    (``graphflow.engine.schedule``), in the allocate phase.
 4. ``on_stream(stream)`` wraps every eager run (warmup, prewarm, verify's eager step) on
@@ -61,6 +63,8 @@ from typing import ClassVar
 
 import torch
 
+from graphflow.engine.streams import cuda_streams
+
 __all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "WorkspaceClearedWarning", "make_backend",
            "workspace_watch"]
 
@@ -104,6 +108,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def new_stream(self, device: torch.device) -> object: ...
+
+    def release_stream(self, stream: object) -> None:
+        """Give back a stream ``new_stream`` returned, once the run that took it is over
+        (rolled back or closed): nothing of the run will use it again."""
 
     @abc.abstractmethod
     def new_pool(self, device: torch.device) -> object: ...
@@ -374,6 +382,12 @@ class _Pieces:
         self.graphs[-1].capture_begin(*pool, **options)
         self._capturing = True
 
+    @property
+    def open(self) -> bool:
+        """Whether the last piece's capture began and never ended (an invalidated capture
+        whose end failed)."""
+        return self._capturing
+
     def capture_end(self) -> None:
         # After a cut that failed between two pieces nothing is capturing: the failure,
         # not a second capture_end, is what the caller must see.
@@ -501,7 +515,11 @@ class CudaBackend(Backend):
     def new_stream(self, device: torch.device) -> object:
         if device.type == "cpu":
             return _CpuStream(device)
-        return torch.cuda.Stream(device=device)
+        return cuda_streams.take(device)  # one the process used before, where one is free
+
+    def release_stream(self, stream: object) -> None:
+        if not isinstance(stream, _CpuStream):
+            cuda_streams.give(stream)
 
     def new_pool(self, device: torch.device) -> object:
         if device.type == "cpu":
@@ -589,7 +607,7 @@ class CudaBackend(Backend):
                     graph.capture_end()
             if torch.cuda.current_stream(stream.device) != before:
                 torch.cuda.set_stream(before)
-            recover_from_failed_capture(stream.device, pool)
+            recover_from_failed_capture(stream.device, pool, unended=graph.open)
             graph.reset()
             raise
         device = stream.device
@@ -746,7 +764,7 @@ def short_of_room(free: int, taken: int | None) -> bool:
 
 
 def recover_from_failed_capture(device: torch.device | None, pool: object | None, graph: object | None = None,
-                                stream: object | None = None) -> None:
+                                stream: object | None = None, *, unended: bool = False) -> None:
     """Put the allocator and the device's random generator back outside capture after a
     capture that failed to end.
 
@@ -765,7 +783,10 @@ def recover_from_failed_capture(device: torch.device | None, pool: object | None
     both allocators' pools and the generator's epilogue, and the graph can be reset like
     any other. Without them, or where that cannot be done, the device allocator's
     recording to ``pool`` is ended directly and an empty capture of a throwaway graph
-    sets the generator right. ``device`` None: the current one. Without CUDA there is
+    sets the generator right; ``unended`` (a capture into ``pool`` began and never
+    ended) also gives back the pool's use that capture took: torch's ``reset`` gives it
+    back only for a capture that ended, so the pool's blocks were never freed (2 MiB of
+    reserved memory lost at every invalidated capture, on the H200). ``device`` None: the current one. Without CUDA there is
     nothing to put back.
 
     The vLLM plugin's rollback passes the graph and stream (vLLM captures every size into
@@ -781,9 +802,11 @@ def recover_from_failed_capture(device: torch.device | None, pool: object | None
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if pool is not None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
         with contextlib.suppress(RuntimeError):  # ended already: the capture got that far
-            torch._C._cuda_endAllocateToPool(device.index if device.index is not None else
-                                             torch.cuda.current_device(), pool)
+            torch._C._cuda_endAllocateToPool(index, pool)
+        if unended:
+            torch._C._cuda_releasePool(index, pool)
     throwaway = torch.cuda.CUDAGraph()
     with torch.cuda.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be

@@ -1,11 +1,17 @@
 """What a run will need in memory, checked against what the device has, before it is taken.
 
-Two parts are known before anything is allocated: the static buffers (exactly: the plan
-says their shapes, ``Plan.static_memory``) and verify's working copies (the buffers the
-largest descriptor reads, keeps as state and writes, cloned once each). They are checked
-against each device's free memory right before the buffers are allocated, so a plan
-that cannot fit fails with the shortfall and the largest buffers named, not with the
-allocator's message in the middle of warmup (or, on a host, the process killed).
+Two parts are known from the plan alone: the static buffers (exactly: the plan says
+their shapes, ``Plan.static_memory``) and verify's working copies (the buffers the
+largest descriptor reads, keeps as state and writes, cloned once each). They are
+checked against each device's free memory twice, by one function (``check_memory``):
+
+- first (``check_plan_memory``), before the model is built: building a large model
+  takes minutes, and a plan that cannot fit must say so at once, with the shortfall and
+  the largest buffers named, not after the build;
+- again right before the buffers are allocated, once the model is built: its weights
+  have taken memory since, and a buffer it adopts may already exist (counted then as
+  taken, not as needed). Either way the run fails in allocate, not with the allocator's
+  message in the middle of warmup (or, on a host, the process killed).
 
 The third part, the capture pool, is known only by capturing: after the two largest
 descriptors of a mode, the pool's growth on the second (each smaller descriptor reuses
@@ -17,6 +23,8 @@ extrapolates the same way, from a separate profiling run).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -24,7 +32,13 @@ from graphflow.errors import CaptureError
 from graphflow.plan import DTYPE_BYTES, Plan, eval_dim
 from graphflow.render import format_bytes, heaviest
 
-__all__ = ["MemoryNeed", "check_fits", "memory_need", "pool_estimate"]
+if TYPE_CHECKING:
+    import torch
+
+    from graphflow.engine.context import Context
+
+__all__ = ["MemoryNeed", "check_fits", "check_memory", "check_plan_memory", "largest_size", "memory_need",
+           "pool_estimate"]
 
 @attrs.frozen
 class MemoryNeed:
@@ -65,8 +79,51 @@ def check_fits(need: MemoryNeed, free: int | None, where: str) -> None:
         f"the plan needs {format_bytes(need.total)} on {where} ({format_bytes(sum(need.buffers.values()))} of static "
         f"buffers{copies}) but {format_bytes(free)} is free: {format_bytes(need.total - free)} short. The largest "
         f"buffers: {heaviest(need.buffers)}",
-        hint="capture fewer or smaller sizes (--sizes), lower a capacity, run with --no-verify to skip the "
-             "copies, or use a device with more memory")
+        hint="capture smaller sizes (--sizes, RunOptions(sizes=...)): the buffers and verify's copies are allocated "
+             "at the largest one; shrink the largest buffers (a lower capacity, a smaller cache); or use a device "
+             "with more memory")
+
+
+def largest_size(ctx: Context) -> int:
+    """The size every buffer is allocated at: the largest descriptor the run captures."""
+    return max((d.size for d in ctx.descriptors), default=max(ctx.plan.max_size, 1))
+
+
+def check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: int,
+                 taken: Collection[str] = ()) -> None:
+    """The static buffers and verify's copies against the free memory of each device the
+    backend maps the plan's devices to (``devices``: plan name to device; two plan
+    devices on one backend device share its memory); buffers in ``taken`` exist already."""
+    copied = ()
+    if ctx.options.verify:  # graphflow.engine.verify: the start, the expected, and (some) kept state
+        needs = ctx.verify_plan
+        kept = needs.state if not ctx.backend.captures_graphs else tuple(n for n in needs.state
+                                                                         if n not in needs.written)
+        copied = (*needs.start, *needs.written, *kept)
+    by_device: dict[torch.device, MemoryNeed] = {}
+    for name, need in memory_need(ctx.plan, largest, copied).items():
+        device = devices.get(name)
+        if device is None:
+            continue
+        need = attrs.evolve(need, buffers={b: n for b, n in need.buffers.items() if b not in taken})
+        known = by_device.get(device)
+        by_device[device] = need if known is None else MemoryNeed(
+            str(device), {**known.buffers, **need.buffers}, known.verify + need.verify)
+    for device, need in by_device.items():
+        check_fits(need, ctx.backend.free_memory(device), "the host" if device.type == "cpu" else str(device))
+
+
+def check_plan_memory(ctx: Context, *, model_given: bool) -> None:
+    """``check_memory`` from the plan alone, before anything is built: a plan too large
+    for the device is refused in a second, not after minutes of building the model.
+
+    A model the caller built may hold the buffers it adopts already, in memory no longer
+    free: those are left to the check that runs once the model is bound.
+    """
+    names = dict.fromkeys(b.device for b in ctx.plan.buffers)
+    devices = {name: ctx.backend.device(name) for name in names}
+    adopted = {b.name for b in ctx.plan.buffers if b.adopt is not None} if model_given else ()
+    check_memory(ctx, devices, largest_size(ctx), adopted)
 
 
 def pool_estimate(pool_after: int, growth: int, left: int) -> int:

@@ -75,7 +75,8 @@ class RunOptions:
     off; ``True``/``False`` mean first/off), except the ``disabled_checks``. ``sizes``: capture
     only these of the plan's descriptor sizes. ``seed``: verify's random inputs, so a
     mismatch can be rerun. ``skip_rules``: validation rule codes not to apply (a plan
-    that reproduces a hazard on purpose, as a test of the runtime checks behind it).
+    that reproduces a hazard on purpose, as a test of the runtime checks behind it);
+    GF601 and GF604 are still refused in allocate, where nothing could capture them.
     ``lazy``: commit after the first descriptor's warmup and capture the rest in the
     background while the engine serves (``graphflow.engine.background``). ``compile``:
     apply the plan's ``torch.compile`` settings (False runs every segment uncompiled, to

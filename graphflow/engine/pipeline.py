@@ -7,15 +7,18 @@ rollback stack the moment it succeeds. The steps:
 
 1. **validate**: every rule of ``graphflow.rules``; a plan with errors is refused
    (``InvalidPlanError``) before anything is built.
-2. **allocate** (``graphflow.engine.allocate``): map the plan's devices (the CPU backend
-   maps ``cuda:N`` to ``cpu``) and read each one's memory baseline; build the model
+2. **allocate** (``graphflow.engine.allocate``): first, from the plan alone, check that
+   the static buffers and verify's copies fit in the free memory of each device as the
+   backend maps it (``graphflow.engine.memory``), so a plan too large is refused before
+   the model is built; map the plan's devices (the CPU backend maps ``cuda:N`` to
+   ``cpu``) and read each one's memory baseline; build the model
    (``factory(**model_args, **{k: v for k in (device, channels, rank, world_size, plan)
    if the factory accepts k})``) unless one is given, and bind it to the channels
    (``channels.bind(model)``) so a channel's prewarm hook resolves on it; adopt the
    model's tensors that buffers name, bind every segment's call; create the streams, one
    capture pool per device, the stream schedules of the eager step and of every region
-   with their events; check that the static buffers and verify's copies fit in free
-   memory (``graphflow.engine.memory``), then allocate every buffer once, at its largest
+   with their events; check the memory again, now that the model's weights are taken and
+   the tensors it adopts are known, then allocate every buffer once, at its largest
    size; set up the detectors.
 3. **per descriptor**, PIECEWISE then FULL, largest first, one descriptor at a time, so
    only its snapshots exist and a broken step fails on the first descriptor:
@@ -80,12 +83,13 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from graphflow.engine.allocate import allocate
+from graphflow.engine.allocate import Allocation, allocate
 from graphflow.engine.background import BackgroundCapture
 from graphflow.engine.backend import Backend, make_backend
 from graphflow.engine.capture import capture, open_capture
 from graphflow.engine.context import Context
 from graphflow.engine.engine import Engine, commit
+from graphflow.engine.memory import check_plan_memory
 from graphflow.engine.phase import PhaseResult, run_phase, summarize
 from graphflow.locus import Where
 from graphflow.engine.options import RunOptions, Watch
@@ -167,7 +171,7 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
     verified: list[VerifyResult] = []
     prewarmed = False
     with torch.no_grad():
-        alloc = run_phase(ctx, results, Phase.ALLOCATE, lambda: allocate(ctx, model, channels))
+        alloc = run_phase(ctx, results, Phase.ALLOCATE, lambda: _allocate(ctx, model, channels))
         if ctx.options.lazy:
             return _lazy(ctx, alloc, results)
         captured = None
@@ -206,6 +210,13 @@ def _run_phases(ctx: Context, model: object | None, channels: object | None) -> 
     jit_registry.detach(ctx.locus)
     ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=captured.pool_bytes)
     return engine
+
+
+def _allocate(ctx: Context, model: object | None, channels: object | None) -> Allocation:
+    """The allocate phase, memory first: a plan too large for the device is refused from
+    its own numbers in a second, not after the minutes a large model takes to build."""
+    check_plan_memory(ctx, model_given=model is not None)
+    return allocate(ctx, model, channels)
 
 
 def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:

@@ -3,7 +3,9 @@
 Warmup runs one descriptor's whole step eagerly, on the streams and schedule capture
 will use, so lazy initialization (cuBLAS's per-stream workspaces, allocator growth, a JIT
 kernel's first launch) happens outside capture; the detectors watch its graph segment
-calls. Its inputs are verify's random inputs, and when the run verifies it keeps what
+calls, and around its last step it checks that no plain Python value the model keeps
+changed (``graphflow.engine.host_state``: a graph could not see it). Its inputs are
+verify's random inputs, and when the run verifies it keeps what
 verify needs (``Warmed``): the buffers the step started from and the buffers it wrote.
 Verify then replays the graph from the same start and compares, so the eager reference
 is computed once, here, instead of a second time in verify.
@@ -16,10 +18,13 @@ device's capture stream, with no communication.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import attrs
 import torch
 
+from graphflow.detectors import Check
+from graphflow.engine import host_state
 from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
@@ -118,6 +123,8 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
     runner = watched(ctx, alloc, Phase.WARMUP, capturing=False, descriptor=descriptor)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
     keep = ctx.options.verify and ctx.verify_plan.reuses_warmup
+    host = ctx.watches(descriptor) and Check.HOST_STATE not in ctx.options.disabled_checks
+    state = functools.partial(host_state.snapshot, alloc.model, alloc.owned.holders)
     start: dict[str, torch.Tensor] = {}
     expected: dict[str, torch.Tensor] = {}
     with ctx.descriptor(descriptor, index) as block:
@@ -127,14 +134,18 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
         iters = ctx.plan.capture.warmup_iters
         # Consecutive descriptors take turns when there are two pairs (``Allocation.behind``).
         pair = alloc.snapshots[index % len(alloc.snapshots)] if keep else None
+        before = None
         for i in range(iters):
             if keep and i == iters - 1:
                 start = pair[0].take(views, descriptor.size)
+            before = state() if host and i == iters - 1 else None
             # The first step also checks that every segment writes what it declares.
             first = index == 1 and i == 0
             run_eager(ctx.backend, schedule, step, checking(ctx, alloc, descriptor.size, runner) if first else runner)
         alloc.synchronize(ctx)
         check_findings(alloc)
+        if before is not None:
+            host_state.check_unchanged(before, state())
         if keep:
             expected = pair[1].take(views, descriptor.size)
     return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected)
