@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import graphflow
-from graphflow.decorators import plan_from_module
+from graphflow.plan.decorators import plan_from_module
 from tests.tiny_decorated import build_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from graphflow.events import Phase  # noqa: E402
 from graphflow.integrations.dsv4.kernels import jit_kernel  # noqa: E402
-from graphflow.jit import JitRegistry  # noqa: E402
-from graphflow.locus import Locus  # noqa: E402
+from graphflow.engine.jit import JitRegistry  # noqa: E402
+from graphflow.engine.locus import Locus  # noqa: E402
 
 BATCHES = (1, 8, 32, 128, 512)
 ROWS = (2048, 8192)

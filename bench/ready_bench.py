@@ -64,7 +64,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from graphflow.engine import CudaBackend, RunOptions, run_pipeline  # noqa: E402
-from graphflow.engine.binding import build_model  # noqa: E402
+from graphflow.engine.model.binding import build_model  # noqa: E402
 from graphflow.engine.warmup import fill_inputs  # noqa: E402
 from graphflow.events import Phase  # noqa: E402
 from graphflow.integrations.dsv4.plans import plan_variant  # noqa: E402

@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 bench/tp_decode.py --out DIR --smoke     # CPU, gloo, tiny model: checks the script
 
 For each GPU count in 1, 2, 4, 8 up to the GPUs present (and dividing the model's heads
-and experts), one ``graphflow.launch`` of that many NCCL ranks captures both TP plans
+and experts), one ``graphflow.dist.launch`` of that many NCCL ranks captures both TP plans
 (``plans/dsv4_tp_piecewise.yaml``, ``plans/dsv4_tp_full.yaml``, resized with ``plan_variant``)
 through ``run_pipeline`` with verify on, and times, per batch size:
 
@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from graphflow.launch import NVLS_ENV, launch  # noqa: E402
+from graphflow.dist.launch import NVLS_ENV, launch  # noqa: E402
 
 PLANS = {"piecewise": ROOT / "plans/dsv4_tp_piecewise.yaml", "full": ROOT / "plans/dsv4_tp_full.yaml"}
 POSITION = 200  # sequence b decodes token POSITION + b % compress_every: compressed entries and a tail

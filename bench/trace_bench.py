@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from graphflow.barrier import StoreBarrier
-from graphflow.channels import ChannelRuntime, GroupBinding
+from graphflow.dist.barrier import StoreBarrier
+from graphflow.dist.channels import ChannelRuntime, GroupBinding
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import CaptureSettings, Channel, ChannelKind, Plan
-from graphflow.trace import TraceLog, Tracer
+from graphflow.dist.trace import TraceLog, Tracer
 
 
 def _per_call(fns: dict, n: int, repeat: int, sync) -> dict[str, float]:

@@ -113,8 +113,8 @@ def time_snippet(code: str, runs: int) -> list[float]:
 
 def time_in_process(plan: Path, runs: int) -> tuple[list[float], list[float], object, object]:
     """Load and validate separately, in this process, after one warm-up of each."""
-    from graphflow.loader import load_plan
-    from graphflow.rules import validate
+    from graphflow.plan.loader import load_plan
+    from graphflow.plan.rules import validate
 
     loaded = load_plan(plan)
     report = validate(loaded)

@@ -3,9 +3,9 @@
 Layers, from data to GPU:
 
 * ``graphflow.plan``: the capture plan as frozen attrs classes (no torch).
-* ``graphflow.loader``: YAML in and out, with ``for_each`` templating (no torch).
-* ``graphflow.decorators``: the same plan declared on the model's classes (no torch).
-* ``graphflow.rules``: the rule table run before any GPU work (no torch); its runner is
+* ``graphflow.plan.loader``: YAML in and out, with ``for_each`` templating (no torch).
+* ``graphflow.plan.decorators``: the same plan declared on the model's classes (no torch).
+* ``graphflow.plan.rules``: the rule table run before any GPU work (no torch); its runner is
   ``graphflow.validate(plan)``.
 * ``graphflow.engine``: the phase pipeline with rollback, over a CUDA or CPU backend.
 * ``graphflow.runtime``: dispatch a batch to its captured descriptor and replay.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from graphflow.decorators import (
+from graphflow.plan.decorators import (
     buffer,
     channel,
     eager_break,
@@ -30,9 +30,9 @@ from graphflow.decorators import (
     stream,
 )
 from graphflow.errors import CaptureError, DivergenceError, GraphflowError, InvalidPlanError, PlanError
-from graphflow.loader import dump_plan, load_plan, loads_plan
+from graphflow.plan.loader import dump_plan, load_plan, loads_plan
 from graphflow.plan import Descriptor, Mode, Plan, Reference
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 
 __version__ = "0.1.0"
 
@@ -52,7 +52,7 @@ def __getattr__(name: str):
 
 
 #: What a user of YAML plans, decorators and the runtime needs; the plan's parts
-#: (``graphflow.plan``), the rule table (``graphflow.rules``) and the engine's phases
+#: (``graphflow.plan``), the rule table (``graphflow.plan.rules``) and the engine's phases
 #: (``graphflow.engine``) are imported from their modules.
 __all__ = [
     # plans: read, write, check

@@ -69,7 +69,7 @@ class FieldValueError(FieldError, ValueError):
 class InvalidPlanError(GraphflowError, ValueError):
     """A plan the validator rejects: refused before any model is built or GPU touched.
 
-    ``report`` is the ``graphflow.rules.Report`` with every diagnostic.
+    ``report`` is the ``graphflow.plan.rules.Report`` with every diagnostic.
     """
 
     def __init__(self, report):

@@ -55,7 +55,7 @@ class Event:
     ``elapsed_s`` is seconds since the phase began; ``pool_bytes`` is the capture pool's
     size when known. ``defer`` registers an undo on the pipeline's rollback stack: a
     listener that takes a resource at an event gives it back through it. ``locus`` is
-    the pipeline's place (``graphflow.locus.Locus``): a listener that needs to
+    the pipeline's place (``graphflow.engine.locus.Locus``): a listener that needs to
     know where the pipeline is between events (the channel runtime, inside a segment)
     reads ``locus.here`` instead of keeping a copy.
     """

@@ -32,14 +32,14 @@ class Session:
     """See the module docstring. ``trace`` is a directory for ``rank{N}.jsonl`` (or a
     ``.jsonl`` path); without it, ``GRAPHFLOW_TRACE`` decides. ``group_factory``,
     ``registry``, ``store``, ``families`` and ``namespace`` go to the channel runtime
-    (``graphflow.channels.ChannelRuntime``): the process groups, the id registry shared
+    (``graphflow.dist.channels.ChannelRuntime``): the process groups, the id registry shared
     by the families of one process, the c10d store of the barriers."""
 
     def __init__(self, plan: Plan, options: RunOptions = RunOptions(), *, rank: int = 0, world_size: int = 1,
                  listeners: Sequence[Listener] = (), trace: str | None = None,
                  group_factory: Callable | None = None, registry=None, store=None,
                  families: Iterable[str] | None = None, namespace: str | None = None):
-        from graphflow.trace import Tracer
+        from graphflow.dist.trace import Tracer
 
         self.plan = plan
         self.options = options
@@ -52,7 +52,7 @@ class Session:
         tracer = Tracer(trace, rank) if trace is not None else Tracer.from_env(rank)
         self.channels = None
         if plan.channels or world_size > 1 or tracer is not None:
-            from graphflow.channels import ChannelRuntime
+            from graphflow.dist.channels import ChannelRuntime
 
             self.channels = ChannelRuntime(plan, rank=rank, world_size=world_size, tracer=tracer or False,
                                            group_factory=group_factory, registry=registry, store=store,

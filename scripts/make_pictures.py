@@ -39,7 +39,7 @@ PICTURES = (
 REPORT_PICTURE = "capture-report.svg"
 #: The drawing code, besides the plans. (What the plan model, loader or schedule change in a
 #: picture, tests/test_docs_pictures.py finds by drawing each again and comparing its text.)
-CODE = ("graphflow/picture.py", "graphflow/report.py", "scripts/make_pictures.py")
+CODE = ("graphflow/view/picture.py", "graphflow/view/report.py", "scripts/make_pictures.py")
 
 
 def sources_hash() -> str:
@@ -53,8 +53,8 @@ def sources_hash() -> str:
 
 def refresh_report() -> None:
     from graphflow.engine import RunOptions, run_pipeline
-    from graphflow.loader import load_plan
-    from graphflow.report import CaptureReport, write_report
+    from graphflow.plan.loader import load_plan
+    from graphflow.view.report import CaptureReport, write_report
 
     plan = load_plan(ROOT / "plans" / "toy.yaml")
     report = CaptureReport(plan.name, "cpu")
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import json
 
-    from graphflow.loader import load_plan
-    from graphflow.picture import Expand, ImageFormat, draw, layout
-    from graphflow.report import draw_report
+    from graphflow.plan.loader import load_plan
+    from graphflow.view.picture import Expand, ImageFormat, draw, layout
+    from graphflow.view.report import draw_report
 
     OUT.mkdir(parents=True, exist_ok=True)
     if args.refresh_report or not REPORT.exists():

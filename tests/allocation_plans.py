@@ -13,7 +13,7 @@ import re
 import torch
 
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Plan, Segment, SegmentKind, Stream
-from graphflow.render import format_summary, summarize
+from graphflow.view.render import format_summary, summarize
 
 GRAPH = SegmentKind.GRAPH
 #: The cache plan's static bytes: x, kv, y at 8 rows x 16 float32, the cache at 64 x 8 x 16.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import string
 
-from graphflow.loader import loads_plan
+from graphflow.plan.loader import loads_plan
 from graphflow.plan import Plan, Segment, SegmentKind, Stream
 
 

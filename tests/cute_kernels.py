@@ -9,7 +9,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
 
-from graphflow.jit import CuteKernel
+from graphflow.engine.jit import CuteKernel
 
 __all__ = ["Bump", "_bump_on_default_stream", "_bump_on_stream"]
 

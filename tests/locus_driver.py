@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from graphflow.locus import Locus, Where
+from graphflow.engine.locus import Locus, Where
 from graphflow.events import Event, EventKind
 
 

@@ -11,7 +11,7 @@ of a FULL descriptor it leaves rank-local values where the reduced ones belong (
 ``torch.empty_like`` handed back). Ranks then route differently, so some call ``ep_ar``
 and some do not: the divergence graphflow must report instead of hanging.
 
-``run_workers`` starts ``world_size`` gloo processes with ``graphflow.launch`` (forked
+``run_workers`` starts ``world_size`` gloo processes with ``graphflow.dist.launch`` (forked
 from a server that imported torch once, which keeps the test fast), which run every
 scenario in turn and write one JSON result per (scenario, rank).
 """
@@ -27,15 +27,15 @@ from pathlib import Path
 import attrs
 import torch
 
-from graphflow.channels import ChannelRegistry
+from graphflow.dist.channels import ChannelRegistry
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
-from graphflow.launch import launch
+from graphflow.dist.launch import launch
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Segment, SegmentKind, Stream, WarmupPolicy)
 from graphflow.session import Session
-from graphflow.trace import CallPath
-from graphflow.rules import validate
+from graphflow.dist.trace import CallPath
+from graphflow.plan.rules import validate
 
 H = 4  # hidden size
 SIZES = tuple(range(1, 68))  # 67 batch sizes: 67 PIECEWISE descriptors, then FULL ones
@@ -206,7 +206,7 @@ class Layered(torch.nn.Module):
 
 def scenario_subgroups(rank: int, world: int, out: Path) -> dict:
     """``tp`` partitions ranks into [0, 1] and [2]: each partition sums its partials, then the world sums."""
-    from graphflow.channels import new_group_factory
+    from graphflow.dist.channels import new_group_factory
     from graphflow.engine import RunOptions
 
     plan = Plan(
@@ -298,7 +298,7 @@ SCENARIOS = {
 
 
 def _run_scenarios(ctx, out: str, names: tuple[str, ...]) -> None:
-    """One rank (``graphflow.launch``): every scenario in turn, one JSON result file each."""
+    """One rank (``graphflow.dist.launch``): every scenario in turn, one JSON result file each."""
     out = Path(out)
     torch.set_num_threads(1)
     for name in names:
@@ -310,7 +310,7 @@ def _run_scenarios(ctx, out: str, names: tuple[str, ...]) -> None:
 
 
 def run_workers(out: Path, world: int, names, timeout_s: float = 120.0) -> dict[str, list[dict]]:
-    """Run the scenarios in ``world`` gloo processes (``graphflow.launch``); results[name][rank].
+    """Run the scenarios in ``world`` gloo processes (``graphflow.dist.launch``); results[name][rank].
 
     A rank that never got to write a scenario's result reads as ``{"ok": False, "type": "missing"}``.
     """

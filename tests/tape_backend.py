@@ -6,7 +6,7 @@ every ATen op a region runs (its arguments and outputs, by object) and replays t
 each op again on the same tensors, its fresh results copied into the recorded outputs,
 so tensors made during capture keep their identity as graph memory keeps its address.
 It implements ``Backend.cut`` as the CUDA backend does (end one tape, start the next,
-the eager call between them), so the split protocol (graphflow.engine.split) can be
+the eager call between them), so the split protocol (graphflow.engine.model.split) can be
 exercised without a GPU. It proves nothing about CUDA itself: tests/cuda does that.
 """
 

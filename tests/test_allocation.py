@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.plan import Buffer, CaptureSettings, Plan, eval_dim
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 from strategies import valid_plans
 from tests.allocation_plans import CACHE_BYTES, Cache, Chain, cache_plan, chain_plan, shown_static_bytes
 

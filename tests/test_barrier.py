@@ -13,9 +13,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from graphflow.barrier import StoreBarrier
+from graphflow.dist.barrier import StoreBarrier
 from graphflow.errors import DivergenceError
-from graphflow.trace import TraceLog
+from graphflow.dist.trace import TraceLog
 from rank_threads import run_threads
 
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphflow import channels as channels_module
-from graphflow.channels import ChannelRegistry, ChannelRuntime, GroupBinding
+from graphflow.dist import channels as channels_module
+from graphflow.dist.channels import ChannelRegistry, ChannelRuntime, GroupBinding
 from graphflow.errors import CaptureError, DivergenceError
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Family, Mode, Plan,
                             Prewarm, Segment, SegmentKind, Stream, WarmupPolicy)
-from graphflow.trace import CallPath, Tracer, read_trace
+from graphflow.dist.trace import CallPath, Tracer, read_trace
 from locus_driver import LocusDriver
 
 P = Descriptor(Mode.PIECEWISE, 2)
@@ -483,7 +483,7 @@ class TestCollectivesOverGloo:
     """Three processes: what each collective kind of a handle delivers, on a real group."""
 
     def test_all_to_all_all_gather_and_all_reduce_deliver_every_ranks_data(self):
-        from graphflow.launch import launch
+        from graphflow.dist.launch import launch
 
         world = 3
         results = launch(_collectives_over_gloo, world, "gloo", timeout_s=120)

@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from graphflow.chrome_trace import chrome_trace
+from graphflow.dist.chrome_trace import chrome_trace
 from graphflow.cli import main
-from graphflow.trace import TraceLog, Tracer, diff_traces, read_trace
+from graphflow.dist.trace import TraceLog, Tracer, diff_traces, read_trace
 
 # The GPU machine lacks jsonschema: skip this CPU-only module there instead of failing collection.
 jsonschema = pytest.importorskip("jsonschema")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from graphflow.cli import main
-from graphflow.loader import load_plan
-from graphflow.rules import RULES, validate
+from graphflow.plan.loader import load_plan
+from graphflow.plan.rules import RULES, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -209,7 +209,7 @@ class TestValidateImports:
         assert proc.returncode == 0, proc.stderr
         modules = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
                    if line.startswith("import time:")}
-        assert "graphflow.rules" in modules  # the probe sees graphflow's own imports
+        assert "graphflow.plan.rules" in modules  # the probe sees graphflow's own imports
         heavy = sorted(m for m in modules if m.split(".")[0] in ("torch", "matplotlib"))
         assert heavy == []
 

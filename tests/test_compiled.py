@@ -22,15 +22,15 @@ from torch import nn
 
 import graphflow
 from graphflow.engine import RunOptions, run_pipeline
-from graphflow.engine.compiled import CompileFallbackWarning
+from graphflow.engine.model.compiled import CompileFallbackWarning
 from graphflow.errors import CaptureError, FieldError, FieldValueError, PlanError
 from graphflow.events import EventKind, Phase
-from graphflow.jit import JitRegistry
-from graphflow.loader import dump_plan, loads_plan
+from graphflow.engine.jit import JitRegistry
+from graphflow.plan.loader import dump_plan, loads_plan
 from graphflow.plan import (COMPILE_DEFAULTS, Buffer, BufferRole, CaptureSettings, Compile, Mode, Plan, Segment,
                             SegmentKind, Stream)
 from graphflow.runtime import Runner
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HIDDEN = 8
@@ -108,7 +108,7 @@ class TestPlanField:
 
     def test_the_schema_states_the_same(self):
         jsonschema = pytest.importorskip("jsonschema")
-        schema = json.loads((ROOT / "graphflow" / "schema" / "plan.schema.json").read_text())
+        schema = json.loads((ROOT / "graphflow" / "plan" / "schema" / "plan.schema.json").read_text())
         jsonschema.validate(yaml.safe_load(PLAN), schema)
         for bad in ({"mode": "fast"}, {"modes": "default"}, 3):
             document = yaml.safe_load(PLAN)
@@ -168,7 +168,7 @@ class TestDecorators:
                 self.b(y, z)
 
         built = graphflow.plan_from_module(Block())
-        assert graphflow.decorators.normalized(built) == graphflow.decorators.normalized(loads_plan(PLAN))
+        assert graphflow.plan.decorators.normalized(built) == graphflow.plan.decorators.normalized(loads_plan(PLAN))
 
     def test_a_bad_setting_names_the_method(self):
         class Bad(nn.Module):

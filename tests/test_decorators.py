@@ -23,11 +23,11 @@ from torch import nn
 import graphflow
 from graphflow.cli import main
 from graphflow.cli.source import add_plan_source_arguments, plan_source
-from graphflow.decorators import normalized, plan_from_module
+from graphflow.plan.decorators import normalized, plan_from_module
 from graphflow.errors import PlanError
-from graphflow.loader import dump_plan, load_plan, loads_plan
+from graphflow.plan.loader import dump_plan, load_plan, loads_plan
 from graphflow.plan import Buffer, BufferRole, Mode, SegmentKind
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 from tests.tiny_decorated import TINY_PLAN_YAML, DecoderLayer, TinyDecoder, build_model
 
 DEV = "cuda:0"
@@ -460,7 +460,7 @@ class TestJudgedLikeYaml:
         assert spare.origin.file == "tests/test_decorators.py" and line.startswith("spare = graphflow.buffer(")
 
     def test_the_same_plan_written_as_yaml_gets_the_same_diagnostics(self):
-        from graphflow.loader import dump_plan
+        from graphflow.plan.loader import dump_plan
 
         plan = plan_from_module(Root(self.Spare))
         as_yaml = loads_plan(dump_plan(plan))
@@ -772,7 +772,7 @@ class TestDsv4DeclaresItsPlans:
         assert plan.buffer("x").shape == ("B", 4, 32) and plan.buffer("expert_load").shape == (2, 8)
 
     def test_the_step_run_eagerly_equals_the_plan_segments_run_in_order(self):
-        from graphflow.engine.binding import resolve
+        from graphflow.engine.model.binding import resolve
         from graphflow.integrations.dsv4 import build_model as build_dsv4
 
         declared, _ = self._declared(*self.CASES[0])

@@ -15,7 +15,7 @@ import attrs
 import pytest
 import torch
 
-from graphflow.detectors import Check, Detectors, aside
+from graphflow.engine.detectors import Check, Detectors, aside
 from graphflow.events import Phase
 from tests.source_markers import marked
 
@@ -56,7 +56,7 @@ class TestCheck:
         assert isinstance(Check.default(), frozenset)
 
     def test_checks_must_be_check_members(self):
-        with pytest.raises(TypeError, match=r"checks must be graphflow.detectors.Check members \(got 'host_sync'\)"):
+        with pytest.raises(TypeError, match=r"checks must be graphflow.engine.detectors.Check members \(got 'host_sync'\)"):
             Detectors(checks=["host_sync"])
 
     def test_known_must_be_tensors(self):
@@ -529,7 +529,7 @@ class TestWatch:
         import sys
 
         code = ("import sys, torch\n"
-                "from graphflow.detectors import Detectors\n"
+                "from graphflow.engine.detectors import Detectors\n"
                 "from graphflow.events import Phase\n"
                 "buf = torch.ones(4)\n"
                 "det = Detectors(known=[buf])\n"

@@ -44,8 +44,8 @@ def test_docs_show_each_picture_and_it_is_small(name):
 
 @pytest.mark.parametrize("name,plan,options", SCRIPT.PICTURES)
 def test_each_dag_picture_says_what_the_code_draws_today(tmp_path, name, plan, options):
-    from graphflow.loader import load_plan
-    from graphflow.picture import Expand, ImageFormat, draw, layout
+    from graphflow.plan.loader import load_plan
+    from graphflow.view.picture import Expand, ImageFormat, draw, layout
 
     picture = layout(load_plan(ROOT / plan), expand=Expand.ALL if options.get("expand") else Expand.NONE)
     draw(picture, str(tmp_path / name), ImageFormat.SVG)

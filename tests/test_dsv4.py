@@ -22,10 +22,10 @@ from graphflow.integrations.dsv4.model import check_plan
 from graphflow.integrations.dsv4.moe import MoE, count_experts, uses_gather
 from graphflow.integrations.dsv4.plans import plan_variant
 from graphflow.integrations.dsv4.weights import WeightSource
-from graphflow.loader import load_plan
+from graphflow.plan.loader import load_plan
 from graphflow.plan import Mode
 from graphflow.runtime import Runner
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 
 PLANS = pathlib.Path(__file__).resolve().parents[1] / "plans"
 MINI = DSV4Config()

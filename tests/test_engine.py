@@ -599,7 +599,7 @@ class TestChannels:
 
     def test_the_trace_names_the_running_segment_where_the_plan_cannot(self, tmp_path):
         from graphflow.session import Session
-        from graphflow.trace import read_trace
+        from graphflow.dist.trace import read_trace
 
         plan = self._plan()
         assert len(plan.regions(P)) == 1  # a and b share one region and one channel
@@ -615,9 +615,9 @@ class TestChannels:
 
     def test_a_prepare_hook_declared_in_the_plan_resolves_on_the_built_model(self, monkeypatch):
         """Warmup calls the channel's prewarm hook (bound from the factory's model), never the wire."""
-        import graphflow.channels as channels_module
+        import graphflow.dist.channels as channels_module
         import plans.toy_model
-        from graphflow.channels import GroupBinding
+        from graphflow.dist.channels import GroupBinding
         from graphflow.session import Session
 
         wire = object()

@@ -14,9 +14,9 @@ import pickle
 import attrs
 import pytest
 
-from graphflow import fields
+from graphflow.plan import fields
 from graphflow.errors import FieldError, FieldTypeError, FieldValueError, PlanError
-from graphflow.loader import loads_plan
+from graphflow.plan.loader import loads_plan
 from graphflow.plan import (
     Buffer,
     BufferRole,

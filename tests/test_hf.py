@@ -20,7 +20,7 @@ from graphflow.engine import RunOptions  # noqa: E402
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.session import Session  # noqa: E402
 from graphflow.integrations.hf import greedy  # noqa: E402
-from graphflow.rules import validate  # noqa: E402
+from graphflow.plan.rules import validate  # noqa: E402
 from tests.hf_examples import EXAMPLES, MODELS, example, hf_greedy  # noqa: E402
 
 STEPS = 32
@@ -54,7 +54,7 @@ def test_each_example_validates_clean_with_little_user_code(name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_decode_plan_writes_the_examples_yaml_from_the_model(name):
-    from graphflow.decorators import normalized
+    from graphflow.plan.decorators import normalized
     from graphflow.integrations.hf import decode_plan
 
     module, plan = example(name)

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphflow.engine import RunOptions, run_pipeline
-from graphflow.engine.host_state import changes, snapshot
+from graphflow.engine.model.host_state import changes, snapshot
 from graphflow.errors import CaptureError
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 from plans.toy_model import build_toy, toy_plan

@@ -14,11 +14,11 @@ import pytest
 from locus_driver import LocusDriver
 import torch
 
-from graphflow.channels import ChannelRuntime
+from graphflow.dist.channels import ChannelRuntime
 from graphflow.engine import CpuBackend, RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import Event, EventKind, Phase
-from graphflow.jit import JitKernel, JitRegistry, PrewarmReport, Specialization
+from graphflow.engine.jit import JitKernel, JitRegistry, PrewarmReport, Specialization
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan, Prewarm, Segment,
                             SegmentKind, Stream, WarmupPolicy)
 

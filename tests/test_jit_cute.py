@@ -28,7 +28,7 @@ from cutlass.cutlass_dsl.cuda_jit_executor import CudaDialectJitCompiledFunction
 
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.integrations.dsv4.cute_rms import CuteRMSNorm, RMSNormConfig  # noqa: E402
-from graphflow.jit import JitRegistry  # noqa: E402
+from graphflow.engine.jit import JitRegistry  # noqa: E402
 from tests.cute_kernels import Bump, _bump_on_default_stream, _bump_on_stream  # noqa: E402
 
 ARCH = os.environ.get("CUTE_DSL_ARCH") or "sm_{}{}a".format(*torch.cuda.get_device_capability())
@@ -92,7 +92,7 @@ class TestPersistence:
     SCRIPT = textwrap.dedent("""
         import os, sys, torch
         os.environ["CUTE_DSL_ARCH"] = "sm_90a"
-        from graphflow.jit import JitRegistry
+        from graphflow.engine.jit import JitRegistry
         from graphflow.integrations.dsv4.cute_rms import CuteRMSNorm
         registry = JitRegistry(cache_dir=sys.argv[1])
         kernel = registry.register(CuteRMSNorm())
@@ -131,7 +131,7 @@ class TestTripwires:
             with pytest.raises(CaptureError) as info:
                 cute.compile(_bump_on_stream, a, cutlass.runtime.make_fake_stream())
             assert str(info.value).startswith("[phase=capture] CuTe DSL compile of _bump_on_stream inside the capture")
-            assert "register it with graphflow.jit" in info.value.hint
+            assert "register it with graphflow.engine.jit" in info.value.hint
             with pytest.raises(CaptureError, match="CuTe DSL module load of .*_bump_on_stream"):
                 compiled.to(None)
             capturing[0] = False

@@ -18,7 +18,7 @@ from triton import knobs  # noqa: E402
 from triton.compiler.compiler import CompiledKernel  # noqa: E402
 
 from graphflow.errors import CaptureError  # noqa: E402
-from graphflow.jit import JitRegistry  # noqa: E402
+from graphflow.engine.jit import JitRegistry  # noqa: E402
 
 
 def miss(hook, device=0):

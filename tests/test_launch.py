@@ -1,9 +1,9 @@
-"""``graphflow.launch``: N gloo ranks started by torch.distributed's elastic launcher.
+"""``graphflow.dist.launch``: N gloo ranks started by torch.distributed's elastic launcher.
 
 What the front end adds to elastic, each against real processes: a result per rank when
 one fails, the deadline, the caller's environment reaching ranks that come from a
 forkserver started earlier, the caller's signal handlers given back, and the rank setup
-(``graphflow.distributed.joined``) taking a process group that already exists as it is.
+(``graphflow.dist.distributed.joined``) taking a process group that already exists as it is.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from graphflow.launch import launch
+from graphflow.dist.launch import launch
 
 
 def _sleep_on_rank_1(ctx):
@@ -46,7 +46,7 @@ def _announce_and_sleep(ctx, folder: str):
 _LAUNCHER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from graphflow.launch import launch
+from graphflow.dist.launch import launch
 from tests.test_launch import _announce_and_sleep
 if __name__ == "__main__":
     start = time.monotonic()
@@ -61,7 +61,7 @@ def _join_again(ctx):
     """A rank's code that runs graphflow's rank setup inside a job whose group exists."""
     import torch.distributed as dist
 
-    from graphflow.distributed import joined
+    from graphflow.dist.distributed import joined
 
     group = dist.group.WORLD
     with joined() as again:

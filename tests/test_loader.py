@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from graphflow.errors import PlanError
-from graphflow.loader import dump_plan, load_plan, loads_plan, plan_to_dict
+from graphflow.plan.loader import dump_plan, load_plan, loads_plan, plan_to_dict
 from graphflow.plan import (
     DTYPE_BYTES,
     Buffer,
@@ -39,7 +39,7 @@ jsonschema = pytest.importorskip("jsonschema")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MALFORMED = sorted((ROOT / "tests" / "malformed").glob("*.yaml"))
 PLANS = sorted((ROOT / "plans").glob("*.yaml"))
-SCHEMA = json.loads((ROOT / "graphflow" / "schema" / "plan.schema.json").read_text())
+SCHEMA = json.loads((ROOT / "graphflow" / "plan" / "schema" / "plan.schema.json").read_text())
 
 #: The BRIEF's example plan, shared with the CLI tests.
 BRIEF_EXAMPLE = (ROOT / "tests" / "data" / "brief_example.yaml").read_text()
@@ -226,7 +226,7 @@ class TestFields:
         assert "graphflow_no_such_package" not in sys.modules
 
     def test_loader_imports_no_torch(self):
-        code = f"import sys, graphflow.loader as l; l.loads_plan({BRIEF_EXAMPLE!r}); sys.exit('torch' in sys.modules)"
+        code = f"import sys, graphflow.plan.loader as l; l.loads_plan({BRIEF_EXAMPLE!r}); sys.exit('torch' in sys.modules)"
         result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
                                 capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
@@ -599,13 +599,13 @@ class TestSchema:
         jsonschema.Draft202012Validator.check_schema(SCHEMA)
 
     def test_the_committed_file_is_generated_from_the_plan_classes(self):
-        from graphflow.schema import schema_json
+        from graphflow.plan.schema import schema_json
 
-        committed = (ROOT / "graphflow" / "schema" / "plan.schema.json").read_text()
-        assert committed == schema_json(), "regenerate: python -m graphflow.schema > graphflow/schema/plan.schema.json"
+        committed = (ROOT / "graphflow" / "plan" / "schema" / "plan.schema.json").read_text()
+        assert committed == schema_json(), "regenerate: python -m graphflow.plan.schema > graphflow/schema/plan.schema.json"
 
     def test_python_m_graphflow_schema_prints_it(self):
-        result = subprocess.run([sys.executable, "-m", "graphflow.schema"], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
+        result = subprocess.run([sys.executable, "-m", "graphflow.plan.schema"], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
                                 capture_output=True, text=True, check=True)
         assert json.loads(result.stdout) == SCHEMA
 
@@ -615,7 +615,7 @@ class TestSchema:
         assert load_plan(path).name
 
     def test_keys_match_the_loader(self):
-        from graphflow import loader
+        from graphflow.plan import loader
 
         defs = SCHEMA["$defs"]
         assert tuple(SCHEMA["properties"]) == loader._TOP_KEYS

@@ -17,7 +17,7 @@ from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.backend import BACKENDS, BackendKind, CpuBackend
 from graphflow.errors import CaptureError
 from graphflow.integrations import dsv4
-from graphflow.loader import load_plan
+from graphflow.plan.loader import load_plan
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 
 PLAN = "plans/dsv4_61l_decode.yaml"

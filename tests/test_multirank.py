@@ -13,11 +13,11 @@ import re
 
 import pytest
 
-from graphflow.chrome_trace import chrome_trace
+from graphflow.dist.chrome_trace import chrome_trace
 from graphflow.cli import main
-from graphflow.trace import comparable, describe, diff_traces, read_trace
+from graphflow.dist.trace import comparable, describe, diff_traces, read_trace
 from graphflow.plan import WarmupPolicy
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 from multirank_model import (BARRIER_TIMEOUT_S, SCENARIOS, SIZES, STALL_TIMEOUT_S, STALLED_RANK, family_plan,
                              run_workers, step_plan)
 

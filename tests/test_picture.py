@@ -1,4 +1,4 @@
-"""The plan's picture (``graphflow.picture``): what is drawn, checked on the layout, then on the files."""
+"""The plan's picture (``graphflow.view.picture``): what is drawn, checked on the layout, then on the files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from big_plans import chain_plan, layered_plan
 from graphflow.engine.schedule import build_schedule, dependencies
-from graphflow.loader import load_plan
-from graphflow.picture import MAX_PIXELS, SCREEN_PIXELS, Expand, ImageFormat, draw, layout, parse_layers
+from graphflow.plan.loader import load_plan
+from graphflow.view.picture import MAX_PIXELS, SCREEN_PIXELS, Expand, ImageFormat, draw, layout, parse_layers
 from graphflow.plan import Channel, ChannelKind, Mode, Origin, Plan, Segment, SegmentKind, Stream
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -303,7 +303,7 @@ class TestParseLayers:
 
 
 def test_the_layout_imports_neither_torch_nor_matplotlib():
-    code = ("import sys; from graphflow.loader import load_plan; from graphflow.picture import layout; "
+    code = ("import sys; from graphflow.plan.loader import load_plan; from graphflow.view.picture import layout; "
             "layout(load_plan('plans/dsv4_mini_piecewise.yaml')); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'matplotlib'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphflow.errors import FieldError
-from graphflow.loader import dump_plan, loads_plan
+from graphflow.plan.loader import dump_plan, loads_plan
 from graphflow.plan import Mode, Plan
-from graphflow.rules import RETIRED, RULES, Severity, validate
+from graphflow.plan.rules import RETIRED, RULES, Severity, validate
 from strategies import FIELD_MUTATIONS, MUTATIONS, VALIDATE_ARGS, valid_plans
 
 

@@ -32,7 +32,7 @@ def test_no_attribute_of_a_package_hides_its_submodule():
 
 
 def test_the_rule_table_is_reached_through_its_module():
-    import graphflow.rules as rules
+    import graphflow.plan.rules as rules
 
     assert rules.RULES and graphflow.validate is rules.validate
 

@@ -20,7 +20,7 @@ from graphflow.engine import RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 from graphflow.runtime import Runner
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 
 G, E = SegmentKind.GRAPH, SegmentKind.EAGER
 CPU = RunOptions(backend="cpu")
@@ -337,7 +337,7 @@ class TestBreaks:
                 "path such as model.layers.*.self_attn") in info.value.message
 
     def test_show_says_where_a_segment_is_cut(self):
-        from graphflow.render import format_summary, summarize
+        from graphflow.view.render import format_summary, summarize
 
         text = format_summary(summarize(self.broken_plan("act")))
         assert "  step breaks at act: one more graph per call, the call eager between" in text

@@ -1,4 +1,4 @@
-"""The pure views of a plan in ``graphflow.render``: summary and DOT (the picture: test_picture.py)."""
+"""The pure views of a plan in ``graphflow.view.render``: summary and DOT (the picture: test_picture.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from graphflow.plan import (
     Stream,
     WarmupPolicy,
 )
-from graphflow.loader import load_plan
-from graphflow.render import (
+from graphflow.plan.loader import load_plan
+from graphflow.view.render import (
     compact_sizes,
     format_bytes,
     format_summary,

@@ -1,4 +1,4 @@
-"""The capture report (``graphflow.report``): collected from the pipeline's events, written as JSON or drawn."""
+"""The capture report (``graphflow.view.report``): collected from the pipeline's events, written as JSON or drawn."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.events import Event, EventKind, Phase
-from graphflow.loader import load_plan
+from graphflow.plan.loader import load_plan
 from graphflow.plan import Descriptor, Mode
-from graphflow.report import CaptureReport, report_format, write_report
+from graphflow.view.report import CaptureReport, report_format, write_report
 
 TOY = "plans/toy.yaml"
 P8, P2, F8 = Descriptor(Mode.PIECEWISE, 8), Descriptor(Mode.PIECEWISE, 2), Descriptor(Mode.FULL, 8)

@@ -1,4 +1,4 @@
-"""Outputs kept where the graph returns them (``graphflow.engine.returned``): which
+"""Outputs kept where the graph returns them (``graphflow.engine.model.returned``): which
 buffers qualify, what a capture keeps, and how the runner and verify find them.
 
 Only the bookkeeping runs here: the CPU backend records no graph, so it keeps nothing
@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.execute import SegmentCall
-from graphflow.engine.returned import Placed, placeable, unowned
+from graphflow.engine.model.returned import Placed, placeable, unowned
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Descriptor, Mode, Plan, Segment, SegmentKind, Stream
 from graphflow.runtime import Runner
 from tests.strategies import valid_plans

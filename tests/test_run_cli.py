@@ -13,8 +13,8 @@ import torch
 from graphflow.cli import main
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import Descriptor, Mode
-from graphflow.progress import ProgressDisplay
-from graphflow.render import format_bytes
+from graphflow.view.progress import ProgressDisplay
+from graphflow.view.render import format_bytes
 
 TOY = "plans/toy.yaml"
 
@@ -318,7 +318,7 @@ def channel_plan(tmp_path, monkeypatch):
 
 class TestTrace:
     def test_trace_dir_gets_rank0_and_two_runs_trace_the_same_events(self, capsys, tmp_path):
-        from graphflow.trace import read_trace
+        from graphflow.dist.trace import read_trace
 
         for name in ("a", "b"):
             status, out, _ = run(capsys, TOY, "--trace", str(tmp_path / name), "--json", "--steps", "0",
@@ -340,7 +340,7 @@ class TestTrace:
         assert f"trace {tmp_path / 'rank0.jsonl'}" in out.splitlines()
 
     def test_a_channel_plan_traces_each_collective_with_its_segment(self, capsys, tmp_path, channel_plan):
-        from graphflow.trace import read_trace
+        from graphflow.dist.trace import read_trace
 
         path, built = channel_plan
         status, out, err = run(capsys, str(path), "--trace", str(tmp_path / "t"), "--quiet", "--steps", "0")

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from graphflow.cli import main
-from graphflow.distributed import NVLS_ENV, in_job, joined
+from graphflow.dist.distributed import NVLS_ENV, in_job, joined
 from test_tp import FAULTY_RANK, SIZES, TINY
 from torchrun_models import FAILURE_TIMEOUT_S, HANG_TIMEOUT_S, write_plans
 

@@ -56,7 +56,7 @@ class _Group:
 def test_a_closed_runtime_holds_no_process_group():
     import weakref
 
-    from graphflow.channels import ChannelRuntime, GroupBinding
+    from graphflow.dist.channels import ChannelRuntime, GroupBinding
     from graphflow.plan import WarmupPolicy
     from multirank_model import family_plan, step_plan
 
@@ -131,7 +131,7 @@ def _rank(case: str, out: pathlib.Path) -> int:
     import torch
     import torch.distributed as dist
 
-    from graphflow.distributed import joined
+    from graphflow.dist.distributed import joined
     from graphflow.engine import RunOptions
     from graphflow.errors import DivergenceError
     from graphflow.plan import WarmupPolicy

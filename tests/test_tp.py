@@ -1,4 +1,4 @@
-"""The tensor-parallel dsv4 model on 2 and 3 CPU processes over gloo (graphflow.launch).
+"""The tensor-parallel dsv4 model on 2 and 3 CPU processes over gloo (graphflow.dist.launch).
 
 One launch per world size runs every scenario in turn, so torch is imported and the
 process group set up once; each test reads its scenario's per-rank results. The
@@ -18,7 +18,7 @@ import attrs
 import pytest
 import torch
 
-from graphflow.channels import ChannelRuntime
+from graphflow.dist.channels import ChannelRuntime
 from graphflow.cli import main
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
@@ -26,11 +26,11 @@ from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.model import DSV4Model, decode_step
 from graphflow.integrations.dsv4.plans import plan_variant
 from graphflow.integrations.dsv4.tp import TPDecoderLayer, TPModel, build_tp_model
-from graphflow.launch import NVLS_ENV, launch
+from graphflow.dist.launch import NVLS_ENV, launch
 from graphflow.plan import Channel, ChannelKind, WarmupPolicy
 from graphflow.session import Session
-from graphflow.trace import CallPath, Tracer, diff_traces, read_trace
-from graphflow.rules import validate
+from graphflow.dist.trace import CallPath, Tracer, diff_traces, read_trace
+from graphflow.plan.rules import validate
 
 #: Objects the interpreter holds frozen before graphflow runs: torch 2.11's import leaves
 #: 375 frozen on the GPU machine (Python 3.12), none here. A pipeline, failed or not,
@@ -417,7 +417,7 @@ class TestSeedFailure:
 
 class TestLaunchCommand:
     def test_captures_a_tp_plan_on_two_ranks_with_agreeing_traces(self, tmp_path, capsys):
-        from graphflow.loader import dump_plan
+        from graphflow.plan.loader import dump_plan
 
         path = tmp_path / "tp.yaml"
         path.write_text(dump_plan(plan_for("full", 2)))
@@ -434,7 +434,7 @@ class TestLaunchCommand:
         import subprocess
         import sys
 
-        from graphflow.loader import dump_plan
+        from graphflow.plan.loader import dump_plan
 
         path = tmp_path / "tp.yaml"
         path.write_text(dump_plan(plan_for("full", 2)))
@@ -449,7 +449,7 @@ class TestLaunchCommand:
         assert done.stdout.splitlines()[-1] == "dsv4-tp-full: captured on 2 rank(s) (gloo)"
 
     def test_json_reports_every_rank_and_quiet_only_the_result(self, tmp_path, capfd):
-        from graphflow.loader import dump_plan
+        from graphflow.plan.loader import dump_plan
 
         path = tmp_path / "tp.yaml"
         path.write_text(dump_plan(plan_for("full", 2)))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from graphflow.cli import main
-from graphflow.trace import (TRACE_ENV, TraceLog, TraceReadError, Tracer, comparable, describe, diff_traces,
+from graphflow.dist.trace import (TRACE_ENV, TraceLog, TraceReadError, Tracer, comparable, describe, diff_traces,
                              read_trace)
 
 

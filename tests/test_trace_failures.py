@@ -19,7 +19,7 @@ import pytest
 from graphflow.cli import main
 from graphflow.engine import RunOptions
 from graphflow.session import Session
-from graphflow.trace import (INCOMPLETE, TraceLog, Tracer, TraceWriteWarning, diff_traces, incomplete,
+from graphflow.dist.trace import (INCOMPLETE, TraceLog, Tracer, TraceWriteWarning, diff_traces, incomplete,
                              read_trace)
 from plans.toy_model import toy_plan
 

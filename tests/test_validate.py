@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from graphflow.loader import loads_plan
+from graphflow.plan.loader import loads_plan
 from graphflow.plan import (
     Buffer,
     BufferRole,
@@ -31,7 +31,7 @@ from graphflow.plan import (
     Stream,
     WarmupPolicy,
 )
-from graphflow.rules import RETIRED, RULES, Diagnostic, Report, Severity, rules_markdown, validate
+from graphflow.plan.rules import RETIRED, RULES, Diagnostic, Report, Severity, rules_markdown, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from graphflow.errors import PlanError
 from graphflow.integrations.vllm import VLLM_MODES, plan_from_vllm_config
 from graphflow.plan import CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 
 PLAN = Plan(
     "decode",

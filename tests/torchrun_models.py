@@ -18,9 +18,9 @@ import torch
 from graphflow.integrations.dsv4.config import DSV4Config
 from graphflow.integrations.dsv4.model import DSV4Model
 from graphflow.integrations.dsv4.tp import TPDecoderLayer, TPModel
-from graphflow.loader import dump_plan
+from graphflow.plan.loader import dump_plan
 from graphflow.plan import Channel, ChannelKind, WarmupPolicy
-from graphflow.trace import CallPath
+from graphflow.dist.trace import CallPath
 from test_tp import FAULTY_RANK, LegacyAllReduce, LegacyDispatchLayer, plan_for
 
 #: Long enough that a rank starved by the other jobs on a small machine still arrives;

@@ -1,6 +1,6 @@
 """``graphflow export --module pkg.mod:factory``: a decorated model's plan, written as YAML.
 
-The YAML is what ``graphflow.loader.dump_plan`` writes (expanded, no ``for_each``),
+The YAML is what ``graphflow.plan.loader.dump_plan`` writes (expanded, no ``for_each``),
 so loading it back gives a plan equal to the one the decorators declare. Given a
 plan file instead of ``--module``, it writes that plan expanded. Exit 2 when the
 plan cannot be built or read, with the error naming the module and method.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from graphflow.cli.source import add_plan_source_arguments, plan_source
 from graphflow.errors import PlanError
-from graphflow.loader import dump_plan
+from graphflow.plan.loader import dump_plan
 
 __all__ = ["register"]
 

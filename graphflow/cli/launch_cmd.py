@@ -1,6 +1,6 @@
 """``graphflow launch --nproc N PLAN``: capture a multi-rank plan, one process per rank.
 
-The ranks are started by torch.distributed's elastic launcher (``graphflow.launch``, the
+The ranks are started by torch.distributed's elastic launcher (``graphflow.dist.launch``, the
 API torchrun runs), each with NVLink multicast off and, on NCCL, ``cuda:{rank}`` and its
 own stream; each loads the plan, places it on its device and captures it in a
 ``graphflow.session.Session`` over the world group, the plan's factory getting the
@@ -21,8 +21,8 @@ import sys
 from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.ranks import rank_line, rank_summary, world_line
 from graphflow.errors import InvalidPlanError
-from graphflow.loader import load_plan
-from graphflow.rules import validate
+from graphflow.plan.loader import load_plan
+from graphflow.plan.rules import validate
 
 __all__ = ["register"]
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     report = validate(plan)
     if not report.ok:
         raise InvalidPlanError(report)
-    from graphflow.launch import launch
+    from graphflow.dist.launch import launch
 
     try:
         ranks = launch(capture_rank, args.nproc, args.backend,
@@ -86,7 +86,7 @@ def capture_rank(ctx, path: str, sizes, verify: bool, trace: str | None, progres
     rank, never a live bar (several bars on one terminal overwrite each other)."""
     from graphflow.engine import RunOptions
     from graphflow.errors import CaptureError
-    from graphflow.progress import ProgressDisplay
+    from graphflow.view.progress import ProgressDisplay
     from graphflow.session import Session
 
     plan = ctx.place(load_plan(path))

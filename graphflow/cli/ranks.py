@@ -5,7 +5,7 @@
 ``run_ranks``. Each rank:
 
 1. checks the plan's ``world_size`` against the job's (every rank says the same, exit 2);
-2. joins the job (``graphflow.distributed.joined``): NVLink multicast off,
+2. joins the job (``graphflow.dist.distributed.joined``): NVLink multicast off,
    ``cuda:{LOCAL_RANK}`` and its own stream on NCCL, the default process group over
    env://, whose store the phase barriers and the trace agreement use;
 3. captures the plan, placed on its device, in a ``Session`` and times it as ``run``
@@ -76,7 +76,7 @@ def run_ranks(args: argparse.Namespace, plan, source: str, options) -> int:
 
 def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
     from graphflow.cli import run_cmd
-    from graphflow.distributed import identity, joined
+    from graphflow.dist.distributed import identity, joined
 
     try:
         rank, world_size = identity()
@@ -118,7 +118,7 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
     printed), its error, and its summary for the job's report. ``report``: rank 0's
     capture report listener (``--report``), else None."""
     from graphflow.cli import run_cmd
-    from graphflow.progress import ProgressDisplay
+    from graphflow.view.progress import ProgressDisplay
     from graphflow.session import Session
 
     began = time.perf_counter()

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from graphflow.rules import RULES
+from graphflow.plan.rules import RULES
 
 __all__ = ["register"]
 

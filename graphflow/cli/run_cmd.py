@@ -33,7 +33,7 @@ import time
 
 from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.source import add_plan_source_arguments, plan_source, with_modes
-from graphflow.distributed import in_job
+from graphflow.dist.distributed import in_job
 from graphflow.errors import CaptureError, InvalidPlanError
 
 __all__ = ["register"]
@@ -76,7 +76,7 @@ def register(subparsers) -> None:
                              "(for 'graphflow trace diff'; GRAPHFLOW_TRACE=DIR does the same)")
     parser.add_argument("--report", metavar="FILE",
                         help="write per-descriptor warmup/capture/verify time and pool memory to FILE: "
-                             ".json for scripts, .png or .svg as bars (graphflow.report)")
+                             ".json for scripts, .png or .svg as bars (graphflow.view.report)")
     parser.set_defaults(func=run)
 
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_ranks(args, plan, source, options)
     # torch loads only now: reading and validating a plan stays fast.
-    from graphflow.progress import ProgressDisplay
+    from graphflow.view.progress import ProgressDisplay
     from graphflow.session import Session
 
     captures_graphs = check_backend(options)
@@ -170,7 +170,7 @@ def wait_lazy(engine, ready_s: float, *, say: bool) -> None:
 def report_listener(path: str, plan, options):
     """The capture report's listener; a FILE it cannot write is a bad argument (exit 2)."""
     from graphflow.engine import make_backend
-    from graphflow.report import CaptureReport, report_format
+    from graphflow.view.report import CaptureReport, report_format
 
     try:
         report_format(path)
@@ -182,7 +182,7 @@ def report_listener(path: str, plan, options):
 def write_report(report, path: str, *, failed: bool = False) -> None:
     """Write the report; a path that cannot be written is a bad argument (exit 2), said
     beside the capture's own error when the capture failed too."""
-    from graphflow.report import write_report
+    from graphflow.view.report import write_report
 
     if not report.started:
         return
@@ -329,7 +329,7 @@ def print_report(document: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from graphflow.render import format_bytes
+    from graphflow.view.render import format_bytes
 
     console = Console(highlight=False, soft_wrap=True)
 

@@ -4,8 +4,8 @@
 ``dot`` prints Graphviz DOT; ``png`` and ``svg`` draw the step with matplotlib into
 the file ``-o`` names; ``picture`` picks PNG for a picture a screen shows at full size
 and SVG for a larger one, into ``-o FILE`` (the suffix added) or ``<plan name>.png|svg``.
-The format defaults to the ``-o`` file's extension, else text. ``graphflow.render`` and
-``graphflow.picture`` are imported when the command runs: every ``graphflow`` command
+The format defaults to the ``-o`` file's extension, else text. ``graphflow.view.render`` and
+``graphflow.view.picture`` are imported when the command runs: every ``graphflow`` command
 builds this parser, and ``graphflow validate`` should not pay for them.
 """
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     layers = None
     if args.layers:
-        from graphflow.picture import parse_layers
+        from graphflow.view.picture import parse_layers
 
         try:
             layers = parse_layers(args.layers)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if fmt in _PICTURES:
         return _picture(args, plan, fmt, layers)
-    from graphflow.render import format_summary, summarize, to_dot, to_rich
+    from graphflow.view.render import format_summary, summarize, to_dot, to_rich
 
     if fmt == "text" and args.output is None and sys.stdout.isatty():
         from rich.console import Console
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _picture(args: argparse.Namespace, plan, fmt: str, layers) -> int:
-    from graphflow.picture import SCREEN_PIXELS, Expand, ImageFormat, draw, layout
+    from graphflow.view.picture import SCREEN_PIXELS, Expand, ImageFormat, draw, layout
     from graphflow.plan import Mode
 
     start = time.perf_counter()

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from graphflow.decorators import plan_from_module
+from graphflow.plan.decorators import plan_from_module
 from graphflow.errors import PlanError
 from graphflow.plan import Mode, Plan
 
@@ -51,11 +51,11 @@ def plan_source(args: argparse.Namespace) -> Plan:
     if (args.plan is None) == (module_ref is None):
         raise PlanError("give a plan file or --module PKG.MOD:FACTORY (exactly one)", element="arguments")
     if module_ref is None:
-        from graphflow.loader import load_plan
+        from graphflow.plan.loader import load_plan
 
         return load_plan(args.plan)
     model_args = _model_args(args.model_arg)
-    from graphflow.engine.binding import build_model
+    from graphflow.engine.model.binding import build_model
 
     skeleton = Plan(name=module_ref, model=module_ref, model_args=model_args)
     try:

@@ -8,7 +8,7 @@ was written. Exit status: 0 the traces agree, 1 they differ, 2 a trace could not
 read, or they agree as far as an incomplete trace goes and cannot be compared after.
 
 ``graphflow trace export --format chrome TRACE... [-o FILE]``: the traces as one Chrome
-trace (``graphflow.chrome_trace``) for Perfetto (https://ui.perfetto.dev, "Open trace
+trace (``graphflow.dist.chrome_trace``) for Perfetto (https://ui.perfetto.dev, "Open trace
 file") or chrome://tracing: one track per rank, phases and descriptors as spans,
 collectives as instants, the first divergence marked. Exit status: 0 written, 2 a trace
 could not be read or the file could not be written.
@@ -45,7 +45,7 @@ def register(subparsers) -> None:
 
 
 def _files(arguments: list[str]) -> list[Path]:
-    from graphflow.trace import TraceReadError
+    from graphflow.dist.trace import TraceReadError
 
     files: list[Path] = []
     for argument in arguments:
@@ -63,7 +63,7 @@ def _files(arguments: list[str]) -> list[Path]:
 def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[dict]]] | None:
     """The TRACE arguments' files and their events, or None having said why (exit 2)."""
     # Imported here: every ``graphflow`` command builds this parser.
-    from graphflow.trace import TraceReadError, read_trace
+    from graphflow.dist.trace import TraceReadError, read_trace
 
     try:
         files = _files(args.traces)
@@ -74,7 +74,7 @@ def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from graphflow.trace import comparable, describe, diff_traces, incomplete, written
+    from graphflow.dist.trace import comparable, describe, diff_traces, incomplete, written
 
     read = _read(args, "diff")
     if read is None:
@@ -124,7 +124,7 @@ def run_diff(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     import json
 
-    from graphflow.chrome_trace import chrome_trace
+    from graphflow.dist.chrome_trace import chrome_trace
 
     read = _read(args, "export")
     if read is None:

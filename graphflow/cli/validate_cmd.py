@@ -15,9 +15,9 @@ import re
 import sys
 
 from graphflow.errors import PlanError
-from graphflow.loader import load_plan
-from graphflow.render import plural
-from graphflow.rules import RULES, Report, unknown_codes, validate
+from graphflow.plan.loader import load_plan
+from graphflow.view.render import plural
+from graphflow.plan.rules import RULES, Report, unknown_codes, validate
 
 __all__ = ["register"]
 

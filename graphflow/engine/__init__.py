@@ -8,7 +8,7 @@ segments over their streams for all of them; ``backend`` captures and replays on
 region; ``rollback`` is the undo stack; ``schedule`` derives fork/join from the plan.
 
 The names below load on first use: ``schedule`` and ``rollback`` import no torch, so a
-picture of a plan (``graphflow.picture``) can use the engine's schedule without it.
+picture of a plan (``graphflow.view.picture``) can use the engine's schedule without it.
 """
 
 import importlib

@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 import attrs
 import torch
 
-from graphflow.engine.adopt import adopt, attach
-from graphflow.engine.binding import build_model, resolve
+from graphflow.engine.model.adopt import adopt, attach
+from graphflow.engine.model.binding import build_model, resolve
 from graphflow.engine.buffers import Copies, StaticBuffers
-from graphflow.engine.calls import prepare, reference
-from graphflow.engine.compiled import compile_segments
+from graphflow.engine.model.calls import prepare, reference
+from graphflow.engine.model.compiled import compile_segments
 from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
 from graphflow.engine.memory import check_memory, largest_size
@@ -28,7 +28,7 @@ from graphflow.engine.schedule import Schedule, build_schedule, dependencies
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.plan import BufferRole, CaptureRegion, Mode, Segment
-from graphflow.rules import RULES
+from graphflow.plan.rules import RULES
 
 __all__ = ["Allocation", "allocate", "step_items"]
 
@@ -90,7 +90,7 @@ class Allocation:
 
     @property
     def reference(self):
-        """The plan's reference step, bound like a segment (``graphflow.engine.calls``), or None."""
+        """The plan's reference step, bound like a segment (``graphflow.engine.model.calls``), or None."""
         return self.owned.reference
 
     def device_of(self, ctx: Context, segment: Segment) -> torch.device:
@@ -196,7 +196,7 @@ class _Owned:
     detectors: object = None
     reference: object = None
     #: The objects adopted tensors sit in, by path (a cache's layers): their plain values
-    #: are state too (``graphflow.engine.host_state``).
+    #: are state too (``graphflow.engine.model.host_state``).
     holders: dict = attrs.field(factory=dict)
     #: Where warmup copies the step's start and what it wrote for verify (pairs of ``Copies``), or None.
     snapshots: tuple[tuple[Copies, Copies], ...] | None = None
@@ -356,7 +356,7 @@ def _release_pool(backend, pools: dict, device: torch.device) -> None:
 
 
 def _detectors(ctx: Context, buffers: StaticBuffers, model: object):
-    from graphflow.detectors import Check, Detectors
+    from graphflow.engine.detectors import Check, Detectors
 
     known = list(buffers.tensors.values())
     if isinstance(model, torch.nn.Module):

@@ -38,7 +38,7 @@ Lifecycle of a backend, as the pipeline drives it:
    capturing. Inside ``recording``, ``cut(between)`` ends the
    graph being recorded and starts the next one: the call ``between()`` returns runs
    eagerly between them at replay (a submodule a segment ``breaks`` at,
-   ``graphflow.engine.split``); a backend that records no graph does not cut.
+   ``graphflow.engine.model.split``); a backend that records no graph does not cut.
 7. ``Graph.destroy()`` on rollback or close; then ``release_pool(pool)`` per device.
 8. ``synchronize(device)`` at phase boundaries (nothing to wait for on the host);
    ``is_capturing(stream)`` for checks.

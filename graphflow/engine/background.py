@@ -74,7 +74,7 @@ from graphflow.engine.verify import VerifyResult, verify
 from graphflow.engine.warmup import DescriptorTime, warmup
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
-from graphflow.locus import Locus
+from graphflow.engine.locus import Locus
 from graphflow.plan import BufferRole, Descriptor
 
 __all__ = ["BackgroundCapture"]
@@ -176,7 +176,7 @@ class BackgroundCapture:
             return self._pending[0]
 
     def _run(self) -> None:
-        from graphflow.jit import registry as jit_registry
+        from graphflow.engine.jit import registry as jit_registry
 
         # Listeners see the thread's work as a pipeline of its own: a progress display
         # draws it as it would a foreground run.

@@ -43,7 +43,7 @@ class StaticBuffers:
         self.alloc_values: dict[str, dict[str, int]] = {}
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         # descriptor -> its views, with the outputs its graphs return where they put them
-        # (``graphflow.engine.returned``): the runtime and verify read those outputs there.
+        # (``graphflow.engine.model.returned``): the runtime and verify read those outputs there.
         self._placed: dict[object, dict[str, torch.Tensor]] = {}
         # name -> how each dimension using the size symbol narrows (``_sized_dims``): views
         # are made per descriptor and snapshot, hundreds of buffers each time.

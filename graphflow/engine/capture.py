@@ -26,13 +26,13 @@ from graphflow.engine.backend import Call, Graph
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, run_scheduled
 from graphflow.engine.memory import pool_estimate
-from graphflow.engine.returned import Placed, placeable
+from graphflow.engine.model.returned import Placed, placeable
 from graphflow.engine.warmup import DescriptorTime, check_findings, watched
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
-from graphflow.jit import registry as jit_registry
+from graphflow.engine.jit import registry as jit_registry
 from graphflow.plan import CaptureRegion, Descriptor, Segment
-from graphflow.render import format_bytes
+from graphflow.view.render import format_bytes
 
 __all__ = ["Captured", "capture", "open_capture"]
 
@@ -55,7 +55,7 @@ class Captured:
     pool_estimate: dict[str, int] = attrs.field(factory=dict)
     _pool_by_mode: dict = attrs.field(factory=dict)  # mode -> pool sizes after its first captures
     _pool_read_at: float = 0.0
-    #: The outputs whose returned tensor capture keeps (``graphflow.engine.returned``).
+    #: The outputs whose returned tensor capture keeps (``graphflow.engine.model.returned``).
     placeable: frozenset[str] = frozenset()
     _undos: tuple = ()
     _ctx: Context | None = None
@@ -100,11 +100,11 @@ def open_capture(ctx: Context) -> Captured:
     gc.freeze()
     unfreeze = ctx.stack.push("unfreeze the garbage collector", gc.unfreeze)
     # A JIT compile or module load while a stream captures becomes a named CaptureError
-    # (graphflow.jit); the tripwires cost one check outside a capture and go at the end.
+    # (graphflow.engine.jit); the tripwires cost one check outside a capture and go at the end.
     tripwires = jit_registry.tripwires()
     tripwires.install()
     untrip = ctx.stack.push("remove the JIT tripwires", tripwires.remove)
-    # Outputs kept where the graphs return them: not in lazy capture (``graphflow.engine.returned``).
+    # Outputs kept where the graphs return them: not in lazy capture (``graphflow.engine.model.returned``).
     keep = ctx.backend.captures_graphs and not ctx.options.lazy
     captured = Captured(placeable=placeable(ctx.plan, ctx.segments) if keep else frozenset(),
                         undos=(untrip, unfreeze), ctx=ctx)

@@ -13,7 +13,7 @@ import time
 import attrs
 
 from graphflow.engine.backend import Backend
-from graphflow.locus import Locus
+from graphflow.engine.locus import Locus
 from graphflow.engine.options import RunOptions, Watch
 from graphflow.engine.rollback import UndoStack
 from graphflow.events import Event, EventKind, Listener

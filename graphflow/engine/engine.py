@@ -16,7 +16,7 @@ from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Backend, Call
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.capture import Captured
-from graphflow.engine.compiled import CompileReport, compile_report
+from graphflow.engine.model.compiled import CompileReport, compile_report
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind
 from graphflow.engine.phase import Outcome, PhaseResult
@@ -50,9 +50,9 @@ class PipelineReport:
     buffer_bytes: int
     remapped: tuple[tuple[str, str], ...]
     times: tuple[DescriptorTime, ...] = ()
-    prewarm: object | None = None  # the JIT registry's PrewarmReport (graphflow.jit), when it prewarmed
+    prewarm: object | None = None  # the JIT registry's PrewarmReport (graphflow.engine.jit), when it prewarmed
     pool_estimate: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.memory)
-    #: Per compiled segment, what torch.compile did (graphflow.engine.compiled), when the plan compiles any.
+    #: Per compiled segment, what torch.compile did (graphflow.engine.model.compiled), when the plan compiles any.
     compile: CompileReport | None = None
 
     def phase(self, phase: Phase) -> PhaseResult:

@@ -80,7 +80,7 @@ class SegmentCall:
     are filled from the return value; ``adopted`` are the model's slots for adopted
     buffers, pointed at the views of the size being bound before each call (the
     model's own code then works at that batch size); ``split`` cuts a PIECEWISE
-    capture at the segment's ``breaks`` (``graphflow.engine.split``).
+    capture at the segment's ``breaks`` (``graphflow.engine.model.split``).
     """
 
     name: str
@@ -101,7 +101,7 @@ class SegmentCall:
         """The call at the size of ``views``; with nothing but positional buffers, a bare partial.
 
         ``place``, in a capture, may keep a returned tensor where the capture put it
-        instead of copying it into its buffer (``graphflow.engine.returned``)."""
+        instead of copying it into its buffer (``graphflow.engine.model.returned``)."""
         fn, name = self.fn, self.name
         args = tuple(views[n] for n in self.positional)
         if not (self.keywords or self.fixed or self.returns or self.adopted or self.split):

@@ -30,7 +30,7 @@ import attrs
 
 from graphflow.errors import CaptureError
 from graphflow.plan import DTYPE_BYTES, Plan, eval_dim
-from graphflow.render import format_bytes, heaviest
+from graphflow.view.render import format_bytes, heaviest
 
 if TYPE_CHECKING:
     import torch

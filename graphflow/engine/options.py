@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from graphflow.detectors import Check
+from graphflow.engine.detectors import Check
 from graphflow.engine.backend import BackendKind
 
 __all__ = ["RunOptions", "Watch", "check_named"]
@@ -56,7 +56,7 @@ def _sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
 
 
 def _rule_codes(codes: Iterable[str]) -> frozenset[str]:
-    from graphflow.rules import RULES, unknown_codes
+    from graphflow.plan.rules import RULES, unknown_codes
 
     codes = frozenset(codes)
     unknown = codes - {rule.code for rule in RULES}
@@ -80,7 +80,7 @@ class RunOptions:
     ``lazy``: commit after the first descriptor's warmup and capture the rest in the
     background while the engine serves (``graphflow.engine.background``). ``compile``:
     apply the plan's ``torch.compile`` settings (False runs every segment uncompiled, to
-    compare with the compiled capture; ``graphflow.engine.compiled``).
+    compare with the compiled capture; ``graphflow.engine.model.compiled``).
     """
 
     backend: BackendKind = attrs.field(default=BackendKind.AUTO, converter=BackendKind)

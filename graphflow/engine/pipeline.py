@@ -5,7 +5,7 @@ run's fixed ``Context`` and the results of the phases before it, returning its o
 result; each step that takes a resource registers its undo on the context's one
 rollback stack the moment it succeeds. The steps:
 
-1. **validate**: every rule of ``graphflow.rules``; a plan with errors is refused
+1. **validate**: every rule of ``graphflow.plan.rules``; a plan with errors is refused
    (``InvalidPlanError``) before anything is built.
 2. **allocate** (``graphflow.engine.allocate``): first, from the plan alone, check that
    the static buffers and verify's copies fit in the free memory of each device as the
@@ -28,7 +28,7 @@ rollback stack the moment it succeeds. The steps:
       seeded random inputs, keeping the buffers the last run started from and the ones
       it wrote; the detectors watch graph segments on the first descriptor of each mode
       (``Watch.FIRST``, the default) or on all; the run's very first step checks that
-      every segment writes what it declares (``graphflow.engine.written``).
+      every segment writes what it declares (``graphflow.engine.model.written``).
    b. **prewarm**, after the first warmup only: each declared prewarm hook once per
       specialization, with no communication; then the garbage collector is frozen and
       the JIT tripwires go in for the captures to come.
@@ -52,7 +52,7 @@ prewarm, and a thread runs 3a, 3c and 3d for every descriptor while the engine s
 
 Every phase runs under ``torch.no_grad()`` (capture is for inference; autograd would
 record every op and refuse ``out=`` writes into buffers computed from weights) and
-inside its locus block (``graphflow.locus``), which every event and every error
+inside its locus block (``graphflow.engine.locus``), which every event and every error
 reads its place from. Events: PIPELINE_BEGIN/END around everything, PHASE_BEGIN/END
 around each phase, DESCRIPTOR_BEGIN/END (1-based ``index`` of ``total``) and
 REGION_BEGIN/END inside, SEGMENT_BEGIN/END around every segment call of warmup, capture
@@ -91,7 +91,7 @@ from graphflow.engine.context import Context
 from graphflow.engine.engine import Engine, commit
 from graphflow.engine.memory import check_plan_memory
 from graphflow.engine.phase import PhaseResult, run_phase, summarize
-from graphflow.locus import Where
+from graphflow.engine.locus import Where
 from graphflow.engine.options import RunOptions, Watch
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
@@ -99,9 +99,9 @@ from graphflow.engine.verify import VerifyResult, verify
 from graphflow.engine.warmup import DescriptorTime, Warmed, prewarm, warmup
 from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError
 from graphflow.events import Event, EventKind, Listener, Phase
-from graphflow.jit import registry as jit_registry
+from graphflow.engine.jit import registry as jit_registry
 from graphflow.plan import Descriptor, Plan
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 
 __all__ = ["run_pipeline"]
 

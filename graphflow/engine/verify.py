@@ -26,7 +26,7 @@ from graphflow.engine.allocate import Allocation, step_items
 from graphflow.engine.capture import Captured
 from graphflow.engine.context import Context
 from graphflow.engine.execute import call_segment, run_eager
-from graphflow.engine.reference import check_reference, explain
+from graphflow.engine.model.reference import check_reference, explain
 from graphflow.engine.warmup import DescriptorTime, Warmed, eager_step, fill_inputs
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
@@ -34,7 +34,7 @@ from graphflow.plan import BufferRole, Descriptor, Plan, Segment, WarmupPolicy
 
 __all__ = ["VerifyPlan", "VerifyResult", "verify"]
 
-#: What to do when replay differs from eager (``graphflow.engine.reference.explain`` says more).
+#: What to do when replay differs from eager (``graphflow.engine.model.reference.explain`` says more).
 HINT = ("replay differs from eager: look for state outside the plan's buffers, data-dependent control flow or an "
         "undeclared buffer in the region; declare the state or the buffer, or mark such work eager")
 
@@ -77,7 +77,7 @@ class VerifyPlan:
         # they are read in every step (GF201), so once read they may
         # hold anything, and comparing or copying them (most of a deep model's buffers)
         # would only cost time. A mismatch is then located by replaying segment by
-        # segment (``graphflow.engine.reference.explain``).
+        # segment (``graphflow.engine.model.reference.explain``).
         internal = {b.name for b in plan.buffers if b.role is BufferRole.INTERNAL}
         last_writer = {w: s.name for s in segments for w in s.writes if w not in internal}
         position = {s.name: i for i, s in enumerate(segments)}

@@ -4,7 +4,7 @@ Warmup runs one descriptor's whole step eagerly, on the streams and schedule cap
 will use, so lazy initialization (cuBLAS's per-stream workspaces, allocator growth, a JIT
 kernel's first launch) happens outside capture; the detectors watch its graph segment
 calls, and around its last step it checks that no plain Python value the model keeps
-changed (``graphflow.engine.host_state``: a graph could not see it). Its inputs are
+changed (``graphflow.engine.model.host_state``: a graph could not see it). Its inputs are
 verify's random inputs, and when the run verifies it keeps what
 verify needs (``Warmed``): the buffers the step started from and the buffers it wrote.
 Verify then replays the graph from the same start and compares, so the eager reference
@@ -23,13 +23,13 @@ import functools
 import attrs
 import torch
 
-from graphflow.detectors import Check
-from graphflow.engine import host_state
+from graphflow.engine.detectors import Check
+from graphflow.engine.model import host_state
 from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, call_segment, run_eager
-from graphflow.engine.written import checking
+from graphflow.engine.model.written import checking
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.plan import BufferRole, Descriptor, Plan, Segment
@@ -119,7 +119,7 @@ def check_findings(alloc: Allocation, *, cause: BaseException | None = None, fai
 
 def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) -> Warmed:
     """One descriptor: the step eagerly ``warmup_iters`` times on verify's inputs (the
-    run's very first step checked for unwritten outputs, ``graphflow.engine.written``)."""
+    run's very first step checked for unwritten outputs, ``graphflow.engine.model.written``)."""
     runner = watched(ctx, alloc, Phase.WARMUP, capturing=False, descriptor=descriptor)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
     keep = ctx.options.verify and ctx.verify_plan.reuses_warmup
@@ -179,12 +179,12 @@ def prewarm(ctx: Context, alloc: Allocation):
     capture stream; the registry's ``PrewarmReport``, or False (skipped) when there was
     nothing to prewarm.
 
-    JIT kernels (``graphflow.jit``): every specialization warmup launched, and those the
+    JIT kernels (``graphflow.engine.jit``): every specialization warmup launched, and those the
     segments' declared ``kernels`` give for the descriptor sizes, compiled and launched
     once per device. Hooks: once per descriptor size (largest first) when ``per_size``,
     else once, on each device in turn (a module loads per device).
     """
-    from graphflow.jit import registry
+    from graphflow.engine.jit import registry
 
     streams = capture_streams(ctx, alloc)
     sizes = sorted({d.size for d in ctx.descriptors}, reverse=True)

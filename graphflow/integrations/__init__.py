@@ -1,12 +1,7 @@
-"""Integrations live in the repository's top-level ``integrations/`` folder.
+"""Integrations: graphflow inside other people's models and engines.
 
-An installed wheel maps them here through ``pyproject.toml``'s ``package-dir``; from a
-checkout (``PYTHONPATH=.``, as on the GPU machine) this adds that folder to the
-package path so ``graphflow.integrations.dsv4`` imports the same code.
+``dsv4``: a small DeepSeek-V4-style model with its plans. ``hf``: Hugging Face
+``transformers`` models with a static KV cache the plan adopts. ``vllm``: plans of what
+vLLM captures, and the ``vllm.general_plugins`` plugin. Each imports what it integrates
+with only when used.
 """
-
-import pathlib
-
-_checkout = pathlib.Path(__file__).resolve().parents[2] / "integrations"
-if _checkout.is_dir() and str(_checkout) not in __path__:
-    __path__.append(str(_checkout))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from graphflow.engine import RunOptions, run_pipeline
-from graphflow.rules import validate
+from graphflow.plan.rules import validate
 from tests.allocation_plans import CACHE_BYTES, Cache, Chain, cache_plan, chain_plan, shown_static_bytes
 
 pytestmark = pytest.mark.cuda

@@ -14,11 +14,11 @@ import datetime
 import pytest
 import torch
 
-from graphflow.channels import ChannelRuntime
+from graphflow.dist.channels import ChannelRuntime
 from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan, Segment,
                             SegmentKind, Stream)
-from graphflow.trace import Tracer, read_trace
+from graphflow.dist.trace import Tracer, read_trace
 from locus_driver import LocusDriver
 
 pytestmark = pytest.mark.cuda

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphflow.engine import RunOptions, run_pipeline
-from graphflow.engine.compiled import CompiledSegment
+from graphflow.engine.model.compiled import CompiledSegment
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.integrations.dsv4.plans import plan_variant

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphflow.detectors import Check, Detectors
+from graphflow.engine.detectors import Check, Detectors
 from graphflow.events import Phase
 from tests.source_markers import marked
 

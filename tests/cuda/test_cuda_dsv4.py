@@ -15,7 +15,7 @@ import torch
 
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.integrations.dsv4.decode import decode_both
-from graphflow.loader import load_plan
+from graphflow.plan.loader import load_plan
 from graphflow.runtime import Runner
 
 PLANS = pathlib.Path(__file__).resolve().parents[2] / "plans"

@@ -13,7 +13,7 @@ import attrs
 import pytest
 import torch
 
-from graphflow.channels import ChannelRegistry
+from graphflow.dist.channels import ChannelRegistry
 from graphflow.engine import CudaBackend, RunOptions, run_pipeline
 from graphflow.engine import backend as backend_module
 from graphflow.errors import CaptureError

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
-from graphflow.jit import JitRegistry, TritonKernel
-from graphflow.locus import Locus
+from graphflow.engine.jit import JitRegistry, TritonKernel
+from graphflow.engine.locus import Locus
 
 pytestmark = pytest.mark.cuda
 
@@ -309,7 +309,7 @@ class TestLaunchWithoutStream:
 def cute_engine(request):
     _cute()
     from graphflow.integrations.dsv4.plans import plan_variant
-    from graphflow.jit import registry
+    from graphflow.engine.jit import registry
 
     engine = run_pipeline(plan_variant(PLANS / request.param, rms_kernel="cute"), RunOptions(backend="cuda"), listeners=[registry])
     yield engine, registry

@@ -1,6 +1,6 @@
 """Outputs kept where the graph returns them, on the GPU: a model that returns its result
 is captured without the copy into its buffer, and every size's step, run in any order,
-gives the model's own result (``graphflow.engine.returned``)."""
+gives the model's own result (``graphflow.engine.model.returned``)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import networkx as nx
 import pytest
 import torch
 
-from graphflow.detectors import Check, Detectors
+from graphflow.engine.detectors import Check, Detectors
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase

@@ -1,6 +1,6 @@
 """``graphflow run`` under torchrun on this machine's GPUs: one NCCL rank per GPU.
 
-Each rank is a process torchrun started; ``graphflow.distributed.joined`` puts it on
+Each rank is a process torchrun started; ``graphflow.dist.distributed.joined`` puts it on
 ``cuda:{LOCAL_RANK}`` with its own stream and NVLink multicast off, and the TP plans
 (written for ``cuda:0``) are placed there, captured into real CUDA graphs with the
 all-reduces recorded in them, and verified against eager. The rank count is the largest
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from graphflow.cli import main
-from graphflow.loader import dump_plan
+from graphflow.plan.loader import dump_plan
 from test_torchrun import Job
 from test_tp import FAULTY_RANK, SIZES, TINY, plan_for
 from torchrun_models import FAILURE_TIMEOUT_S, SUCCESS_TIMEOUT_S, write_plans

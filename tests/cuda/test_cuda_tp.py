@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from graphflow.cli import main
-from graphflow.launch import NVLS_ENV, launch
+from graphflow.dist.launch import NVLS_ENV, launch
 from test_tp import BARRIER_TIMEOUT_S, FAULTY_RANK, SCENARIOS, SIZES, TINY, run_scenarios
 
 pytestmark = [pytest.mark.cuda,

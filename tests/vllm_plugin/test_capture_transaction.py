@@ -171,7 +171,7 @@ def test_v2_a_failure_at_any_descriptor_rolls_everything_back(runner_v2, plugin,
 def test_v2_a_capture_that_succeeds_keeps_its_graphs_and_traces_both_phases(runner_v2, plugin, tmp_path,
                                                                           monkeypatch):
     from graphflow.integrations.vllm import plugin as module
-    from graphflow.trace import read_trace
+    from graphflow.dist.trace import read_trace
 
     monkeypatch.setenv("GRAPHFLOW_TRACE", str(tmp_path))
     plugin()

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from graphflow.trace import diff_traces, read_trace  # noqa: E402
+from graphflow.dist.trace import diff_traces, read_trace  # noqa: E402
 
 WORLD = 3
 TIMEOUT_S = 20

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 import harness  # noqa: E402
 
 from graphflow.integrations.vllm import plugin as module  # noqa: E402
-from graphflow.trace import INCOMPLETE, Tracer, TraceWriteWarning, read_trace  # noqa: E402
+from graphflow.dist.trace import INCOMPLETE, Tracer, TraceWriteWarning, read_trace  # noqa: E402
 
 FULL_DISK = "/dev/full"
 

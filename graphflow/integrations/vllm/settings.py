@@ -1,0 +1,154 @@
+"""The plugin's settings, read from the environment (vLLM workers inherit it).
+
+=============================  ==========================================================
+variable                       meaning
+=============================  ==========================================================
+``GRAPHFLOW_VLLM``             ``1`` turns the plugin on; anything else (or unset): off
+``GRAPHFLOW_VLLM_WARMUP``      the custom all-reduce's warmup policy while capture is open
+                               but the stream is not capturing: ``placeholder`` (vLLM's),
+                               ``real`` or ``prepare``; per family:
+                               ``target=real,drafter=prepare`` (unnamed: ``placeholder``)
+``GRAPHFLOW_VLLM_ON_FAILURE``  ``raise`` (a ``CaptureError``) or ``eager`` (log, serve
+                               without graphs)
+``GRAPHFLOW_VLLM_TIMEOUT_S``   the phase barrier timeout, seconds (default 60)
+``GRAPHFLOW_VLLM_AGREE``       ``boundaries`` (default): barriers at phase boundaries;
+                               ``calls``: also before every communicating collective
+``GRAPHFLOW_VLLM_DISABLE``     rule codes the validation skips (``GF506,GF203``)
+``GRAPHFLOW_VLLM_ROUTED``      families whose MLPs route by value (``target,drafter``), or
+                               ``none``; default: read off each model's expert count
+``GRAPHFLOW_VLLM_PREPARE``     prepare hooks, ``pkg.mod:function`` (comma separated),
+                               called ``fn(communicator, tensor)`` once per shape
+``GRAPHFLOW_TRACE``            a directory: write each rank's trace there
+=============================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from graphflow.errors import GraphflowError
+from graphflow.integrations.vllm.descriptors import FAMILIES
+from graphflow.plan import WarmupPolicy
+from graphflow.dist.trace import TRACE_ENV
+from graphflow.plan.rules import RULES
+
+__all__ = ["ENABLE_ENV", "PluginSettings", "SettingsError"]
+
+ENABLE_ENV = "GRAPHFLOW_VLLM"
+
+
+class SettingsError(GraphflowError, ValueError):
+    """A plugin setting cannot be read; ``str()`` names the variable and what it accepts."""
+
+
+@attrs.frozen
+class PluginSettings:
+    enabled: bool = False
+    warmup: Mapping[str, WarmupPolicy] = attrs.field(factory=dict)
+    on_failure: str = "raise"
+    timeout_s: float = 60.0
+    agree_calls: bool = False
+    disable: tuple[str, ...] = ()
+    routed: Mapping[str, bool] | None = None
+    prepare: tuple[Callable[[Any, Any], Any], ...] = ()
+    trace_dir: str | None = None
+
+    def policy(self, family: str) -> WarmupPolicy:
+        return self.warmup.get(family, WarmupPolicy.PLACEHOLDER)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
+        env = os.environ if env is None else env
+        if env.get(ENABLE_ENV, "").strip() != "1":
+            return cls()
+        return cls(
+            enabled=True,
+            warmup=_warmup(env.get("GRAPHFLOW_VLLM_WARMUP", "")),
+            on_failure=_choice(env, "GRAPHFLOW_VLLM_ON_FAILURE", ("raise", "eager")),
+            timeout_s=_seconds(env.get("GRAPHFLOW_VLLM_TIMEOUT_S", "60")),
+            agree_calls=_choice(env, "GRAPHFLOW_VLLM_AGREE", ("boundaries", "calls")) == "calls",
+            disable=_codes(env.get("GRAPHFLOW_VLLM_DISABLE", "")),
+            routed=_routed(env.get("GRAPHFLOW_VLLM_ROUTED", "")),
+            prepare=tuple(_hook(spec) for spec in _items(env.get("GRAPHFLOW_VLLM_PREPARE", ""))),
+            trace_dir=env.get(TRACE_ENV) or None,
+        )
+
+
+def _items(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    value = env.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise SettingsError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _warmup(value: str) -> dict[str, WarmupPolicy]:
+    policies: dict[str, WarmupPolicy] = {}
+    for item in _items(value):
+        family, sep, name = item.rpartition("=")
+        targets = [family.strip()] if sep else list(FAMILIES)
+        if sep and family.strip() not in FAMILIES:
+            raise SettingsError(f"GRAPHFLOW_VLLM_WARMUP: unknown family {family.strip()!r}: expected one of "
+                                f"{', '.join(FAMILIES)}")
+        try:
+            policy = WarmupPolicy(name.strip().lower())
+        except ValueError as e:
+            raise SettingsError(f"GRAPHFLOW_VLLM_WARMUP: unknown policy {name.strip()!r}: expected one of "
+                                f"{', '.join(p.value for p in WarmupPolicy)}") from e
+        for target in targets:
+            policies[target] = policy
+    return policies
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError as e:
+        raise SettingsError(f"GRAPHFLOW_VLLM_TIMEOUT_S={value!r}: expected a number of seconds") from e
+    if seconds <= 0:
+        raise SettingsError(f"GRAPHFLOW_VLLM_TIMEOUT_S={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+def _codes(value: str) -> tuple[str, ...]:
+    known = {rule.code for rule in RULES}
+    codes = tuple(code.upper() for code in _items(value))
+    unknown = [c for c in codes if c not in known]
+    if unknown:
+        raise SettingsError(f"GRAPHFLOW_VLLM_DISABLE: unknown rule code(s) {', '.join(unknown)} "
+                            "(`graphflow rules` lists them)")
+    return codes
+
+
+def _routed(value: str) -> dict[str, bool] | None:
+    items = _items(value)
+    if not items or items == ["auto"]:
+        return None
+    if items == ["none"]:
+        return {family: False for family in FAMILIES}
+    unknown = [i for i in items if i not in FAMILIES]
+    if unknown:
+        raise SettingsError(f"GRAPHFLOW_VLLM_ROUTED: unknown family {unknown[0]!r}: expected some of "
+                            f"{', '.join(FAMILIES)}, or none, or auto")
+    return {family: family in items for family in FAMILIES}
+
+
+def _hook(spec: str) -> Callable[[Any, Any], Any]:
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise SettingsError(f"GRAPHFLOW_VLLM_PREPARE: {spec!r} is not 'package.module:function'")
+    try:
+        target = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SettingsError(f"GRAPHFLOW_VLLM_PREPARE: cannot load {spec!r}: {e}") from e
+    if not callable(target):
+        raise SettingsError(f"GRAPHFLOW_VLLM_PREPARE: {spec!r} is not callable")
+    return target
