@@ -17,7 +17,7 @@ import torch
 
 from graphflow.engine import CpuBackend, Outcome, RunOptions, run_pipeline
 from graphflow.engine.backend import Graph
-from graphflow.engine.verify import VerifyPlan
+from graphflow.engine.snapshots import VerifyPlan
 from graphflow.errors import CaptureError, InvalidPlanError, PlanError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import (Buffer, BufferRole, CaptureSettings, Channel, ChannelKind, Descriptor, Mode, Plan,

@@ -23,16 +23,8 @@ from graphflow.plan import (
     WarmupPolicy,
 )
 from graphflow.plan.loader import load_plan
-from graphflow.view.render import (
-    compact_sizes,
-    format_bytes,
-    format_summary,
-    group_by_template,
-    shown_mode,
-    summarize,
-    to_dot,
-    to_rich,
-)
+from graphflow.view.render import format_summary, shown_mode, summarize, to_dot, to_rich
+from graphflow.view.units import compact_sizes, format_bytes, group_by_template
 
 GRAPH, EAGER = SegmentKind.GRAPH, SegmentKind.EAGER
 DEV = "cuda:0"

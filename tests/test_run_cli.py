@@ -14,7 +14,7 @@ from graphflow.cli import main
 from graphflow.events import Event, EventKind, Phase
 from graphflow.plan import Descriptor, Mode
 from graphflow.view.progress import ProgressDisplay
-from graphflow.view.render import format_bytes
+from graphflow.view.units import format_bytes
 
 TOY = "plans/toy.yaml"
 

@@ -329,7 +329,7 @@ def print_report(document: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from graphflow.view.render import format_bytes
+    from graphflow.view.units import format_bytes
 
     console = Console(highlight=False, soft_wrap=True)
 

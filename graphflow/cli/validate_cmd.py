@@ -16,7 +16,7 @@ import sys
 
 from graphflow.errors import PlanError
 from graphflow.plan.loader import load_plan
-from graphflow.view.render import plural
+from graphflow.view.units import plural
 from graphflow.plan.rules import RULES, Report, unknown_codes, validate
 
 __all__ = ["register"]

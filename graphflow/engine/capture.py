@@ -32,7 +32,7 @@ from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.engine.jit import registry as jit_registry
 from graphflow.plan import CaptureRegion, Descriptor, Segment
-from graphflow.view.render import format_bytes
+from graphflow.view.units import format_bytes
 
 __all__ = ["Captured", "capture", "open_capture"]
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import time
+
 import attrs
 
 from graphflow.engine.backend import Backend
 from graphflow.engine.locus import Locus
 from graphflow.engine.options import RunOptions, Watch
 from graphflow.engine.rollback import UndoStack
+from graphflow.engine.snapshots import VerifyPlan
 from graphflow.events import Event, EventKind, Listener
 from graphflow.plan import Descriptor, Plan, Segment
 
@@ -46,9 +48,7 @@ class Context:
 
     @functools.cached_property
     def verify_plan(self):
-        """Which buffers verify snapshots and compares (``graphflow.engine.verify``)."""
-        from graphflow.engine.verify import VerifyPlan
-
+        """Which buffers verify snapshots and compares (``graphflow.engine.snapshots``)."""
         compiled = self.options.compile and any(self.plan.compile_of(s) is not None for s in self.segments)
         return VerifyPlan.of(self.plan, self.segments, compiled=compiled)
 

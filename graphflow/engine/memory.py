@@ -30,7 +30,7 @@ import attrs
 
 from graphflow.errors import CaptureError
 from graphflow.plan import DTYPE_BYTES, Plan, eval_dim
-from graphflow.view.render import format_bytes, heaviest
+from graphflow.view.units import format_bytes, heaviest
 
 if TYPE_CHECKING:
     import torch
@@ -94,12 +94,7 @@ def check_memory(ctx: Context, devices: Mapping[str, torch.device], largest: int
     """The static buffers and verify's copies against the free memory of each device the
     backend maps the plan's devices to (``devices``: plan name to device; two plan
     devices on one backend device share its memory); buffers in ``taken`` exist already."""
-    copied = ()
-    if ctx.options.verify:  # graphflow.engine.verify: the start, the expected, and (some) kept state
-        needs = ctx.verify_plan
-        kept = needs.state if not ctx.backend.captures_graphs else tuple(n for n in needs.state
-                                                                         if n not in needs.written)
-        copied = (*needs.start, *needs.written, *kept)
+    copied = ctx.verify_plan.copied(replays_graphs=ctx.backend.captures_graphs) if ctx.options.verify else ()
     by_device: dict[torch.device, MemoryNeed] = {}
     for name, need in memory_need(ctx.plan, largest, copied).items():
         device = devices.get(name)

@@ -76,9 +76,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import attrs
 import torch

@@ -30,9 +30,9 @@ from graphflow.engine.model.reference import check_reference, explain
 from graphflow.engine.warmup import DescriptorTime, Warmed, eager_step, fill_inputs
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
-from graphflow.plan import BufferRole, Descriptor, Plan, Segment, WarmupPolicy
+from graphflow.plan import Descriptor, Plan, Segment
 
-__all__ = ["VerifyPlan", "VerifyResult", "verify"]
+__all__ = ["VerifyResult", "verify"]
 
 #: What to do when replay differs from eager (``graphflow.engine.model.reference.explain`` says more).
 HINT = ("replay differs from eager: look for state outside the plan's buffers, data-dependent control flow or an "
@@ -49,44 +49,6 @@ class VerifyResult:
     bit_exact: bool
     #: What the replay was compared with: the plan's eager step, and the reference when the plan names one.
     against: tuple[str, ...] = ("the eager step",)
-
-
-@attrs.frozen
-class VerifyPlan:
-    """Which buffers verify snapshots and compares, worked out once per run from the step.
-
-    ``start``: what the step reads and the state it keeps (put back before the replay);
-    ``written``: what it writes, internal scratch aside, in the order of each buffer's
-    last write, with the segment that last writes each in ``last_writer``; ``state``:
-    the state buffers.
-    ``reuses_warmup``: whether warmup's run is the reference (every channel the step
-    uses communicates in warmup, and no segment is compiled); ``compiled``: the
-    reference runs the uncompiled callables of compiled segments.
-    """
-
-    start: tuple[str, ...]
-    written: tuple[str, ...]
-    state: tuple[str, ...]
-    last_writer: dict[str, str] = attrs.field(eq=False)
-    reuses_warmup: bool = True
-    compiled: bool = False
-
-    @classmethod
-    def of(cls, plan: Plan, segments: tuple[Segment, ...], *, compiled: bool = False) -> VerifyPlan:
-        # What the step leaves behind decides a replay: internal buffers are written before
-        # they are read in every step (GF201), so once read they may
-        # hold anything, and comparing or copying them (most of a deep model's buffers)
-        # would only cost time. A mismatch is then located by replaying segment by
-        # segment (``graphflow.engine.model.reference.explain``).
-        internal = {b.name for b in plan.buffers if b.role is BufferRole.INTERNAL}
-        last_writer = {w: s.name for s in segments for w in s.writes if w not in internal}
-        position = {s.name: i for i, s in enumerate(segments)}
-        written = tuple(sorted(last_writer, key=lambda b: position[last_writer[b]]))
-        read = tuple(dict.fromkeys(r for s in segments for r in s.reads))
-        state = tuple(b.name for b in plan.buffers if b.role is BufferRole.STATE)
-        silent = {c.name for c in plan.channels if c.warmup is not WarmupPolicy.REAL}
-        reuses = not compiled and not any(silent.intersection(s.channels) for s in segments)
-        return cls(tuple(dict.fromkeys((*read, *state))), written, state, last_writer, reuses, compiled)
 
 
 def verify(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,

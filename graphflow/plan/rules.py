@@ -43,7 +43,7 @@ from graphflow.plan.model import (
     WarmupPolicy,
     dim_symbols,
 )
-from graphflow.view.render import format_bytes, heaviest
+from graphflow.view.units import format_bytes, heaviest
 
 __all__ = ["Diagnostic", "Violation", "MEMORY_CEILING", "RETIRED", "Report", "Rule", "RULES", "Severity",
            "rules_markdown", "unknown_codes", "validate"]

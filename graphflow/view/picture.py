@@ -32,18 +32,9 @@ import attrs
 
 from graphflow.engine import schedule
 from graphflow.plan import CaptureRegion, Mode, Plan, Segment
-from graphflow.view.render import (
-    _EAGER,
-    _REGION_EDGE,
-    _REGION_FILL,
-    _family_colors,
-    _kind_counts,
-    _lighten,
-    compact_sizes,
-    group_by_template,
-    plural,
-    shown_mode,
-)
+from graphflow.view.render import kind_counts, shown_mode
+from graphflow.view.style import EAGER, REGION_EDGE, REGION_FILL, family_colors, lighten
+from graphflow.view.units import compact_sizes, group_by_template, plural
 
 __all__ = ["Expand", "ImageFormat", "Layout", "MAX_PIXELS", "draw", "layout", "parse_layers"]
 
@@ -780,7 +771,7 @@ def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_f
     mode = structure.mode
     header = (
         plan.name,
-        f"{plural(len(plan.segments), 'segment')} ({_kind_counts(plan.segments)}), "
+        f"{plural(len(plan.segments), 'segment')} ({kind_counts(plan.segments)}), "
         f"{plural(len(structure.regions), mode.value + ' region')}, {plural(len(plan.buffers), 'buffer')}, "
         f"{plural(len(plan.channels), 'channel')}, {plural(len(plan.streams), 'stream')}"
         + (f", world size {plan.world_size}" if plan.world_size > 1 else ""),
@@ -791,7 +782,7 @@ def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_f
                   tuple(line_tops), tuple(line_lanes), tuple(line_family), tuple(boxes), tuple(edges),
                   tuple(regions), tuple(syncs), tuple(blocks), tuple(elided), tuple(header_notes),
                   bool(structure.full_regions), len(boxes) <= _LABELLED_BOXES,
-                  tuple(_family_colors(plan).items()))
+                  tuple(family_colors(plan).items()))
 
 
 def _all_segments(part: _Part) -> list[Segment]:
@@ -1080,8 +1071,8 @@ class _Painter:
                 if not region.open_left:
                     self.text(x0 + 0.05, y1 - 0.07, region.label, fontsize=6.5, color=_FULL_EDGE, va="center",
                               zorder=2)
-        self.ax.add_collection(PatchCollection(fills, facecolor=_REGION_FILL, edgecolor="none", zorder=1))
-        self.ax.add_collection(LineCollection(outlines, colors=_REGION_EDGE, linewidths=1.0, zorder=1))
+        self.ax.add_collection(PatchCollection(fills, facecolor=REGION_FILL, edgecolor="none", zorder=1))
+        self.ax.add_collection(LineCollection(outlines, colors=REGION_EDGE, linewidths=1.0, zorder=1))
         if full_outlines:
             self.ax.add_collection(LineCollection(full_outlines, colors=_FULL_EDGE, linewidths=1.0,
                                                   linestyles=(0, (4, 2)), zorder=1))
@@ -1131,15 +1122,15 @@ class _Painter:
                       fontsize=size, zorder=6)
             if len(lines) > 1:
                 self.text(box.x, box.y + 0.13, " · ".join(lines[1:]), ha="center", va="center", fontsize=5.8,
-                          color=_EAGER if not s.is_graph else "#555555", zorder=6)
+                          color=EAGER if not s.is_graph else "#555555", zorder=6)
         for box in channel_tags:
             self.text(box.x, box.y + 0.13 if box.segment.is_graph else box.y - 0.17,
                       "⇄ " + ", ".join(box.segment.channels), ha="center", va="center", fontsize=6,
                       color=_CHANNEL, fontweight="bold", zorder=6)
         self.ax.add_collection(PatchCollection(breaks, facecolor="#FBE3E3", edgecolor="none", zorder=0.5))
-        self.ax.add_collection(PatchCollection(graph, facecolor=[_lighten(c) for c in graph_colors],
+        self.ax.add_collection(PatchCollection(graph, facecolor=[lighten(c) for c in graph_colors],
                                                edgecolor=graph_colors, linewidths=1.2, zorder=3))
-        self.ax.add_collection(PatchCollection(eager, facecolor=_lighten(_EAGER, 0.5), edgecolor=_EAGER,
+        self.ax.add_collection(PatchCollection(eager, facecolor=lighten(EAGER, 0.5), edgecolor=EAGER,
                                                linewidths=1.8, zorder=3))
         if dd:
             self.ax.add_collection(PatchCollection(dd, facecolor=_DATA_DEP, edgecolor="white", linewidths=0.5,
@@ -1285,10 +1276,10 @@ class _Painter:
 
         p = self.p
         kinds = {s.segment.family for s in p.boxes if s.segment.is_graph}
-        handles = [Patch(facecolor=_lighten(c), edgecolor=c, label=f"graph segment ({f})")
+        handles = [Patch(facecolor=lighten(c), edgecolor=c, label=f"graph segment ({f})")
                    for f, c in self.colors.items() if f in kinds]
         if any(not b.segment.is_graph for b in p.boxes):
-            handles.append(Patch(facecolor=_lighten(_EAGER, 0.5), edgecolor=_EAGER, linewidth=1.8,
+            handles.append(Patch(facecolor=lighten(EAGER, 0.5), edgecolor=EAGER, linewidth=1.8,
                                  label="eager break"))
         if any(b.segment.data_dependent for b in p.boxes):
             handles.append(Line2D([], [], marker="D", linestyle="", markersize=5, color=_DATA_DEP,
@@ -1296,7 +1287,7 @@ class _Painter:
         if any(b.segment.channels for b in p.boxes):
             handles.append(Patch(facecolor="white", edgecolor=_CHANNEL, label="⇄ uses a channel"))
         if any(r.mode is p.mode for r in p.regions):
-            handles.append(Patch(facecolor=_REGION_FILL, edgecolor=_REGION_EDGE,
+            handles.append(Patch(facecolor=REGION_FILL, edgecolor=REGION_EDGE,
                                  label=f"{p.mode.value} region = one graph"))
         if p.full_outline:
             handles.append(Patch(facecolor="none", edgecolor=_FULL_EDGE, linestyle="--", label="FULL graph"))

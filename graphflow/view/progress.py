@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from graphflow.events import Event, EventKind, Phase
-from graphflow.view.render import format_bytes, plural
+from graphflow.view.units import format_bytes, plural
 
 __all__ = ["ProgressDisplay"]
 

@@ -11,23 +11,21 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 
 from graphflow.plan import Buffer, Mode, Plan, Segment
+from graphflow.view.style import EAGER, REGION_EDGE, REGION_FILL, family_colors, lighten
+from graphflow.view.units import compact_sizes, format_bytes, group_by_template, plural
 
 __all__ = [
-    "Group",
     "Section",
     "Summary",
     "SummaryTable",
-    "compact_sizes",
-    "format_bytes",
     "format_summary",
-    "group_by_template",
-    "plural",
+    "kind_counts",
     "shown_mode",
     "summarize",
     "to_dot",
@@ -36,112 +34,6 @@ __all__ = [
 
 #: How many regions the summary lists before it elides the middle.
 _REGIONS_SHOWN = 4
-
-
-# -- compact forms ---------------------------------------------------------------
-
-
-def compact_sizes(sizes: Iterable[int]) -> str:
-    """Sizes as runs: ``[1, 2, 4, 8, 16, ..., 512]`` -> ``"1, 2, 4, 8..512 step 8"``.
-
-    A run of at least three sizes with a constant step is written as a range; anything
-    shorter is listed, so nothing is hidden.
-    """
-    values = sorted(set(sizes))
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i + 1
-        if j < len(values):
-            step = values[j] - values[i]
-            while j + 1 < len(values) and values[j + 1] - values[j] == step:
-                j += 1
-            if j - i + 1 >= 3:
-                suffix = "" if step == 1 else f" step {step}"
-                parts.append(f"{values[i]}..{values[j]}{suffix}")
-                i = j + 1
-                continue
-        parts.append(str(values[i]))
-        i += 1
-    return ", ".join(parts)
-
-
-def format_bytes(n: int | None) -> str:
-    """Binary units with one decimal: ``2048`` -> ``"2.0 KiB"``; under 1 KiB, exact; None
-    (a size nobody could measure, such as the CPU backend's pool) -> ``"n/a"``."""
-    if n is None:
-        return "n/a"
-    if n < 1024:
-        return f"{n} B"
-    value = n / 1024
-    for unit in ("KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-_DIGITS = re.compile(r"(\d+)")
-
-
-@attrs.frozen
-class Group:
-    """Items whose names differ only in the numbers a template put there."""
-
-    label: str
-    members: tuple[Any, ...]
-
-
-def group_by_template(items: Sequence[Any], key: Callable[[Any], object] = lambda item: None,
-                      min_size: int = 3) -> list[Group]:
-    """Group items named like ``q0, q1, ... q60`` into one ``q{0..60}`` group.
-
-    Names are split at their digit runs; items group when the text around the digits
-    and ``key(item)`` (shape, dtype, ...) agree. A varying number is written as
-    ``{lo..hi}`` when it covers every value in between, else ``{lo,..,hi}`` with the
-    count in the group. Groups smaller than ``min_size`` are kept as single items, so
-    two unrelated buffers ``w1`` and ``w2`` keep their own rows. Order follows the
-    first member of each group.
-    """
-    buckets: dict[tuple, list[Any]] = {}
-    for item in items:
-        parts = _DIGITS.split(item.name)
-        texts = tuple(parts[0::2])
-        buckets.setdefault((texts, key(item)), []).append(item)
-    groups: list[tuple[int, Group]] = []
-    position = {id(item): i for i, item in enumerate(items)}
-    for (texts, _), members in buckets.items():
-        if len(members) < min_size or len(texts) == 1:
-            groups.extend((position[id(m)], Group(m.name, (m,))) for m in members)
-            continue
-        numbers = [_DIGITS.split(m.name)[1::2] for m in members]
-        label = texts[0]
-        for slot in range(len(texts) - 1):
-            values = sorted({int(n[slot]) for n in numbers})
-            if len(values) == 1:
-                label += numbers[0][slot]
-            elif values == list(range(values[0], values[-1] + 1)):
-                label += f"{{{values[0]}..{values[-1]}}}"
-            else:
-                label += f"{{{values[0]},..,{values[-1]}}}"
-            label += texts[slot + 1]
-        groups.append((position[id(members[0])], Group(label, tuple(members))))
-    groups.sort(key=lambda pair: pair[0])
-    return [group for _, group in groups]
-
-
-@attrs.frozen
-class _Named:
-    name: str
-
-
-def heaviest(sizes: Mapping[str, int], n: int = 3) -> str:
-    """The ``n`` heaviest of some buffers' byte counts, grouped by template the way
-    ``graphflow show`` groups them: ``kv_cache{0..60} (7.6 GiB in 61 buffers), ...``."""
-    groups = group_by_template([_Named(name) for name in sizes])
-    weighed = sorted(((sum(sizes[m.name] for m in g.members), g) for g in groups), key=lambda item: -item[0])
-    return ", ".join(f"{g.label} ({format_bytes(total)}{f' in {len(g.members)} buffers' if len(g.members) > 1 else ''})"
-                     for total, g in weighed[:n])
 
 
 # -- summary as data ----------------------------------------------------------------
@@ -177,11 +69,6 @@ def _buffer_bytes(plan: Plan, buffer: Buffer, size: int | None) -> int | None:
         return None
 
 
-def plural(n: int, word: str) -> str:
-    """``1 segment``, ``1,220 segments``: counts as the summaries print them."""
-    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
-
-
 def shown_mode(plan: Plan) -> Mode:
     """The mode whose regions DOT and the picture draw: PIECEWISE unless the plan is FULL only."""
     return Mode.FULL if plan.capture.modes and Mode.PIECEWISE not in plan.capture.modes else Mode.PIECEWISE
@@ -191,7 +78,7 @@ def _shape(buffer: Buffer) -> str:
     return "[" + ", ".join(str(d) for d in buffer.shape) + "]"
 
 
-def _kind_counts(segments: Iterable[Segment]) -> str:
+def kind_counts(segments: Iterable[Segment]) -> str:
     counts = Counter(s.kind.value for s in segments)
     return ", ".join(f"{counts[k]:,} {k}" for k in ("graph", "eager") if counts[k])
 
@@ -235,11 +122,11 @@ def _overview(plan: Plan, sizes: list[int]) -> Section:
 
 
 def _segments_section(plan: Plan) -> Section:
-    lines = [f"{plural(len(plan.segments), 'segment')}: {_kind_counts(plan.segments)}"]
+    lines = [f"{plural(len(plan.segments), 'segment')}: {kind_counts(plan.segments)}"]
     for family in plan.families:
         members = plan.family_segments(family.name)
         if members:
-            lines.append(f"  {family.name}: {_kind_counts(members)}")
+            lines.append(f"  {family.name}: {kind_counts(members)}")
     return Section("segments", tuple(lines))
 
 
@@ -414,26 +301,6 @@ def to_rich(summary: Summary):
 
 # -- DOT --------------------------------------------------------------------------------
 
-#: Fill colors of graph segments by family, in the order families are declared.
-_PALETTE = ("#4C72B0", "#55A868", "#8172B2", "#CCB974", "#64B5CD", "#937860", "#DA8BC3")
-_EAGER = "#C44E52"
-_REGION_FILL = "#FFF4CC"
-_REGION_EDGE = "#D9B44A"
-
-
-def _family_colors(plan: Plan) -> dict[str, str]:
-    names = [f.name for f in plan.families]
-    names += [s.family for s in plan.segments if s.family not in names]
-    names = list(dict.fromkeys(names))
-    return {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(names)}
-
-
-def _lighten(color: str, amount: float = 0.65) -> str:
-    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
-    r, g, b = (round(c + (255 - c) * amount) for c in (r, g, b))
-    return f"#{r:02X}{g:02X}{b:02X}"
-
-
 def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
@@ -455,7 +322,7 @@ def to_dot(plan: Plan) -> str:
     are solid for read-after-write, dashed for write-after-read (an in-place update
     waiting for earlier readers) and dotted for declared ``after`` orderings.
     """
-    colors = _family_colors(plan)
+    colors = family_colors(plan)
     dag = plan.dag()
     lines = [
         f"digraph {_q(plan.name)} {{",
@@ -471,7 +338,7 @@ def to_dot(plan: Plan) -> str:
         lines.append(f"  subgraph {ident} {{")
         lines.append(
             f'    label={_q(f"{mode.value} {region.family}#{region.index}")}; style="rounded,filled"; '
-            f'fillcolor="{_REGION_FILL}"; color="{_REGION_EDGE}";'
+            f'fillcolor="{REGION_FILL}"; color="{REGION_EDGE}";'
         )
         for name in region.segments:
             lines.append(f"    {_node(plan.segment(name), colors)}")
@@ -495,7 +362,7 @@ def _node(segment: Segment, colors: dict[str, str]) -> str:
     label = '"' + "\\n".join(_escape(line) for line in lines) + '"'
     if segment.is_graph:
         color = colors[segment.family]
-        style = f'shape=box, style="rounded,filled", fillcolor="{_lighten(color)}", color="{color}"'
+        style = f'shape=box, style="rounded,filled", fillcolor="{lighten(color)}", color="{color}"'
     else:
-        style = f'shape=octagon, style=filled, fillcolor="{_lighten(_EAGER, 0.35)}", color="{_EAGER}"'
+        style = f'shape=octagon, style=filled, fillcolor="{lighten(EAGER, 0.35)}", color="{EAGER}"'
     return f"{_q(segment.name)} [label={label}, {style}, tooltip={_q(segment.call)}];"

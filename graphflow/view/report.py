@@ -149,7 +149,7 @@ def draw_report(document: dict[str, Any], path: str | os.PathLike, fmt: str) -> 
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    from graphflow.view.render import format_bytes
+    from graphflow.view.units import format_bytes
 
     # Largest first: the descriptors that cost the most time on top (capture order breaks ties).
     rows = sorted(document["descriptors"], key=lambda r: -sum(r[k] or 0 for k in ("warmup_s", "capture_s",
