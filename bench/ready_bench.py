@@ -188,7 +188,7 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
             batch = max(1, batch - int(torch.randint(2, (1,), generator=generator)))
             inputs = _inputs(runner, batch, generator, device, plan.model_args.get("vocab_size", 512), max_len)
             began = time.perf_counter()
-            with engine.lock:  # the step and its reference see the same state
+            with engine.live.lock:  # the step and its reference see the same state
                 check = ((runner.descriptor_for(batch) not in checked or served % CHECK_EVERY == 0)
                          and checking_s <= CHECK_SHARE * (began - ready))
                 kept = {n: engine.buffers.tensors[n].clone() for n in touched} if check else {}

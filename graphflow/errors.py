@@ -6,6 +6,8 @@ element, phase or rank instead of parsing text.
 
 from __future__ import annotations
 
+from graphflow.events import Phase
+
 __all__ = ["TRACEBACK_NOTE", "GraphflowError", "PlanError", "FieldError", "FieldTypeError", "FieldValueError", "InvalidPlanError",
            "CaptureError", "DivergenceError"]
 
@@ -84,23 +86,54 @@ class CaptureError(GraphflowError, RuntimeError):
     """The capture pipeline failed and was rolled back.
 
     Names the phase, descriptor, segment and rank where it failed, and what to do.
+    ``phase`` is a ``Phase`` whenever it names one of the pipeline's phases, however it
+    was given (callers that predate ``Phase`` pass its value); a phase of another
+    lifecycle (an integration's own, vLLM's ``validate``) stays the name it was given.
+    ``undo_error`` is set by rollback: the ``UndoError`` (an ``ExceptionGroup``) of the
+    undo steps that failed after this error, None when every one ran.
     """
 
-    def __init__(self, message: str, *, phase: str | None = None, descriptor=None, segment: str | None = None,
-                 rank: int | None = None, hint: str | None = None):
+    message: str
+    descriptor: object
+    segment: str | None
+    rank: int | None
+    hint: str | None
+    undo_error: BaseExceptionGroup | None
+
+    def __init__(self, message: str, *, phase: Phase | str | None = None, descriptor=None,
+                 segment: str | None = None, rank: int | None = None, hint: str | None = None):
         self.message = message
         self.phase = phase
         self.descriptor = descriptor
         self.segment = segment
         self.rank = rank
         self.hint = hint
+        self.undo_error = None
         super().__init__(str(self))
+
+    @property
+    def phase(self) -> Phase | str | None:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: Phase | str | None) -> None:
+        # Rollback fills in a missing phase by assignment: it is converted there too.
+        self._phase = _phase(value)
 
     def __str__(self) -> str:
         where = [f"{k}={v}" for k, v in (("phase", self.phase), ("descriptor", self.descriptor),
                                            ("segment", self.segment), ("rank", self.rank)) if v is not None]
         text = f"[{' '.join(where)}] {self.message}" if where else self.message
         return f"{text} — {self.hint}" if self.hint else text
+
+
+def _phase(value: Phase | str | None) -> Phase | str | None:
+    if value is None or isinstance(value, Phase):
+        return value
+    try:
+        return Phase(value)
+    except ValueError:
+        return value
 
 
 class DivergenceError(CaptureError):

@@ -18,8 +18,12 @@ import attrs
 __all__ = ["EventKind", "Event", "Listener", "Phase"]
 
 
-class Phase(enum.Enum):
-    """The pipeline's phases, in the order they run (see ``graphflow.engine``)."""
+class Phase(enum.StrEnum):
+    """The pipeline's phases, in the order they run (see ``graphflow.engine``).
+
+    A ``str`` too, equal to its value and printed as it: an error's phase reads, compares
+    and serializes (JSON, the CLI's report) as the name a user sees, ``warmup``.
+    """
 
     ALLOCATE = "allocate"
     WARMUP = "warmup"

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import statistics
 from collections.abc import Callable
 
 import attrs
@@ -45,7 +46,7 @@ import torch
 from graphflow.engine import Engine
 from graphflow.plan import PAD_KEEP, BufferRole, Descriptor, Mode, dim_symbols
 
-__all__ = ["FallbackReason", "Runner"]
+__all__ = ["FallbackReason", "Runner", "StepTiming", "time_steps"]
 
 
 class FallbackReason(enum.Enum):
@@ -86,7 +87,8 @@ class Runner:
         self.fallbacks: collections.Counter[FallbackReason] = collections.Counter()
         self._serving: list[Descriptor | None] = []  # batch size -> the descriptor that serves it
         self._programs: list[_Program | None] = []  # batch size -> its program, once made
-        self._build()
+        with engine.live.lock if engine.live is not None else contextlib.nullcontext():  # the thread switches in
+            self._build()
 
     def _build(self) -> None:
         """Which descriptor serves each batch size, from the engine's captured descriptors.
@@ -111,7 +113,7 @@ class Runner:
                 for batch, program in enumerate(self._programs[:len(serving)])]
         self._programs = kept + [None] * (len(serving) - len(kept))
         self._serving = serving
-        self._version = engine.version
+        self._version = engine.live.version if engine.live is not None else 0
 
     @property
     def max_size(self) -> int:
@@ -131,7 +133,7 @@ class Runner:
         """
         if named:
             inputs = self._ordered(inputs, named)
-        if self.engine.lock is not None:
+        if self.engine.live is not None:
             return self._run_live(inputs)
         return self._step(inputs)
 
@@ -156,16 +158,17 @@ class Runner:
         return program.outputs
 
     def _run_live(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A lazy engine's step: under its lock (the capture thread runs the model too),
-        with the programs switched in since the last step, asking for this batch's."""
-        engine = self.engine
+        """A lazy engine's step: under its live switch's lock (the capture thread runs the
+        model too), with the programs switched in since the last step, asking for this
+        batch's."""
+        live = self.engine.live
         position, dim = self._size_of
-        engine.background.asked(inputs[position].shape[dim])
-        with engine.background.serving(), engine.lock:
-            if engine.version != self._version:
+        live.asked(inputs[position].shape[dim])
+        with live.serving(), live.lock:
+            if live.version != self._version:
                 self._build()
             outputs = self._step(inputs)
-            if engine.background.done:
+            if live.done:
                 return outputs
             return tuple(self._own(name, out) for name, out in zip(self.outputs, outputs))
 
@@ -183,8 +186,9 @@ class Runner:
 
     def clear_state(self) -> None:
         """Zero every state buffer (the model's caches start empty: new sequences)."""
-        plan = self.engine.plan
-        with self.engine.lock or contextlib.nullcontext():  # a lazy engine's capture thread uses them too
+        plan, live = self.engine.plan, self.engine.live
+        # A lazy engine's capture thread uses them too.
+        with live.lock if live is not None else contextlib.nullcontext():
             for name, tensor in self.engine.buffers.tensors.items():
                 if plan.buffer(name).role is BufferRole.STATE and plan.buffer(name).alias_of is None:
                     tensor.zero_()
@@ -240,7 +244,8 @@ class Runner:
 
     def _fallback(self, inputs: tuple[torch.Tensor, ...], batch: int) -> tuple[torch.Tensor, ...]:
         """An eager step for a batch no descriptor holds (slow path, counted)."""
-        if self.engine.background is not None and not self.engine.background.done:
+        live = self.engine.live
+        if live is not None and not live.done:
             reason = FallbackReason.NOT_CAPTURED_YET
         else:
             reason = FallbackReason.NOTHING_CAPTURED if self.max_size == 0 else FallbackReason.BATCH_TOO_LARGE
@@ -271,3 +276,48 @@ def _batch_dim(shape, symbol: str, name: str) -> int | None:
         raise ValueError(f"buffer {name!r} has shape {list(shape)}: the runner pads inputs and slices outputs "
                          f"along one dimension equal to {symbol!r}, and this buffer has {len(uses)} using it")
     return plain[0]
+
+
+@attrs.frozen
+class StepTiming:
+    """One descriptor's step, eager against replayed: what capturing it saves a step.
+    Medians of several runs, so that one slow run (a page fault, another process) does
+    not decide it. On the CPU backend replay runs the same calls, and the two differ by
+    noise only."""
+
+    descriptor: Descriptor
+    eager_s: float
+    replay_s: float
+
+
+def time_steps(engine: Engine, steps: int) -> dict[Descriptor, StepTiming]:
+    """Each committed descriptor's step timed ``steps`` times eagerly (the model as
+    written, segment by segment, ``Engine.eager_calls``) and ``steps`` times replayed
+    (its step program), on the static buffers, after one untimed run of each: the first
+    run fills caches and builds lazy modules, which no later step pays. The backend's
+    clock times them: CUDA events on a GPU, so a replay counts what the device does,
+    not how quickly Python returns. Empty when ``steps`` is 0.
+
+    The steps write the static buffers and run the model: call it between steps, and on
+    a lazy engine once its capture thread is done, never beside ``Runner.run``."""
+    if steps <= 0 or not engine.programs:
+        return {}
+    first = next(iter(engine.buffers.tensors.values()), None)
+    timer = engine.backend.timer(first.device if first is not None else None)
+    timings = {}
+    with torch.no_grad():
+        for descriptor, program in engine.programs.items():
+            eager, replay = _in_order(engine.eager_calls(descriptor.size)), _in_order(program)
+            eager()
+            replay()
+            timings[descriptor] = StepTiming(descriptor, statistics.median(timer(eager, steps)),
+                                             statistics.median(timer(replay, steps)))
+    return timings
+
+
+def _in_order(calls: tuple[Callable[[], object], ...]) -> Callable[[], None]:
+    def step() -> None:
+        for call in calls:
+            call()
+
+    return step

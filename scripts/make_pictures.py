@@ -39,7 +39,7 @@ PICTURES = (
 REPORT_PICTURE = "capture-report.svg"
 #: The drawing code, besides the plans. (What the plan model, loader or schedule change in a
 #: picture, tests/test_docs_pictures.py finds by drawing each again and comparing its text.)
-CODE = ("graphflow/view/picture.py", "graphflow/view/report.py", "scripts/make_pictures.py")
+CODE = ("graphflow/view/picture.py", "graphflow/view/style.py", "graphflow/view/report.py", "scripts/make_pictures.py")
 
 
 def sources_hash() -> str:

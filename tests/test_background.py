@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+import attrs
 import pytest
 import torch
 
@@ -94,7 +95,7 @@ class TestLazy:
                               listeners=[gate])
         try:
             assert gate.reached.wait(30)  # busy with the largest, chosen before anything was asked
-            engine.background.asked(1)
+            engine.live.asked(1)
             gate.release.set()
             assert engine.background.wait(60)
             order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
@@ -121,7 +122,7 @@ class TestLazy:
         try:
             assert started.wait(30)  # the thread has chosen nothing yet
             for batch in (2, 1, 3):
-                engine.background.asked(batch)
+                engine.live.asked(batch)
             release.set()
             assert engine.background.wait(60)
             order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
@@ -183,7 +184,7 @@ class TestLazy:
         engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate, Ends()])
         try:
             assert gate.reached.wait(30)  # capturing the first descriptor, which takes no lock
-            with engine.background.serving():
+            with engine.live.serving():
                 gate.release.set()
                 time.sleep(0.3)
                 assert Phase.VERIFY not in ended, "the thread waits for the step before it verifies"
@@ -200,7 +201,7 @@ class TestLazy:
         engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
         try:
             assert gate.reached.wait(30)
-            with engine.background.serving():  # a step in flight the whole time, as back-to-back serving is
+            with engine.live.serving():  # a step in flight the whole time, as back-to-back serving is
                 released = time.perf_counter()
                 gate.release.set()
                 assert engine.background.wait(60), "the thread waits for a gap between steps forever"
@@ -271,7 +272,37 @@ class TestLazy:
         assert not closing.is_alive() and len(engine.background.times) < 3 * len(SIZES)
         assert engine.programs == {}
 
+    def test_the_engine_is_set_once_and_what_the_thread_switches_in_is_its_live_switchs(self):
+        engine = run_pipeline(toy_plan(2, sizes=(1, 2)), RunOptions(backend="cpu", lazy=True))
+        try:
+            with pytest.raises(attrs.exceptions.FrozenInstanceError):
+                engine.live = None
+            assert engine.background.wait(60) and engine.live.done
+            assert engine.programs is engine.live.programs and engine.live.version == 2
+            assert engine.report is engine.live.report and len(engine.report.descriptors) == 2
+        finally:
+            engine.close()
+        assert engine.programs == {}
+        foreground = run_pipeline(toy_plan(2, sizes=(1, 2)), RunOptions(backend="cpu"))
+        foreground.close()
+        assert foreground.live is None and foreground.background is None
+
     def test_lazy_capture_refuses_several_ranks_or_channels(self):
         plan = toy_plan(2, sizes=SIZES)
         with pytest.raises(ValueError, match="lazy .* serves one rank of a plan without channels"):
             run_pipeline(plan, RunOptions(backend="cpu", lazy=True), rank=0, world_size=2)
+
+
+def test_the_capture_thread_runs_without_autograd_like_the_foreground():
+    """Grad mode is per thread: a model whose parameters require grad (any model not
+    frozen by hand, as a Hugging Face one is loaded) must capture in the background as
+    in the foreground, where ``out=`` writes into the static buffers are refused under
+    autograd."""
+    model = build_toy(2).requires_grad_(True)
+    engine = run_pipeline(toy_plan(2, sizes=(1, 2)), RunOptions(backend="cpu", lazy=True), model=model)
+    try:
+        assert engine.background.wait(60)
+        assert engine.background.failures == {}
+        assert sorted(d.size for d in engine.programs) == [1, 2]
+    finally:
+        engine.close()

@@ -434,6 +434,11 @@ class TestWithTheEngine:
         session.close()
         assert registry.taken == {}
 
+    def test_the_runtime_is_what_the_engine_takes(self):
+        from graphflow.engine.channels import ChannelRuntimeProtocol
+
+        assert isinstance(_runtime(), ChannelRuntimeProtocol)
+
     def test_a_failed_capture_rolls_back_the_channel_ids(self):
         from graphflow.engine import RunOptions
         from graphflow.session import Session

@@ -198,6 +198,9 @@ class TestAllocate:
             handles = {"tp": "handle"}
             kinds: list = []
 
+            def bind(self, model):
+                pass
+
             def on_event(self, event):
                 self.kinds.append(event.kind)
 
@@ -815,6 +818,14 @@ class TestRollback:
         assert error.__notes__ == ["rollback: 3 rollback step(s) failed (3 sub-exceptions): OSError: driver refused "
                                    "to free the graph; OSError: driver refused to free the graph; ValueError: flag stuck"]
 
+    def test_a_clean_rollback_names_the_phase_as_a_phase_and_no_undo_error(self):
+        plan, model, rig = rigged(rig=Rig(faults=_fault(Phase.WARMUP, "L0.pre")))
+        with pytest.raises(CaptureError) as info:
+            run_pipeline(plan, RunOptions(backend="cpu", detectors=False), model=model, listeners=[rig])
+        error = info.value
+        assert error.phase is Phase.WARMUP and error.undo_error is None
+        assert str(error).startswith("[phase=warmup descriptor=")
+
     def test_rollback_listener_failure_is_reported_not_raised(self):
         plan, model, rig = rigged(rig=Rig(faults=_fault(Phase.WARMUP, "L0.pre")))
 
@@ -859,6 +870,26 @@ class Binder:
 
     def on_event(self, event):
         pass
+
+
+class TestCaptureErrorPhase:
+    """A phase given by its name is the ``Phase``, however it reaches the error; a name
+    outside the pipeline's phases (an integration's own) stays a name."""
+
+    def test_a_pipeline_phase_by_name_is_the_phase(self):
+        error = CaptureError("boom", phase="capture", rank=0)
+        assert error.phase is Phase.CAPTURE and error.phase == "capture"
+        assert str(error) == "[phase=capture rank=0] boom"
+
+    def test_a_phase_filled_in_later_is_the_phase_too(self):
+        error = CaptureError("boom")
+        error.phase = "verify"
+        assert error.phase is Phase.VERIFY
+
+    def test_another_lifecycles_phase_stays_its_name(self):
+        error = CaptureError("refused", phase="validate")
+        assert error.phase == "validate" and not isinstance(error.phase, Phase)
+        assert str(error) == "[phase=validate] refused"
 
 
 class TestErrorsKeepNoObjects:
@@ -952,7 +983,7 @@ class TestDetectors:
         error = info.value
         assert (error.phase, error.descriptor, error.segment) == ("warmup", Descriptor(P, 2), "L1.post")
         assert error.message.startswith("capture-safety detectors found 1 problem(s): [host_sync] L1.post: ")
-        assert "--disable-check" in error.hint
+        assert "RunOptions(disabled_checks={'host_sync'})" in error.hint
         assert backend.graphs == [] and gc.get_freeze_count() == 0
 
     @pytest.mark.parametrize("phase", [Phase.WARMUP, Phase.CAPTURE])
@@ -1058,7 +1089,7 @@ class TestMemoryBeforeCapture:
         assert error.phase == "allocate" and backend.graphs == []
         assert error.message.startswith("the plan needs ")
         assert " short. The largest buffers: " in error.message and "h{0..2}" in error.message
-        assert "--sizes" in error.hint and "no-verify" not in error.hint
+        assert "RunOptions(sizes=...)" in error.hint and "verify=False" not in error.hint
 
     def test_without_verify_the_copies_are_not_counted(self):
         plan, model, rig = rigged(sizes=(1, 2, 4, 8))

@@ -8,12 +8,16 @@ figure, so the refusal does not depend on the machine the tests run on.
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 from graphflow.cli import main
-from graphflow.engine import RunOptions, run_pipeline
+from graphflow.engine import RunOptions, memory, run_pipeline
 from graphflow.engine.backend import BACKENDS, BackendKind, CpuBackend
 from graphflow.errors import CaptureError
 from graphflow.integrations import dsv4
@@ -21,6 +25,7 @@ from graphflow.plan.loader import load_plan
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 
 PLAN = "plans/dsv4_61l_decode.yaml"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
 
@@ -50,6 +55,7 @@ class TestCli:
     def test_a_61_layer_plan_too_large_for_the_host_is_refused_before_the_model_is_built(
             self, builds, monkeypatch, capsys):
         monkeypatch.setitem(BACKENDS, BackendKind.CPU, SmallHost)
+        monkeypatch.setattr(memory, "host_available", lambda: SmallHost.free)
         status = main(["run", PLAN, "--backend", "cpu", "--steps", "0"])
         out, err = capsys.readouterr()
         assert status == 1
@@ -65,12 +71,32 @@ class TestCli:
 
     def test_without_verify_the_static_buffers_alone_are_refused(self, builds, monkeypatch, capsys):
         monkeypatch.setitem(BACKENDS, BackendKind.CPU, SmallHost)
+        monkeypatch.setattr(memory, "host_available", lambda: SmallHost.free)
         status = main(["run", PLAN, "--backend", "cpu", "--no-verify", "--quiet"])
         out, err = capsys.readouterr()
         assert (status, out, builds) == (1, "", [])
         (line,) = err.splitlines()
         assert ("the plan needs 10.6 GiB on the host (10.6 GiB of static buffers) but 4.0 GiB is free: 6.6 GiB "
                 "short.") in line
+
+
+    def test_on_the_host_the_refusal_comes_before_torch_is_imported(self, tmp_path):
+        """``graphflow run`` on the CPU backend checks the plan before it loads torch
+        (which alone takes a second or two): a plan no machine can hold, in a fresh
+        interpreter, is refused with torch never imported and the factory never loaded."""
+        plan = tmp_path / "huge.yaml"
+        plan.write_text("graphflow: 1\nname: huge\nmodel: no_such_module:build\nsymbols: {B: [1, 2]}\n"
+                        "streams: {s0: {device: cuda:0}}\n"
+                        "buffers:\n  x: {shape: [B, 34359738368], dtype: float32, device: cuda:0, role: input}\n"
+                        "  y: {shape: [B, 8], dtype: float32, device: cuda:0, role: output}\n"
+                        "segments:\n  - {name: f, kind: graph, call: f, reads: [x], writes: [y], stream: s0}\n"
+                        "capture: {modes: [FULL], sizes: B}\n")
+        code = ("import sys; from graphflow.cli import main; status = main(['run', sys.argv[1], '--backend', 'cpu']); "
+                "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(status)")
+        done = subprocess.run([sys.executable, "-c", code, str(plan)], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 1, done.stderr
+        assert "[phase=allocate rank=0] the plan needs 512.0 GiB on the host" in done.stderr
+        assert "Traceback" not in done.stderr
 
 
 class TestPipeline:

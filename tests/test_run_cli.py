@@ -188,7 +188,7 @@ class TestFailure:
         status, _, err = run(capsys, TOY, "--backend", "cuda")
         assert status == 2
         assert err == ("graphflow: --backend cuda: the cuda backend needs a CUDA GPU, and torch sees none — use "
-                       "--backend cpu or auto\n")
+                       "the cpu backend or auto (RunOptions(backend='cpu'|'auto'))\n")
 
 
 class TestProgressDisplay:

@@ -64,7 +64,8 @@ class TestPrograms:
         engine = run_pipeline(toy_plan(3, device="cuda:0"), RunOptions(backend="cpu", detectors=False))
         try:
             captured = dict(engine.programs)
-            engine.programs = {Descriptor(P, 8): captured[Descriptor(P, 8)]}  # as a lazy engine starts out
+            engine.programs.clear()
+            engine.programs[Descriptor(P, 8)] = captured[Descriptor(P, 8)]  # as a lazy engine starts out
             runner = Runner(engine)
             assert runner._programs == [None] * 9, "made before any step"
             for batch in (3, 7):

@@ -7,29 +7,62 @@ instead, and ``main`` turns the error into one message and an exit status, the s
 every subcommand: 0 success, 1 the plan has errors or the job failed, 2 the input could
 not be read (bad YAML, unknown file, bad arguments). Nothing reaches the user as a
 traceback.
+
+Errors are exceptions, results are return values. A command raises ``CommandError``
+(with its status and, for a ``trace`` action, the words its message starts with) or
+lets a ``GraphflowError`` through, and ``report_error`` alone prints it, so every
+command says an error the same way; it returns a status only for an outcome
+it has already reported in full on standard output: ``validate`` 1 or 2 after checking
+every plan given, ``launch`` and a torchrun job's rank 0 1 when a rank failed (after the
+job's report), ``trace diff`` 1 when the traces differ and 2 when an incomplete trace
+leaves them incomparable.
+
+Engine errors name what to change as ``RunOptions`` fields, the spelling every caller
+of the engine shares; ``report_error`` adds the flag ``graphflow run`` spells the field
+with (``FLAGS``), so a hint reads right on the command line too.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from graphflow import __version__
 from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, PlanError
 
-__all__ = ["CommandError", "main", "parse_sizes"]
+__all__ = ["FLAGS", "CommandError", "main", "parse_sizes", "with_flags"]
 
 #: Subcommand modules, in the order ``graphflow --help`` lists them.
 _COMMANDS = ("validate", "show", "run", "launch", "export", "trace", "rules")
 
 
+#: Each ``RunOptions`` field ``graphflow run`` sets from its command line, as the command
+#: line spells it (``seed`` and ``skip_rules`` have no flag).
+FLAGS = {
+    "backend": "--backend",
+    "verify": "--no-verify",
+    "detectors": "--detectors",
+    "disabled_checks": "--disable-check NAME",
+    "sizes": "--sizes",
+    "lazy": "--lazy",
+    "compile": "--no-compile",
+}
+
+_RUN_OPTIONS = re.compile(r"RunOptions\(")
+_FIELD = re.compile(r"(?:^|,)\s*(\w+)\s*=")
+
+
 class CommandError(GraphflowError):
     """A command cannot go on: ``main`` prints the message and exits with ``status``
-    (2: bad input or arguments, the default; 1: the job failed)."""
+    (2: bad input or arguments, the default; 1: the job failed). ``prog`` starts the
+    message: ``graphflow``, or the action that speaks for itself (``graphflow trace
+    diff``)."""
 
-    def __init__(self, message: str, status: int = 2):
+    def __init__(self, message: str, status: int = 2, *, prog: str = "graphflow"):
         self.status = status
+        self.prog = prog
         super().__init__(message)
 
 
@@ -80,12 +113,43 @@ def report_error(err: GraphflowError) -> int:
               f"(graphflow validate {where} lists them)", file=sys.stderr)
         return 1
     if isinstance(err, CaptureError):
-        print(f"graphflow: capture failed, rolled back: {err}", file=sys.stderr)
+        print(f"graphflow: capture failed, rolled back: {with_flags(str(err))}", file=sys.stderr)
         for note in getattr(err, "__notes__", ()):
             if not note.startswith(TRACEBACK_NOTE):  # where in the code: for a debugger, not the user
                 print(f"graphflow: {note}", file=sys.stderr)
         return 1
-    print(f"graphflow: {err}", file=sys.stderr)
     if isinstance(err, CommandError):
+        print(f"{err.prog}: {with_flags(str(err))}", file=sys.stderr)
         return err.status
+    print(f"graphflow: {with_flags(str(err))}", file=sys.stderr)
     return 2 if isinstance(err, PlanError) else 1
+
+
+def with_flags(text: str) -> str:
+    """``text`` with the flags beside each ``RunOptions(field=...)`` it names: inside the
+    parentheses that hold the call (``(RunOptions(sizes=...); on the command line
+    --sizes)``), else in parentheses after it. The engine speaks to every caller, the
+    command line's user among them; a text that already names the flag is left as is."""
+    pieces, at = [], 0
+    for match in _RUN_OPTIONS.finditer(text):
+        end = _closing(text, match.end())
+        if end is None:
+            continue
+        fields = _FIELD.findall(text[match.end():end - 1])
+        flags = [FLAGS[f] for f in fields if f in FLAGS and FLAGS[f].split()[0] not in text]
+        if not flags:
+            continue
+        said = "on the command line " + " ".join(flags)
+        pieces += [text[at:end], f"; {said}" if text.startswith(")", end) else f" ({said})"]
+        at = end
+    return "".join(pieces) + text[at:]
+
+
+def _closing(text: str, start: int) -> int | None:
+    """The index after the ``)`` that closes the parenthesis open before ``start``."""
+    depth = 1
+    for index in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[index], 0)
+        if depth == 0:
+            return index + 1
+    return None

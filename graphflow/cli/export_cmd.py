@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from graphflow.cli import CommandError
 from graphflow.cli.source import add_plan_source_arguments, plan_source
-from graphflow.errors import PlanError
 from graphflow.plan.loader import dump_plan
 
 __all__ = ["register"]
@@ -32,17 +32,12 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        text = dump_plan(plan_source(args))
-    except PlanError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2
+    text = dump_plan(plan_source(args))
     if args.output is None:
         sys.stdout.write(text)
         return 0
     try:
         Path(args.output).write_text(text)
     except OSError as err:
-        print(f"graphflow: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{args.output}: cannot write: {err.strerror or err}") from err
     return 0

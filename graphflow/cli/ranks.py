@@ -9,7 +9,8 @@
    ``cuda:{LOCAL_RANK}`` and its own stream on NCCL, the default process group over
    env://, whose store the phase barriers and the trace agreement use;
 3. captures the plan, placed on its device, in a ``Session`` and times it as ``run``
-   does; ``--trace DIR`` writes ``DIR/rank{N}.jsonl`` on the rank's own node;
+   does (``graphflow.cli.capture_report``); ``--trace DIR`` writes ``DIR/rank{N}.jsonl``
+   on the rank's own node;
 4. publishes a summary of its outcome in the store. Rank 0 waits for every rank's,
    prints its own report, then one line per rank and the job's result, and says so in
    the store; the other ranks print their own error, if any, and wait for that before
@@ -33,6 +34,8 @@ import sys
 import time
 
 from graphflow.cli import CommandError, report_error
+from graphflow.cli.capture_report import (check_backend, close, print_report, report_document, report_listener,
+                                          time_steps, trace_dir, write_report)
 from graphflow.errors import GraphflowError
 
 __all__ = ["rank_line", "rank_summary", "run_ranks", "world_line"]
@@ -75,7 +78,6 @@ def run_ranks(args: argparse.Namespace, plan, source: str, options) -> int:
 
 
 def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
-    from graphflow.cli import run_cmd
     from graphflow.dist.distributed import identity, joined
 
     try:
@@ -86,10 +88,10 @@ def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
         raise CommandError(f"{source}: the plan is written for world_size {plan.world_size}, the job has "
                            f"{world_size} rank(s) — set world_size in the plan or start {plan.world_size} "
                            "(nodes × processes per node)")
-    run_cmd.check_backend(options)
+    check_backend(options)
     if args.trace is not None:
-        run_cmd.trace_dir(args.trace)
-    report = run_cmd.report_listener(args.report, plan, options) if args.report else None  # checked on every rank
+        trace_dir(args.trace)
+    report = report_listener(args.report, plan, options) if args.report else None  # checked on every rank
     timeout_s = plan.capture.barrier_timeout_s
     with contextlib.ExitStack() as stack:
         try:
@@ -117,7 +119,6 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
     """Capture and time this rank's plan as ``run`` does; its document (rank 0's is
     printed), its error, and its summary for the job's report. ``report``: rank 0's
     capture report listener (``--report``), else None."""
-    from graphflow.cli import run_cmd
     from graphflow.view.progress import ProgressDisplay
     from graphflow.session import Session
 
@@ -133,8 +134,8 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
         started = time.perf_counter()
         engine = session.capture()
         captured_s = time.perf_counter() - started
-        timings = run_cmd.time_steps(engine, args.steps)
-        document = run_cmd.report_document(source, engine, timings, captured_s, time.perf_counter() - began)
+        timings = time_steps(engine, args.steps)
+        document = report_document(source, engine, timings, captured_s, time.perf_counter() - began)
         summary = rank_summary(engine)
     except GraphflowError as err:
         error = err
@@ -142,11 +143,11 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
         error = CommandError(str(err))
     try:
         if session is not None:
-            run_cmd.close(session)
+            close(session)
     except CommandError as err:
         error = error or err
     if report is not None:
-        run_cmd.write_report(report, args.report, failed=error is not None)
+        write_report(report, args.report, failed=error is not None)
     if error is not None:
         summary = {"ok": False, "error": str(error)}
     summary.update(rank=ctx.rank, host=socket.gethostname(), device=str(ctx.device),
@@ -206,7 +207,6 @@ def _collect(store, namespace: str, world_size: int, timeout) -> list[dict | Non
 
 def _print_job(args, plan, source: str, ctx, document: dict | None, summaries: list[dict | None],
                ok: bool) -> None:
-    from graphflow.cli import run_cmd
 
     waited = f"no result within {plan.capture.barrier_timeout_s:g} s (the rank crashed or hangs; torchrun names it)"
     lines = [rank_line(r, s, s.get("seconds")) if s is not None else f"rank {r}: {waited}"
@@ -222,7 +222,7 @@ def _print_job(args, plan, source: str, ctx, document: dict | None, summaries: l
         print(last)
         return
     if document is not None:
-        run_cmd.print_report(document)
+        print_report(document)
         print()
     print("\n".join(lines))
     print(last)

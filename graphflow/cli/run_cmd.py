@@ -5,7 +5,9 @@ a decorated model declares (``graphflow.cli.source``). The plan is validated (er
 stop it before any capture), captured in a ``graphflow.session.Session`` with a
 progress display on stderr, then reported: descriptors captured, time per phase, pool
 bytes, verify results and, on a GPU, eager versus graph step time per descriptor (the
-median of a few steps of each). On the CPU backend no graph exists, regions are
+median of a few steps of each, ``graphflow.runtime.time_steps``); the report and the
+checks around it are ``graphflow.cli.capture_report``, which each rank of a torchrun
+job shares. On the CPU backend no graph exists, regions are
 replayed eagerly and a speed-up would be noise, so none is shown. Exit 0 on success,
 1 when the plan has errors or capture failed (rolled back; the error names phase,
 descriptor, segment and what to do, with no traceback), 2 when the plan cannot be
@@ -32,9 +34,12 @@ import sys
 import time
 
 from graphflow.cli import CommandError, parse_sizes
+from graphflow.cli.capture_report import (check_backend, close, print_report, report_document, report_listener,
+                                          time_steps, trace_dir, write_report)
 from graphflow.cli.source import add_plan_source_arguments, plan_source, with_modes
 from graphflow.dist.distributed import in_job
 from graphflow.errors import CaptureError, InvalidPlanError
+from graphflow.plan.rules import validate
 
 __all__ = ["register"]
 
@@ -88,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
     elif os.environ.get("GRAPHFLOW_MODES"):
         plan = with_modes(plan, os.environ["GRAPHFLOW_MODES"], "GRAPHFLOW_MODES")
     source = args.plan or args.module
+    if not in_job() and _on_the_host(args.backend) and validate(plan).ok:
+        # Before torch loads (a second or two): a plan too large for this machine is
+        # refused from its own numbers at once. The pipeline checks again either way,
+        # and refuses a plan with errors first.
+        from graphflow.engine.memory import check_plan_on_the_host
+
+        check_plan_on_the_host(plan, sizes=parse_sizes(args.sizes), verify=not args.no_verify)
     options = _options(args)
     if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
         if args.lazy:
@@ -167,33 +179,10 @@ def wait_lazy(engine, ready_s: float, *, say: bool) -> None:
         raise error
 
 
-def report_listener(path: str, plan, options):
-    """The capture report's listener; a FILE it cannot write is a bad argument (exit 2)."""
-    from graphflow.engine import make_backend
-    from graphflow.view.report import CaptureReport, report_format
-
-    try:
-        report_format(path)
-    except ValueError as err:
-        raise CommandError(f"--report {err}") from err
-    return CaptureReport(plan.name, make_backend(options.backend).name)
-
-
-def write_report(report, path: str, *, failed: bool = False) -> None:
-    """Write the report; a path that cannot be written is a bad argument (exit 2), said
-    beside the capture's own error when the capture failed too."""
-    from graphflow.view.report import write_report
-
-    if not report.started:
-        return
-    try:
-        write_report(report.document(), path)
-    except OSError as err:
-        message = f"--report {path}: cannot write: {err.strerror or err}"
-        if failed:
-            print(f"graphflow: {message}", file=sys.stderr)
-            return
-        raise CommandError(message) from err
+def _on_the_host(backend: str) -> bool:
+    """Whether the run will use the CPU backend, known without importing torch: asked
+    for, or automatic on a machine with no NVIDIA driver loaded (so no CUDA device)."""
+    return backend == "cpu" or (backend == "auto" and not os.path.exists("/proc/driver/nvidia/version"))
 
 
 def _options(args: argparse.Namespace):
@@ -207,196 +196,6 @@ def _options(args: argparse.Namespace):
     return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=args.detectors,
                       disabled_checks=checks, sizes=parse_sizes(args.sizes), lazy=args.lazy,
                       compile=not args.no_compile)
-
-
-def check_backend(options) -> bool:
-    """Whether the backend the options name captures real graphs (it exists, or exit 2)."""
-    from graphflow.engine import make_backend
-
-    try:
-        return make_backend(options.backend).captures_graphs
-    except ValueError as err:
-        raise CommandError(f"--backend {options.backend.value}: {err}") from err
-
-
-def trace_dir(path: str) -> None:
-    """Made here, so a path that cannot hold the trace is a bad argument (exit 2), not a
-    listener failing in the middle of the pipeline."""
-    from pathlib import Path
-
-    target = Path(path)
-    try:
-        (target.parent if target.suffix == ".jsonl" else target).mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CommandError(f"--trace {path}: cannot write there: {err.strerror or err}") from err
-
-
-def close(session) -> None:
-    """Close the session; a teardown that failed is the job failing (exit 1)."""
-    try:
-        session.close()
-    except Exception as err:  # noqa: BLE001 - an ExceptionGroup of every teardown step that failed
-        lines = [f"teardown failed: {err}"]
-        lines += [f"  {type(f).__name__}: {f}" for f in getattr(err, "exceptions", ())]
-        raise CommandError("\n".join(lines), status=1) from err
-
-
-def time_steps(engine, steps: int) -> dict:
-    """Median seconds per step, eager and graph, for each captured descriptor."""
-    import statistics
-
-    import torch
-
-    if steps <= 0 or not engine.programs:
-        return {}
-    first = next(iter(engine.buffers.tensors.values()), None)
-    timer = engine.backend.timer(first.device if first is not None else None)
-    timings = {}
-    try:
-        for descriptor, program in engine.programs.items():
-            eager = _loop(engine.eager_calls(descriptor.size))
-            graph = _loop(program)
-            with torch.no_grad():
-                for call in (eager, graph):  # one untimed run each: caches, lazy modules
-                    call()
-                timings[descriptor] = (statistics.median(timer(eager, steps)),
-                                       statistics.median(timer(graph, steps)))
-    except Exception as err:  # noqa: BLE001 - a model error while timing is reported, not a traceback
-        raise CommandError(f"timing the captured steps failed: {type(err).__name__}: {err}", status=1) from err
-    return timings
-
-
-def _loop(calls):
-    def step() -> None:
-        for call in calls:
-            call()
-
-    return step
-
-
-def report_document(path: str, engine, timings: dict, captured_s: float, total_s: float) -> dict:
-    """The report as plain data: what ``--json`` prints and the text report draws."""
-    report = engine.report
-    verify = {r.descriptor: r for r in report.verify}
-    real = report.captures_graphs
-    descriptors = []
-    for descriptor in report.descriptors:
-        row = {"mode": descriptor.mode.value, "size": descriptor.size, "verify": None,
-               "eager_ms": None, "graph_ms": None, "speedup": None}
-        row.update({f"{t.phase.value}_s": t.seconds for t in report.times if t.descriptor == descriptor})
-        if descriptor in verify:
-            row["verify"] = {"bit_exact": verify[descriptor].bit_exact, "max_abs_diff": verify[descriptor].max_abs_diff,
-                             "against": list(verify[descriptor].against)}
-        if descriptor in timings:
-            eager_s, graph_s = timings[descriptor]
-            row.update(eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3)
-            if real and graph_s:
-                row["speedup"] = eager_s / graph_s
-        descriptors.append(row)
-    verified = report.verify
-    exact = sum(r.bit_exact for r in verified)
-    what = f"{report.graphs} graphs" if real else "no graph captured (CPU backend: regions replayed eagerly)"
-    against = " and ".join(dict.fromkeys(a for r in verified for a in r.against))
-    if verified and report.compile is not None:  # fusion rounds differently: the tolerance is what applies
-        worst = max(r.max_abs_diff for r in verified)
-        checked = (f"; verify {len(verified)}/{len(verified)} within atol={engine.plan.capture.atol:g}, "
-                   f"rtol={engine.plan.capture.rtol:g} of {against} (max |diff| {worst:.3g}, {exact} bit-exact)")
-    else:
-        checked = f"; verify {exact}/{len(verified)} bit-exact against {against}" if verified else "; not verified"
-    result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {what}, "
-              f"in {total_s:.2f} s on {report.backend}" + checked)
-    compiled = report.compile
-    compile_doc = None if compiled is None else {
-        "summary": compiled.summary(), "seconds": compiled.seconds,
-        "segments": [{"segment": c.segment, "backend": c.setting.backend, "mode": c.setting.mode,
-                      "dynamic": c.setting.dynamic, "compiles": c.compiles, "graphs": c.graphs,
-                      "graph_breaks": list(c.graph_breaks), "recompiles": list(c.recompiles), "seconds": c.seconds,
-                      "cache_hits": c.cache_hits, "cache_misses": c.cache_misses, "fallback": c.fallback,
-                      "reuses": c.shares if c.reused else None} for c in compiled.segments]}
-    return {
-        "plan": engine.plan.name, "file": path, "ok": True, "backend": report.backend,
-        "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,
-        "graphs": report.graphs, "pool_bytes": report.pool_bytes, "buffer_bytes": report.buffer_bytes,
-        "pool_estimate": report.pool_estimate,
-        "capture_s": captured_s, "total_s": total_s,
-        "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
-        "descriptors": descriptors, "compile": compile_doc, "result": result,
-    }
-
-
-def print_report(document: dict) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    from graphflow.view.units import format_bytes
-
-    console = Console(highlight=False, soft_wrap=True)
-
-    def line(text: str = "") -> None:
-        console.print(text, markup=False)
-
-    def table(*columns: str) -> Table:
-        drawn = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-        for name in columns:
-            drawn.add_column(name, justify="left" if name in ("phase", "outcome", "descriptor", "verify") else "right")
-        return drawn
-
-    real = document["graphs_captured"]
-    line(f"plan {document['plan']} ({document['file']}), backend {document['backend']}")
-    if not real:
-        line("  no CUDA graph was captured: the CPU backend runs every phase and replays each region eagerly")
-    for device, mapped in document["remapped"].items():
-        line(f"  device {device} mapped to {mapped}")
-    line()
-    phases = table("phase", "outcome", "seconds")
-    for phase in document["phases"]:
-        phases.add_row(phase["phase"], phase["outcome"], f"{phase['seconds']:.3f}")
-    console.print(phases)
-    line()
-    estimate = "".join(f", {mode} estimated at {format_bytes(size)} after its two largest"
-                       for mode, size in document["pool_estimate"].items())
-    line((f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}{estimate}, " if real else "")
-         + f"static buffers {format_bytes(document['buffer_bytes'])}")
-    if document.get("trace"):
-        line(f"trace {document['trace']}")
-    compiled = document.get("compile")
-    if compiled is not None:
-        line(compiled["summary"])
-        for segment in compiled["segments"]:
-            if segment["reuses"] is None:
-                line("  " + _compile_line(segment))
-        line("  verify compares the compiled capture with the uncompiled eager step: fusion reorders "
-             "floating-point work, so bit-exact is not expected; the plan's tolerance applies")
-    line()
-    rows = table("descriptor", "verify", "eager ms", *(("graph ms", "speed-up") if real else ("replay ms",)))
-    for row in document["descriptors"]:
-        verify = row["verify"]
-        check = ("not verified" if verify is None else "bit-exact" if verify["bit_exact"]
-                 else f"max|diff| {verify['max_abs_diff']:.2g}")
-        timed = row["eager_ms"] is not None
-        cells = [f"{row['mode']}(B={row['size']})", check, f"{row['eager_ms']:.3f}" if timed else "-",
-                 f"{row['graph_ms']:.3f}" if timed else "-"]
-        if real:
-            cells.append(f"{row['speedup']:.2f}x" if row["speedup"] is not None else "-")
-        rows.add_row(*cells)
-    console.print(rows)
-    line()
-    if document.get("ready_s") is not None:
-        line(f"ready {document['ready_s']:.2f} s (serving eagerly), all descriptors live after "
-             f"{document['capture_s']:.2f} s")
-    line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
-         "included")
-    line(document["result"])
-
-
-def _compile_line(segment: dict) -> str:
-    if segment["fallback"] is not None:
-        return f"{segment['segment']}: runs uncompiled ({segment['fallback']})"
-    breaks = f", graph breaks: {'; '.join(segment['graph_breaks'])}" if segment["graph_breaks"] else ""
-    return (f"{segment['segment']}: {segment['compiles']} compile(s), {segment['graphs']} graph(s), "
-            f"{len(segment['recompiles'])} recompile(s), {segment['seconds']:.2f} s, cache "
-            f"{segment['cache_hits']} hit(s)/{segment['cache_misses']} miss(es){breaks}")
 
 
 def _dump(document: dict) -> None:

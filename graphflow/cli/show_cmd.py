@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from graphflow.errors import PlanError
+from graphflow.cli import CommandError
 from graphflow.cli.source import add_plan_source_arguments, plan_source
 
 __all__ = ["register"]
@@ -59,17 +59,12 @@ def _format(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     fmt = _format(args)
-    if fmt in ("png", "svg"):
-        if not args.output:
-            print(f"graphflow: show --format {fmt} needs -o FILE", file=sys.stderr)
-            return 2
+    if fmt in ("png", "svg") and not args.output:
+        raise CommandError(f"show --format {fmt} needs -o FILE")
     if fmt in _PICTURES and importlib.util.find_spec("matplotlib") is None:
-        print(f"graphflow: show --format {fmt} needs matplotlib: pip install 'graphflow[draw]'", file=sys.stderr)
-        return 2
+        raise CommandError(f"show --format {fmt} needs matplotlib: pip install 'graphflow[draw]'")
     if fmt not in _PICTURES and (args.expand or args.layers or args.mode):
-        print("graphflow: --expand, --layers and --mode shape the picture: add --format png, svg or picture",
-              file=sys.stderr)
-        return 2
+        raise CommandError("--expand, --layers and --mode shape the picture: add --format png, svg or picture")
     layers = None
     if args.layers:
         from graphflow.view.picture import parse_layers
@@ -77,13 +72,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             layers = parse_layers(args.layers)
         except ValueError as err:
-            print(f"graphflow: {err}", file=sys.stderr)
-            return 2
-    try:
-        plan = plan_source(args)
-    except PlanError as err:
-        print(f"graphflow: {err}", file=sys.stderr)
-        return 2
+            raise CommandError(str(err)) from err
+    plan = plan_source(args)
     if fmt in _PICTURES:
         return _picture(args, plan, fmt, layers)
     from graphflow.view.render import format_summary, summarize, to_dot, to_rich
@@ -100,8 +90,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         Path(args.output).write_text(text)
     except OSError as err:
-        print(f"graphflow: {args.output}: cannot write: {err.strerror or err}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{args.output}: cannot write: {err.strerror or err}") from err
     return 0
 
 
@@ -125,8 +114,7 @@ def _picture(args: argparse.Namespace, plan, fmt: str, layers) -> int:
     try:
         draw(picture, path, ImageFormat(fmt))
     except OSError as err:
-        print(f"graphflow: {path}: cannot write: {err.strerror or err}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{path}: cannot write: {err.strerror or err}") from err
     size = f"{width} x {height} px" if fmt == "png" else f"{width * 0.72:.0f} x {height * 0.72:.0f} pt"
     print(f"wrote {path} ({size}, {time.perf_counter() - start:.1f} s)")
     for note in picture.notes:

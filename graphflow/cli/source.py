@@ -44,8 +44,8 @@ def add_plan_source_arguments(parser: argparse.ArgumentParser, *, settings: bool
 def plan_source(args: argparse.Namespace) -> Plan:
     """The plan a subcommand's arguments name: ``load_plan(PLAN)`` or the ``--module``'s declarations.
 
-    Raises ``PlanError`` for a bad file, a bad option or a misdeclared model; the
-    subcommand prints it and exits 2, as for any unreadable plan.
+    Raises ``PlanError`` for a bad file, a bad option or a misdeclared model; ``main``
+    prints it and exits 2, as for any unreadable plan.
     """
     module_ref = getattr(args, "module", None)
     if (args.plan is None) == (module_ref is None):

@@ -5,7 +5,8 @@ writes ``DIR/rank{N}.jsonl``). Fields that legitimately differ between ranks (ra
 timestamps, a p2p peer) are ignored. A trace whose tracer lost events (it ends with a
 ``trace_incomplete`` record: a full disk, a dead mount) is compared only as far as it
 was written. Exit status: 0 the traces agree, 1 they differ, 2 a trace could not be
-read, or they agree as far as an incomplete trace goes and cannot be compared after.
+read (an error, said on stderr), or they agree as far as an incomplete trace goes and
+cannot be compared after (a result, said on stdout with the others).
 
 ``graphflow trace export --format chrome TRACE... [-o FILE]``: the traces as one Chrome
 trace (``graphflow.dist.chrome_trace``) for Perfetto (https://ui.perfetto.dev, "Open trace
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from graphflow.cli import CommandError
 
 __all__ = ["register"]
 
@@ -60,8 +63,9 @@ def _files(arguments: list[str]) -> list[Path]:
     return files
 
 
-def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[dict]]] | None:
-    """The TRACE arguments' files and their events, or None having said why (exit 2)."""
+def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[dict]]]:
+    """The TRACE arguments' files and their events; a trace that cannot be read is bad
+    input (exit 2)."""
     # Imported here: every ``graphflow`` command builds this parser.
     from graphflow.dist.trace import TraceReadError, read_trace
 
@@ -69,20 +73,16 @@ def _read(args: argparse.Namespace, action: str) -> tuple[list[Path], list[list[
         files = _files(args.traces)
         return files, [read_trace(f) for f in files]
     except TraceReadError as e:
-        print(f"graphflow trace {action}: {e}", file=sys.stderr)
-        return None
+        raise CommandError(str(e), prog=f"graphflow trace {action}") from e
 
 
 def run_diff(args: argparse.Namespace) -> int:
     from graphflow.dist.trace import comparable, describe, diff_traces, incomplete, written
 
-    read = _read(args, "diff")
-    if read is None:
-        return 2
-    files, traces = read
+    files, traces = _read(args, "diff")
     if len(traces) < 2:
-        print("graphflow trace diff: give at least two traces (one per rank) or a directory of them", file=sys.stderr)
-        return 2
+        raise CommandError("give at least two traces (one per rank) or a directory of them",
+                           prog="graphflow trace diff")
     labels = [_label(f, t) for f, t in zip(files, traces)]
     found = diff_traces(traces)
     lost = "; ".join(f"{label}'s trace is incomplete ({record.get('lost')} events lost: {record.get('error')})"
@@ -126,10 +126,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     from graphflow.dist.chrome_trace import chrome_trace
 
-    read = _read(args, "export")
-    if read is None:
-        return 2
-    files, traces = read
+    files, traces = _read(args, "export")
     document = chrome_trace(traces, files)
     text = json.dumps(document, separators=(",", ":"), default=str)
     if args.output is None:
@@ -138,8 +135,7 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         Path(args.output).write_text(text + "\n", encoding="utf-8")
     except OSError as e:
-        print(f"graphflow trace export: {args.output}: cannot write: {e.strerror or e}", file=sys.stderr)
-        return 2
+        raise CommandError(f"{args.output}: cannot write: {e.strerror or e}", prog="graphflow trace export") from e
     events = sum(len(t) for t in traces)
     divergence = document["otherData"].get("first_divergence")
     where = ("" if divergence is None else

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 
+from graphflow.cli import CommandError
 from graphflow.errors import PlanError
 from graphflow.plan.loader import load_plan
 from graphflow.view.units import plural
@@ -90,8 +91,7 @@ def run(args: argparse.Namespace) -> int:
     known = {rule.code for rule in RULES}
     unknown = [code for code in disable if code not in known]
     if unknown:
-        print(f"graphflow: --disable: {unknown_codes(unknown)}", file=sys.stderr)
-        return 2
+        raise CommandError(f"--disable: {unknown_codes(unknown)}")
     status = 0
     documents = []
     for path in args.plans:

@@ -94,7 +94,7 @@ def launch(fn: Callable[..., object], nproc: int, backend: str = "gloo", *, args
 
     if backend == "nccl" and torch.cuda.device_count() < nproc:
         raise ValueError(f"{nproc} NCCL ranks need {nproc} GPUs, this machine has {torch.cuda.device_count()} "
-                         "— lower --nproc or use backend gloo")
+                         "— start fewer ranks (nproc) or use backend gloo")
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -18,6 +18,7 @@ import torch
 from graphflow.engine.model.adopt import adopt, attach
 from graphflow.engine.model.binding import build_model, resolve
 from graphflow.engine.buffers import Copies, StaticBuffers
+from graphflow.engine.channels import ChannelRuntimeProtocol
 from graphflow.engine.model.calls import prepare, reference
 from graphflow.engine.model.compiled import compile_segments
 from graphflow.engine.context import Context
@@ -124,7 +125,7 @@ def step_items(ctx: Context, mode: Mode):
                 yield item
 
 
-def allocate(ctx: Context, model: object | None, channels: object | None) -> Allocation:
+def allocate(ctx: Context, model: object | None, channels: ChannelRuntimeProtocol | None) -> Allocation:
     plan, backend, stack = ctx.plan, ctx.backend, ctx.stack
     devices: dict[str, torch.device] = {}
     baseline: dict[torch.device, int] = {}
@@ -144,10 +145,9 @@ def allocate(ctx: Context, model: object | None, channels: object | None) -> All
         model = build_model(plan, offered)
     owned.model = model
     stack.push("drop the model", owned.drop)
-    bind = getattr(channels, "bind", None)
-    if bind is not None:  # so a channel's prewarm hook resolves on this model
-        bind(model)
-        stack.push("unbind the model from the channels", functools.partial(bind, None))
+    if channels is not None:  # so a channel's prewarm hook resolves on this model
+        channels.bind(model)
+        stack.push("unbind the model from the channels", functools.partial(channels.bind, None))
     largest = largest_size(ctx)
     adopted = adopt(ctx, model, largest, devices.__getitem__)
     owned.holders.update({a.path.rpartition(".")[0] or a.path: a.slot.owner for a in adopted.values()})

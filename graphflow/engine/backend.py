@@ -63,6 +63,7 @@ from typing import ClassVar
 
 import torch
 
+from graphflow.engine.memory import host_available
 from graphflow.engine.streams import cuda_streams
 
 __all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "WorkspaceClearedWarning", "make_backend",
@@ -184,7 +185,7 @@ class Backend(abc.ABC):
 
     def free_memory(self, device: torch.device) -> int | None:
         """Bytes that can still be allocated on ``device``, when the backend can tell."""
-        return _host_available() if device.type == "cpu" else None
+        return host_available() if device.type == "cpu" else None
 
     def pool_bytes(self, pool: object) -> int | None:
         """Bytes the pool holds, when the backend can tell."""
@@ -657,7 +658,7 @@ class CudaBackend(Backend):
 
     def free_memory(self, device: torch.device) -> int | None:
         if device.type == "cpu":
-            return _host_available()
+            return host_available()
         # What the driver has free, plus what torch's cache holds but no tensor uses.
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -858,18 +859,6 @@ def _driver_begin_capture():
     return begin
 
 
-def _host_available() -> int | None:
-    """The host memory a new allocation can take (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class BackendKind(enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
@@ -885,5 +874,6 @@ def make_backend(kind: BackendKind | str = BackendKind.AUTO) -> Backend:
     if kind is BackendKind.AUTO:
         kind = BackendKind.CUDA if torch.cuda.is_available() else BackendKind.CPU
     if kind is BackendKind.CUDA and not torch.cuda.is_available():
-        raise ValueError("the cuda backend needs a CUDA GPU, and torch sees none — use --backend cpu or auto")
+        raise ValueError("the cuda backend needs a CUDA GPU, and torch sees none — use the cpu backend or auto "
+                         "(RunOptions(backend='cpu'|'auto'))")
     return BACKENDS[kind]()

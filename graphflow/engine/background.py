@@ -3,13 +3,20 @@
 With ``RunOptions(lazy=True)`` the pipeline stops after allocate, the first descriptor's
 warmup and prewarm, and commits an engine with no step program: the runtime serves every
 batch eagerly (on the static buffers) from the first step. ``BackgroundCapture`` then
-warms, captures and verifies one descriptor at a time and switches each in once it
-verifies. The order: the smallest descriptor that holds the first batch seen; then the
-largest, so that every batch from then on replays a graph (padded up) and no eager step
-competes with the capture for the host; then the smallest holding each batch size seen,
-first seen first; then the plan's order. A descriptor that fails is rolled back alone
-(its graphs destroyed) and noted in ``failures``; its batches go on being served by a
-larger descriptor or eagerly.
+runs one descriptor at a time through warmup, capture and verify, as the pipeline does
+(``graphflow.engine.phase.run_descriptor``), and switches each in once it verifies. The
+order: the smallest descriptor that holds the first batch seen; then the largest, so
+that every batch from then on replays a graph (padded up) and no eager step competes
+with the capture for the host; then the smallest holding each batch size seen, first
+seen first; then the plan's order. A descriptor that fails is rolled back alone (its
+graphs destroyed) and noted in ``failures``; its batches go on being served by a larger
+descriptor or eagerly.
+
+The serving side and the thread meet in one object, ``LiveSwitch`` (``engine.live``):
+the lock, the programs switched in so far and a version each switch-in moves on, the
+report, and the other way what serving asks for (batch sizes, steps waiting or running,
+stopping). The engine itself is set once, at commit; all that changes while it serves is
+there, the runtime talks to it and never to the thread, and the thread writes through it.
 
 The thread warms up the first descriptor again although the foreground just did: some
 of CUDA's lazy initialization is per thread (torch gives each thread its own cuBLAS
@@ -20,7 +27,7 @@ pool still recording), which is what cuBLAS initializing inside the capture woul
 
 Why it is safe beside serving:
 
-* **Execution is serialized.** The engine's ``lock`` is held by the runtime for each
+* **Execution is serialized.** The live switch's ``lock`` is held by the runtime for each
   step and by the background thread for a descriptor's warmup and verify, which run the
   model on the static buffers. Those two snapshot every buffer they touch (inputs, what
   the step writes, the state) at their descriptor's size first and put it back after,
@@ -57,27 +64,30 @@ decides, and their barriers would disagree); capture them in the foreground.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
+import torch
 
 from graphflow.engine.allocate import Allocation
+from graphflow.engine.backend import Call
 from graphflow.engine.buffers import Copies
-from graphflow.engine.capture import Captured, capture
+from graphflow.engine.capture import Captured
 from graphflow.engine.context import Context
-from graphflow.engine.phase import PhaseResult, run_phase, summarize
-from graphflow.engine.rollback import UndoStack
-from graphflow.engine.verify import VerifyResult, verify
-from graphflow.engine.warmup import DescriptorTime, warmup
-from graphflow.errors import CaptureError
-from graphflow.events import EventKind, Phase
+from graphflow.engine.engine import PipelineReport
 from graphflow.engine.locus import Locus
+from graphflow.engine.options import Watch
+from graphflow.engine.phase import Hooks, PhaseResult, Tally, run_descriptor, summarize
+from graphflow.engine.rollback import UndoStack
+from graphflow.engine.verify import VerifyResult
+from graphflow.engine.warmup import DescriptorTime
+from graphflow.errors import CaptureError
+from graphflow.events import EventKind
 from graphflow.plan import BufferRole, Descriptor
 
-__all__ = ["BackgroundCapture"]
+__all__ = ["BackgroundCapture", "LiveSwitch"]
 
 #: The longest the thread lets steps go first before it takes the lock for a phase: a
 #: step or two. Steps served back to back leave no gap to wait for, so a longer wait only
@@ -89,44 +99,28 @@ SERVING_FIRST_S = 0.05
 FIRST_STEP_S = 0.5
 
 
-class BackgroundCapture:
-    """The capture thread of a lazy engine (see the module docstring)."""
+class LiveSwitch:
+    """What a lazy engine's serving side and its capture thread share (see the module
+    docstring): the one place either of them changes while the engine serves."""
 
-    def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, engine, pending: tuple[Descriptor, ...]):
-        self._ctx, self._alloc, self._captured, self._engine = ctx, alloc, captured, engine
-        self._pending = list(pending)
-        self._asked: list[int] = []  # batch sizes, in the order first seen
+    def __init__(self, report: PipelineReport):
+        #: Held by a step, and by the thread for a phase that runs the model.
+        self.lock = threading.RLock()
+        #: The step programs switched in so far; ``version`` counts the switch-ins, so a
+        #: runner sees at its next step that there are new ones.
+        self.programs: dict[Descriptor, tuple[Call, ...]] = {}
+        self.version = 0
+        #: The foreground's report, then the thread's once it is ``done``.
+        self.report = report
+        #: The thread writes the static buffers no more (a step's outputs may stay in them).
+        self.done = False
         self._cond = threading.Condition()
-        self._stopping = False
+        self._asked: list[int] = []  # batch sizes, in the order first seen
         self._serving = 0  # steps waiting for the lock or running under it
         self._served = 0  # steps done
-        self._touched = tuple(dict.fromkeys((
-            *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
-            *ctx.verify_plan.written)))
-        self.lock = engine.lock
-        # Where a phase keeps what serving left in the buffers it touches (see ``_kept``):
-        # allocated once, as verify's snapshots are, not cloned per phase.
-        self._saved = Copies(alloc.buffers, self._touched)
-        self.failures: dict[Descriptor, CaptureError] = {}
-        self.verified: list[VerifyResult] = []
-        self.times: list[DescriptorTime] = []
-        self.phases: list[PhaseResult] = []
-        self.started_at = time.perf_counter()
-        self.finished_at: float | None = None
-        self._thread = threading.Thread(target=self._run, name="graphflow-background-capture", daemon=True)
+        self._stopping = False
 
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def done(self) -> bool:
-        return self.finished_at is not None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for every descriptor to be captured (or to have failed); False on timeout."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
+    # -- what serving says -------------------------------------------------------------
     def asked(self, batch: int) -> None:
         """A batch of this size was served: capture the descriptor that holds it sooner."""
         if batch not in self._asked:
@@ -149,98 +143,175 @@ class BackgroundCapture:
                 self._cond.notify_all()
 
     def stop(self) -> None:
-        """Capture nothing more; returns once the descriptor under way is done."""
+        """Capture nothing more (the engine closes); wakes a thread that waits."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+    # -- what the thread reads and writes ----------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def demand(self) -> tuple[int, ...]:
+        """The batch sizes served so far, first seen first."""
+        with self._cond:
+            return tuple(self._asked)
+
+    def wait_for_first_step(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._served or self._stopping, timeout=timeout)
+
+    def wait_for_gap(self, timeout: float) -> None:
+        """Steps first; bounded, should several serving threads never pause."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._serving or self._stopping, timeout=timeout)
+
+    def switch_in(self, descriptor: Descriptor, program: tuple[Call, ...]) -> None:
+        """Serve ``descriptor``'s batches with ``program`` from the next step on."""
+        with self.lock:
+            self.programs[descriptor] = program
+            self.version += 1
+
+    def finish(self, report: PipelineReport) -> None:
+        with self.lock:
+            self.report = report
+            self.done = True
+
+
+class BackgroundCapture:
+    """The capture thread of a lazy engine (see the module docstring)."""
+
+    def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, live: LiveSwitch):
+        # The foreground watched the first warmup; a watch in the capture thread would patch
+        # torch's synchronize for the serving thread too.
+        self._ctx = attrs.evolve(ctx, options=attrs.evolve(ctx.options, detectors=Watch.OFF))
+        self._stack = ctx.stack  # the engine's: a descriptor's undos join it as it goes live
+        self._alloc, self._captured, self._live = alloc, captured, live
+        self._pending = list(ctx.descriptors)
+        self._touched = tuple(dict.fromkeys((
+            *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
+            *ctx.verify_plan.written)))
+        # Where a phase keeps what serving left in the buffers it touches (see ``_kept``):
+        # allocated once, as verify's snapshots are, not cloned per phase.
+        self._saved = Copies(alloc.buffers, self._touched)
+        self._tally = Tally()
+        self.failures: dict[Descriptor, CaptureError] = {}
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        # The thread (which holds this object) is made here: an engine rolled back before
+        # its thread started leaves no cycle keeping the allocation alive.
+        self.started_at = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="graphflow-background-capture", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def verified(self) -> list[VerifyResult]:
+        return self._tally.verified
+
+    @property
+    def times(self) -> list[DescriptorTime]:
+        return self._tally.times
+
+    @property
+    def phases(self) -> list[PhaseResult]:
+        return self._tally.phases
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every descriptor to be captured (or to have failed); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Capture nothing more; returns once the descriptor under way is done."""
+        self._live.stop()
         self._thread.join()
 
     # -- the thread ---------------------------------------------------------------------
     def _next(self) -> Descriptor | None:
-        with self._cond:
-            if not self._pending:
-                return None
-            # The descriptor that serves the first batch seen; then the largest, so that
-            # every batch from then on replays a graph (padded up) instead of running the
-            # model eagerly beside the capture; then, for each batch size asked for, first
-            # seen first, the one that serves it best (the smallest that holds it, FULL
-            # before PIECEWISE), if still pending; then the plan's order.
-            candidates = [*self._pending, *self._engine.programs]
-            largest = max(d.size for d in candidates)
-            for batch in (*self._asked[:1], largest, *self._asked[1:]) if self._asked else ():
-                holders = [d for d in candidates if d.size >= batch]
-                if holders:
-                    best = min(holders, key=lambda d: (d.size, d.mode.value != "FULL"))
-                    if best in self._pending:
-                        return best
-            return self._pending[0]
+        if not self._pending:
+            return None
+        # The descriptor that serves the first batch seen; then the largest, so that every
+        # batch from then on replays a graph (padded up) instead of running the model
+        # eagerly beside the capture; then, for each batch size asked for, first seen
+        # first, the one that serves it best (the smallest that holds it, FULL before
+        # PIECEWISE), if still pending; then the plan's order.
+        asked = self._live.demand()
+        candidates = [*self._pending, *self._live.programs]
+        largest = max(d.size for d in candidates)
+        for batch in (*asked[:1], largest, *asked[1:]) if asked else ():
+            holders = [d for d in candidates if d.size >= batch]
+            if holders:
+                best = min(holders, key=lambda d: (d.size, d.mode.value != "FULL"))
+                if best in self._pending:
+                    return best
+        return self._pending[0]
 
     def _run(self) -> None:
+        # Grad mode is per thread: the foreground's ``no_grad`` does not reach this one,
+        # and a model whose parameters require grad would refuse every ``out=`` write.
+        with torch.no_grad():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         from graphflow.engine.jit import registry as jit_registry
 
         # Listeners see the thread's work as a pipeline of its own: a progress display
         # draws it as it would a foreground run.
         events = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
         events.emit(EventKind.PIPELINE_BEGIN, total=len(self._pending))
+        hooks = Hooks(guard=self._kept, pool=False)
         try:
-            with self._cond:
-                self._cond.wait_for(lambda: self._served or self._stopping, timeout=FIRST_STEP_S)
-            while not self._stopping:
+            self._live.wait_for_first_step(FIRST_STEP_S)
+            while not self._live.stopping:
                 descriptor = self._next()
                 if descriptor is None:
                     break
-                with self._cond:
-                    self._pending.remove(descriptor)
+                self._pending.remove(descriptor)
                 ctx = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
                 jit_registry.attach(ctx.locus)
                 graphs = len(self._captured.graphs)
                 try:
-                    self._one(ctx, descriptor)
+                    self._one(ctx, descriptor, hooks)
                 except Exception as error:  # noqa: BLE001 - rolled back alone; serving goes on
                     self._failed(ctx, descriptor, error)
                     del self._captured.graphs[graphs:]  # destroyed by the rollback: not the engine's
                 finally:
                     jit_registry.detach(ctx.locus)
         finally:
-            with self.lock:
+            with self._live.lock:
                 self._captured.close()  # gc unfrozen, tripwires removed
                 self._alloc.owned.free_snapshots()
                 self._saved.clear()
-                self._engine.report = self._final_report()
-                self._engine._adopt(events.stack)
+                report = self._final_report()
+                self._stack.adopt(events.stack)
+                self._live.finish(report)
             self.finished_at = time.perf_counter()
-            events.emit(EventKind.PIPELINE_END, total=len(self._ctx.descriptors), pool_bytes=self._engine.report.pool_bytes)
+            events.emit(EventKind.PIPELINE_END, total=len(self._ctx.descriptors), pool_bytes=report.pool_bytes)
 
-    def _final_report(self):
+    def _final_report(self) -> PipelineReport:
         """The engine's report with what the thread did: once ``done``, ``engine.report``
         reads as a foreground run's would, with the descriptors that went live."""
-        report, ctx = self._engine.report, self._ctx
-        live = tuple(d for d in ctx.descriptors if d in self._engine.programs)
+        report, ctx, tally = self._live.report, self._ctx, self._tally
+        live = tuple(d for d in ctx.descriptors if d in self._live.programs)
         return attrs.evolve(report, descriptors=live, graphs=len(self._captured.graphs),
-                            phases=summarize([*report.phases, *self.phases]),
-                            verify=(*report.verify, *self.verified), times=(*report.times, *self.times),
+                            phases=summarize([*report.phases, *tally.phases]),
+                            verify=(*report.verify, *tally.verified), times=(*report.times, *tally.times),
                             pool_bytes=self._alloc.pool_bytes(ctx), pool_estimate=dict(self._captured.pool_estimate))
 
-    def _one(self, ctx: Context, descriptor: Descriptor) -> None:
-        index = ctx.descriptors.index(descriptor) + 1
-        alloc, captured, phases = self._alloc, self._captured, self.phases
-        kept = functools.partial(self._kept, descriptor)
-        warmed = run_phase(ctx, phases, Phase.WARMUP, kept(lambda: warmup(ctx, alloc, descriptor, index)))
-        self.times.append(warmed.time)
-        # A CUDA capture records without running: no lock. The CPU backend's runs the region.
-        body = lambda: capture(ctx, alloc, captured, descriptor, index)  # noqa: E731
-        self.times.append(run_phase(ctx, phases, Phase.CAPTURE, body if ctx.backend.captures_graphs else kept(body)))
-        captured.settle()  # before verify takes the lock: steps are served while the graphs instantiate
-        program = captured.programs[descriptor]
-        if ctx.options.verify:
-            result, took = run_phase(ctx, phases, Phase.VERIFY,
-                                     kept(lambda: verify(ctx, alloc, captured, descriptor, index, warmed)))
-            self.verified.append(result)
-            self.times.append(took)
-        with self.lock:
-            self._engine._adopt(ctx.stack)
-            self._engine.programs[descriptor] = program
-            self._engine.version += 1
+    def _one(self, ctx: Context, descriptor: Descriptor, hooks: Hooks) -> None:
+        run_descriptor(ctx, self._alloc, self._captured, descriptor, ctx.descriptors.index(descriptor) + 1,
+                       self._tally, hooks)
+        with self._live.lock:
+            self._stack.adopt(ctx.stack)
+            self._live.switch_in(descriptor, self._captured.programs[descriptor])
 
     def _failed(self, ctx: Context, descriptor: Descriptor, error: Exception) -> None:
         where = ctx.locus.failure(error)
@@ -256,14 +327,13 @@ class BackgroundCapture:
             error.add_note(f"rollback: {failures}")
         self.failures[descriptor] = error
 
-    def _kept(self, descriptor: Descriptor, body):
-        """``body`` under the engine's lock, every buffer it may touch given back as it was."""
+    def _kept(self, descriptor: Descriptor, body: Callable[[], object]) -> Callable[[], object]:
+        """``body`` under the live switch's lock, every buffer it may touch given back as it was."""
 
         def kept():
             views = self._alloc.buffers.views(descriptor.size)
-            with self._cond:  # steps first; bounded, should several serving threads never pause
-                self._cond.wait_for(lambda: not self._serving or self._stopping, timeout=SERVING_FIRST_S)
-            with self.lock:
+            self._live.wait_for_gap(SERVING_FIRST_S)
+            with self._live.lock:
                 saved = self._saved.take(views, descriptor.size)
                 try:
                     return body()

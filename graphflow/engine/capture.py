@@ -171,7 +171,8 @@ def _estimate_pool(ctx: Context, alloc: Allocation, captured: Captured, descript
             f"the capture pool would grow to about {format_bytes(estimate)} for the {left} {descriptor.mode.value} "
             f"descriptors left (it holds {format_bytes(pool)} after the two largest, the second adding "
             f"{format_bytes(seen[1] - seen[0])}), but {format_bytes(free)} is free on {device}",
-            hint="capture fewer sizes (capture.sizes, --sizes), or PIECEWISE only, or free memory for the pool")
+            hint="capture fewer sizes (capture.sizes, RunOptions(sizes=...)), or PIECEWISE only, or free memory "
+                 "for the pool")
 
 
 def _capture_region(ctx: Context, alloc: Allocation, index: int, region: CaptureRegion,

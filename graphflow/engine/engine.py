@@ -1,13 +1,19 @@
 """The committed result: the ``Engine`` the runtime replays, and its report.
 
-``commit`` is the last phase: it hands the step programs, the static buffers and the
-model to an ``Engine``, together with the run's rollback stack, so that closing the
-engine releases exactly what rollback would have.
+``commit`` is the last phase: every graph made ready to replay, and the run's report.
+``publish`` then hands the step programs, the static buffers and the model to an
+``Engine`` once the report holds every phase's result, commit's included: the engine is
+made whole at once and frozen, so no reader ever sees one half set up. What changes
+afterwards has a place of its own: what ``close`` lets go of (``Held``), and a lazy
+engine's switched-in programs (``graphflow.engine.background.LiveSwitch``). The engine
+keeps the run's rollback stack, so that closing it releases exactly what rollback would
+have.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -26,7 +32,10 @@ from graphflow.engine.warmup import DescriptorTime
 from graphflow.events import Phase
 from graphflow.plan import Descriptor, Plan, Segment
 
-__all__ = ["Engine", "Outcome", "PhaseResult", "PipelineReport", "commit"]
+if TYPE_CHECKING:
+    from graphflow.engine.background import BackgroundCapture, LiveSwitch
+
+__all__ = ["Engine", "Held", "Outcome", "PhaseResult", "PipelineReport", "commit", "publish"]
 
 
 @attrs.frozen
@@ -60,6 +69,27 @@ class PipelineReport:
 
 
 @attrs.define(eq=False)
+class Held:
+    """What a committed engine holds until it closes: the model, its uncompiled callables,
+    and the step programs, which reach the static buffers and the graphs.
+
+    ``release`` lets go of all of them (at ``Engine.close()``, or on a rollback before the
+    caller has the engine), so that memory returns to its baseline even while the caller
+    still holds the engine or an error of the run.
+    """
+
+    model: object
+    segments: tuple[tuple[Segment, Callable[..., object]], ...]
+    #: A lazy engine's are its ``LiveSwitch``'s: the capture thread switches them in there.
+    programs: dict[Descriptor, tuple[Call, ...]]
+
+    def release(self) -> None:
+        self.model = None
+        self.segments = ()
+        self.programs.clear()
+
+
+@attrs.frozen(eq=False)
 class Engine:
     """A committed pipeline: captured graphs, static buffers, the model, and their undos.
 
@@ -69,22 +99,40 @@ class Engine:
     where the plan compiles it: the eager step (``eager_calls``, the runtime's fallback
     for a batch above every descriptor) runs the model as written, and never compiles
     at serving time. ``close()`` releases everything, as rollback would.
+
+    A lazy engine (``RunOptions(lazy=True)``) serves while its ``background`` thread
+    captures: ``live`` is what the two share (``graphflow.engine.background.LiveSwitch``),
+    the only part of the engine that changes while it serves; its programs and report are
+    the live switch's. None for an engine captured in the foreground.
     """
 
     plan: Plan
     backend: Backend
-    model: object
     buffers: StaticBuffers
-    programs: dict[Descriptor, tuple[Call, ...]]
-    segments: tuple[tuple[Segment, Callable[..., object]], ...]
-    report: PipelineReport
     rank: int
+    _held: Held
+    _report: PipelineReport
     _stack: UndoStack
-    #: Lazy engines only (``RunOptions(lazy=True)``): the capture thread, the lock the
-    #: runtime and that thread take to run the model, and a count of programs switched in.
-    background: object | None = None
-    lock: object | None = None
-    version: int = 0
+    live: LiveSwitch | None = None
+    background: BackgroundCapture | None = None
+
+    @property
+    def model(self) -> object:
+        return self._held.model
+
+    @property
+    def segments(self) -> tuple[tuple[Segment, Callable[..., object]], ...]:
+        return self._held.segments
+
+    @property
+    def programs(self) -> dict[Descriptor, tuple[Call, ...]]:
+        return self._held.programs
+
+    @property
+    def report(self) -> PipelineReport:
+        """A lazy engine's grows with its capture thread's work: once the thread is done,
+        it reads as a foreground run's would, with the descriptors that went live."""
+        return self._report if self.live is None else self.live.report
 
     @property
     def descriptors(self) -> tuple[Descriptor, ...]:
@@ -101,16 +149,10 @@ class Engine:
         A background capture is stopped first (after the descriptor under way)."""
         if self.background is not None:
             self.background.stop()
-        self.programs = {}
-        self.model = None
-        self.segments = ()
+        self._held.release()
         failures = self._stack.unwind()
         if failures is not None:
             raise failures
-
-    def _adopt(self, stack: UndoStack) -> None:
-        """Take over the undos of a descriptor captured in the background."""
-        self._stack.adopt(stack)
 
     def __enter__(self) -> Engine:
         return self
@@ -120,22 +162,24 @@ class Engine:
 
 
 def commit(ctx: Context, alloc: Allocation, captured: Captured, verified: tuple[VerifyResult, ...],
-           times: tuple[DescriptorTime, ...]) -> Engine:
-    """Publish the step programs in an ``Engine``; its report's phases are added last."""
+           times: tuple[DescriptorTime, ...]) -> PipelineReport:
+    """The commit phase: every graph ready to replay, and the report of the run (its
+    phases are added once this phase has ended, by ``graphflow.engine.pipeline``)."""
     captured.settle()
-    report = PipelineReport(
+    return PipelineReport(
         backend=ctx.backend.name, captures_graphs=ctx.backend.captures_graphs, rank=ctx.rank,
         descriptors=ctx.descriptors, graphs=len(captured.graphs), phases=(), verify=verified,
         pool_bytes=alloc.pool_bytes(ctx), buffer_bytes=alloc.buffers.nbytes(),
         remapped=tuple(sorted(ctx.backend.remapped.items())), times=times,
         pool_estimate=dict(captured.pool_estimate), compile=compile_report(alloc.fns))
-    engine = Engine(ctx.plan, ctx.backend, alloc.model, alloc.buffers, dict(captured.programs),
-                    tuple((s, alloc.uncompiled[s.name]) for s in ctx.segments), report, ctx.rank, ctx.stack)
 
-    def unpublish() -> None:
-        engine.programs = {}
-        engine.model = None
-        engine.segments = ()
 
-    ctx.stack.push("unpublish the engine", unpublish)
-    return engine
+def publish(ctx: Context, alloc: Allocation, captured: Captured, report: PipelineReport,
+            live: LiveSwitch | None = None, background: BackgroundCapture | None = None) -> Engine:
+    """The committed ``Engine``, with the run's rollback stack: the engine's ``close()``
+    releases exactly what rollback would have, and a rollback before the caller has the
+    engine (a listener failing at PIPELINE_END) lets go of what it holds as well."""
+    held = Held(alloc.model, tuple((s, alloc.uncompiled[s.name]) for s in ctx.segments),
+                dict(captured.programs) if live is None else live.programs)
+    ctx.stack.push("unpublish the engine", held.release)
+    return Engine(ctx.plan, ctx.backend, alloc.buffers, ctx.rank, held, report, ctx.stack, live, background)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from graphflow.engine.snapshots import VerifyPlan
 from graphflow.errors import CaptureError
 from graphflow.plan import DTYPE_BYTES, Plan, eval_dim
 from graphflow.view.units import format_bytes, heaviest
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
 
     from graphflow.engine.context import Context
 
-__all__ = ["MemoryNeed", "check_fits", "check_memory", "check_plan_memory", "largest_size", "memory_need",
-           "pool_estimate"]
+__all__ = ["MemoryNeed", "check_fits", "check_memory", "check_plan_memory", "check_plan_on_the_host",
+           "host_available", "largest_size", "memory_need", "pool_estimate"]
 
 @attrs.frozen
 class MemoryNeed:
@@ -79,9 +80,41 @@ def check_fits(need: MemoryNeed, free: int | None, where: str) -> None:
         f"the plan needs {format_bytes(need.total)} on {where} ({format_bytes(sum(need.buffers.values()))} of static "
         f"buffers{copies}) but {format_bytes(free)} is free: {format_bytes(need.total - free)} short. The largest "
         f"buffers: {heaviest(need.buffers)}",
-        hint="capture smaller sizes (--sizes, RunOptions(sizes=...)): the buffers and verify's copies are allocated "
+        hint="capture smaller sizes (RunOptions(sizes=...)): the buffers and verify's copies are allocated "
              "at the largest one; shrink the largest buffers (a lower capacity, a smaller cache); or use a device "
              "with more memory")
+
+
+def host_available() -> int | None:
+    """The host memory a new allocation can take (Linux's MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_plan_on_the_host(plan: Plan, *, sizes: Collection[int] | None = None, verify: bool = True) -> None:
+    """The plan's static buffers and verify's copies against the host's free memory, for
+    a run on the CPU backend (which maps every device to the host), before torch is even
+    imported: ``graphflow run`` knows that backend without torch when it is asked for or
+    no GPU driver is loaded, and importing torch alone takes 1.2-2.3 s on a 2-core
+    machine. Everything here is the plan's; the pipeline checks again once it runs."""
+    wanted = set(sizes) if sizes else None
+    largest = max((d.size for d in plan.descriptors() if wanted is None or d.size in wanted),
+                  default=max(plan.max_size, 1))
+    copied = VerifyPlan.of(plan, tuple(s for s in plan.segments if s.runs_on(0))).copied(
+        replays_graphs=False) if verify else ()
+    needs = memory_need(plan, largest, copied).values()
+    need = MemoryNeed("host", {b: n for need in needs for b, n in need.buffers.items()},
+                      sum(need.verify for need in needs))
+    try:
+        check_fits(need, host_available(), "the host")
+    except CaptureError as error:  # placed as the pipeline places its own refusal
+        raise CaptureError(error.message, phase="allocate", rank=0, hint=error.hint) from None
 
 
 def largest_size(ctx: Context) -> int:

@@ -21,7 +21,9 @@ rollback stack the moment it succeeds. The steps:
    the tensors it adopts are known, then allocate every buffer once, at its largest
    size; set up the detectors.
 3. **per descriptor**, PIECEWISE then FULL, largest first, one descriptor at a time, so
-   only its snapshots exist and a broken step fails on the first descriptor:
+   only its snapshots exist and a broken step fails on the first descriptor; one
+   function runs a descriptor through a to d (``graphflow.engine.phase.run_descriptor``),
+   here and in a lazy engine's capture thread:
 
    a. **warmup** (``graphflow.engine.warmup``): the whole step eagerly ``warmup_iters``
       times (1 unless the plan asks for more) on the streams capture uses, on verify's
@@ -43,12 +45,16 @@ rollback stack the moment it succeeds. The steps:
       after the next one's warmup and capture: its graphs are instantiated (on the
       backend's worker) beside that work instead of before its verify can replay them.
       A broken replay of the first descriptor then fails after the second one's capture.
-4. **commit** (``graphflow.engine.engine``): publish the step programs in an ``Engine``,
-   which keeps the rollback stack and unwinds it on ``close()``.
+4. **commit** (``graphflow.engine.engine``): every graph made ready to replay and the
+   report written; then the step programs published in an ``Engine``, made whole at
+   once with every phase's result, which keeps the rollback stack and unwinds it on
+   ``close()``.
 
 A lazy run (``RunOptions(lazy=True)``) commits after the first descriptor's warmup and
-prewarm, and a thread runs 3a, 3c and 3d for every descriptor while the engine serves
-(``graphflow.engine.background``).
+prewarm, through the same step 4, and a thread runs 3a, 3c and 3d for every descriptor
+while the engine serves (``graphflow.engine.background``). Its engine is made with a
+``LiveSwitch`` (``engine.live``), the one object the serving side and the thread share:
+the lock, the programs switched in so far, the report, and what serving asks for.
 
 Every phase runs under ``torch.no_grad()`` (capture is for inference; autograd would
 record every op and refuse ``out=`` writes into buffers computed from weights) and
@@ -75,7 +81,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import traceback
 from collections.abc import Sequence
 
@@ -83,19 +88,18 @@ import attrs
 import torch
 
 from graphflow.engine.allocate import Allocation, allocate
-from graphflow.engine.background import BackgroundCapture
+from graphflow.engine.background import BackgroundCapture, LiveSwitch
 from graphflow.engine.backend import Backend, make_backend
-from graphflow.engine.capture import capture, open_capture
+from graphflow.engine.capture import Captured, open_capture
+from graphflow.engine.channels import ChannelRuntimeProtocol
 from graphflow.engine.context import Context
-from graphflow.engine.engine import Engine, commit
+from graphflow.engine.engine import Engine, commit, publish
 from graphflow.engine.memory import check_plan_memory
-from graphflow.engine.phase import PhaseResult, run_phase, summarize
+from graphflow.engine.phase import Hooks, Tally, run_descriptor, run_phase, run_verify, summarize, warm
 from graphflow.engine.locus import Where
-from graphflow.engine.options import RunOptions, Watch
+from graphflow.engine.options import RunOptions
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
-from graphflow.engine.verify import VerifyResult, verify
-from graphflow.engine.warmup import DescriptorTime, Warmed, prewarm, warmup
 from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError
 from graphflow.events import Event, EventKind, Listener, Phase
 from graphflow.engine.jit import registry as jit_registry
@@ -118,13 +122,13 @@ HINTS = {
 
 def run_pipeline(plan: Plan, options: RunOptions = RunOptions(), *, backend: Backend | None = None,
                  model: object | None = None, rank: int = 0, world_size: int = 1,
-                 listeners: Sequence[Listener] = (), channels: object | None = None) -> Engine:
+                 listeners: Sequence[Listener] = (), channels: ChannelRuntimeProtocol | None = None) -> Engine:
     """Run every phase and return the committed ``Engine``, or roll back and raise.
 
     ``backend`` replaces the one ``options.backend`` names (tests record what it does);
     ``model`` skips the plan's factory (tests, integrations that already hold one).
     ``channels`` (the channel runtime) is offered to the factory as ``channels.handles``,
-    is bound to the model (``channels.bind(model)``, when it has ``bind``) and listens to
+    is bound to the model (``channels.bind(model)``) and listens to
     every event. Raises ``InvalidPlanError`` for a plan the validator rejects,
     ``ValueError`` for sizes the plan does not have, ``CaptureError`` from the cause of
     any failure after that; ``KeyboardInterrupt`` is re-raised as is, after rollback.
@@ -154,92 +158,74 @@ def run_pipeline(plan: Plan, options: RunOptions = RunOptions(), *, backend: Bac
     raise error
 
 
-def _run_phases(ctx: Context, model: object | None, channels: object | None) -> Engine:
+def _run_phases(ctx: Context, model: object | None, channels: ChannelRuntimeProtocol | None) -> Engine:
     """The phases in order (see the module docstring); the caller rolls back on failure.
 
     A function of its own so that, once it has raised, its finished frame (which holds
     every phase's result) is cleared with the rest of the traceback.
     """
-    results: list[PhaseResult] = []
+    tally = Tally()
     # The process's JIT registry follows this run's locus: it records which segment
     # launched which kernel specialization, and names the segment of a cold one.
     jit_registry.attach(ctx.locus)
     ctx.stack.push("detach the JIT registry", functools.partial(jit_registry.detach, ctx.locus))
     ctx.emit(EventKind.PIPELINE_BEGIN, total=len(ctx.descriptors))
-    times: list[DescriptorTime] = []
-    verified: list[VerifyResult] = []
-    prewarmed = False
     with torch.no_grad():
-        alloc = run_phase(ctx, results, Phase.ALLOCATE, lambda: _allocate(ctx, model, channels))
-        if ctx.options.lazy:
-            return _lazy(ctx, alloc, results)
-        captured = None
-        pool = lambda _: captured.pool_bytes if captured is not None else None  # noqa: E731 - end events' pool
-        queued: list[tuple[Descriptor, int, Warmed]] = []  # captured, not verified yet
-
-        def verify_queued(leave: int) -> None:
-            while len(queued) > leave:
-                descriptor, index, warmed = queued.pop(0)
-                result, took = run_phase(ctx, results, Phase.VERIFY,
-                                         lambda: verify(ctx, alloc, captured, descriptor, index, warmed), pool=pool)
-                verified.append(result)
-                times.append(took)
-
-        for index, descriptor in enumerate(ctx.descriptors, 1):
-            warmed = run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, descriptor, index), pool=pool)
-            times.append(warmed.time)
-            if captured is None:
-                prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
-                captured = open_capture(ctx)
-            times.append(run_phase(ctx, results, Phase.CAPTURE,
-                                   lambda: capture(ctx, alloc, captured, descriptor, index), pool=pool))
-            if ctx.options.verify:
-                queued.append((descriptor, index, warmed))
-                verify_queued(1 if alloc.behind else 0)  # behind: after the next one's capture
-            warmed = None
-        verify_queued(0)
-        alloc.owned.free_snapshots()
-        if captured is None:
-            captured = open_capture(ctx)
-        captured.close()
-        engine = run_phase(ctx, results, Phase.COMMIT,
-                           lambda: commit(ctx, alloc, captured, tuple(verified), tuple(times)), pool=pool)
-    engine.report = attrs.evolve(engine.report, phases=summarize(results),
-                                 prewarm=prewarmed if prewarmed is not False else None)
-    jit_registry.detach(ctx.locus)
-    ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=captured.pool_bytes)
-    return engine
+        alloc = run_phase(ctx, tally.phases, Phase.ALLOCATE, lambda: _allocate(ctx, model, channels))
+        captured = _warm_first(ctx, alloc, tally) if ctx.options.lazy else _capture_all(ctx, alloc, tally)
+        return _finish(ctx, alloc, captured, tally)
 
 
-def _allocate(ctx: Context, model: object | None, channels: object | None) -> Allocation:
+def _allocate(ctx: Context, model: object | None, channels: ChannelRuntimeProtocol | None) -> Allocation:
     """The allocate phase, memory first: a plan too large for the device is refused from
     its own numbers in a second, not after the minutes a large model takes to build."""
     check_plan_memory(ctx, model_given=model is not None)
     return allocate(ctx, model, channels)
 
 
-def _lazy(ctx: Context, alloc, results: list[PhaseResult]) -> Engine:
-    """Commit after the first descriptor's warmup and prewarm; the rest is captured by a
-    ``BackgroundCapture`` while the engine serves (``graphflow.engine.background``)."""
-    times: list[DescriptorTime] = []
-    prewarmed = False
-    if ctx.descriptors:
-        times.append(run_phase(ctx, results, Phase.WARMUP, lambda: warmup(ctx, alloc, ctx.descriptors[0], 1)).time)
-        prewarmed = run_phase(ctx, results, Phase.PREWARM, lambda: prewarm(ctx, alloc))
-    captured = open_capture(ctx)
-    engine = run_phase(ctx, results, Phase.COMMIT, lambda: commit(ctx, alloc, captured, (), tuple(times)))
-    engine.report = attrs.evolve(engine.report, phases=summarize(results),
-                                 prewarm=prewarmed if prewarmed is not False else None)
-    jit_registry.detach(ctx.locus)
-    ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=None)
-    # The foreground watched the first warmup; a watch in the capture thread would patch
-    # torch's synchronize for the serving thread too.
-    quiet = attrs.evolve(ctx, options=attrs.evolve(ctx.options, detectors=Watch.OFF))
-    engine.lock = threading.RLock()
-    engine.background = BackgroundCapture(quiet, alloc, captured, engine, ctx.descriptors)
-    engine.background.start()
-    return engine
+def _capture_all(ctx: Context, alloc: Allocation, tally: Tally) -> Captured:
+    """Step 3 for every descriptor in turn; then verify's snapshots freed and the capture
+    closed (gc unfrozen, tripwires removed)."""
+    hooks = Hooks(behind=alloc.behind)
+    captured = waiting = None
+    for index, descriptor in enumerate(ctx.descriptors, 1):
+        captured, waiting = run_descriptor(ctx, alloc, captured, descriptor, index, tally, hooks, waiting)
+    if waiting is not None:
+        run_verify(ctx, alloc, captured, waiting, tally, hooks)
+    alloc.owned.free_snapshots()
+    if captured is None:
+        captured = open_capture(ctx)
+    captured.close()
+    return captured
 
+
+def _warm_first(ctx: Context, alloc: Allocation, tally: Tally) -> Captured:
+    """A lazy run's step 3: the first descriptor's warmup and prewarm, the capture opened
+    for the thread that runs every descriptor through step 3 once the engine serves."""
+    if not ctx.descriptors:
+        return open_capture(ctx)
+    return warm(ctx, alloc, None, ctx.descriptors[0], 1, tally)[1]
+
+
+def _finish(ctx: Context, alloc: Allocation, captured: Captured, tally: Tally) -> Engine:
+    """Step 4, for a foreground run and a lazy one alike: commit, publish the engine whole
+    (its report holds every phase, commit's included), end the pipeline. A lazy engine's
+    capture thread starts last, so that listeners see its work as a pipeline of its own,
+    after this one."""
+    report = run_phase(ctx, tally.phases, Phase.COMMIT,
+                       lambda: commit(ctx, alloc, captured, tuple(tally.verified), tuple(tally.times)),
+                       pool=lambda _: captured.pool_bytes)
+    report = attrs.evolve(report, phases=summarize(tally.phases), prewarm=tally.prewarm)
+    live = background = None
+    if ctx.options.lazy:
+        live = LiveSwitch(report)
+        background = BackgroundCapture(ctx, alloc, captured, live)
+    engine = publish(ctx, alloc, captured, report, live, background)
+    jit_registry.detach(ctx.locus)
+    ctx.emit(EventKind.PIPELINE_END, total=len(ctx.descriptors), pool_bytes=captured.pool_bytes)
+    if background is not None:
+        background.start()
+    return engine
 
 
 def _select(plan: Plan, sizes: Sequence[int] | None) -> tuple[Descriptor, ...]:

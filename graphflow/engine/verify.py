@@ -126,7 +126,7 @@ def _reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, warmed: 
 #: What to do when the replay of compiled segments differs from the uncompiled step.
 COMPILED_HINT = ("the compiled segments' replay differs from the model's uncompiled code beyond the plan's tolerance: "
                  "if the difference is rounding (fusion reorders floating-point work), raise capture.verify atol/rtol; "
-                 "else set compile: false on the segment named (graphflow run --no-compile compares)")
+                 "else set compile: false on the segment named (compare with a run of RunOptions(compile=False))")
 
 
 def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],

@@ -114,7 +114,8 @@ def check_findings(alloc: Allocation, *, cause: BaseException | None = None, fai
         first = str(cause).strip().splitlines()
         message += f"; then{where} {type(cause).__name__}" + (f": {first[0]}" if first else "")
     raise CaptureError(message, segment=findings[0].segment,
-                       hint="fix the segment or make it eager; silence one check with --disable-check NAME") from cause
+                       hint="fix the segment or make it eager; silence a check with "
+                            f"RunOptions(disabled_checks={{'{findings[0].check.value}'}})") from cause
 
 
 def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) -> Warmed:
