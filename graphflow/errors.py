@@ -6,15 +6,95 @@ element, phase or rank instead of parsing text.
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
+import traceback
+from types import TracebackType
+
+import attrs
+
 from graphflow.events import Phase
 
-__all__ = ["TRACEBACK_NOTE", "GraphflowError", "PlanError", "FieldError", "FieldTypeError", "FieldValueError", "InvalidPlanError",
-           "CaptureError", "DivergenceError"]
+__all__ = ["TRACEBACK_NOTE", "CaptureError", "DivergenceError", "FieldError", "FieldTypeError", "FieldValueError",
+           "GraphflowError", "InvalidPlanError", "PlanError", "UserFrame", "record_user_frames", "user_frames"]
 
 
 #: How the note that keeps an error's traceback as text begins (the error itself keeps
 #: no traceback after rollback: see ``graphflow.engine.pipeline``).
 TRACEBACK_NOTE = "raised at (most recent call last):"
+
+
+@attrs.frozen
+class UserFrame:
+    """A frame of the user's own code in an error's traceback: what they can open and fix.
+
+    Plain strings and an int, so an error may keep it after rollback (nothing of the
+    frame's locals stays alive) and across processes (it pickles).
+    """
+
+    file: str
+    line: int
+    function: str
+    source: str
+
+    def where(self) -> str:
+        """``file:line``, the file relative to the current directory when it is under it."""
+        path = self.file
+        if os.path.isabs(path):
+            relative = os.path.relpath(path)
+            path = path if relative.startswith(os.pardir) else relative
+        return f"{path}:{self.line}"
+
+
+#: The attribute an error keeps its user frames in once its traceback is dropped.
+_USER_FRAMES = "graphflow_user_frames"
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose code is not the user's: graphflow, the standard library, and torch
+    when it is loaded (an error raised in torch's code means torch was loaded)."""
+    dirs = [os.path.dirname(os.path.abspath(__file__)), *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib"))]
+    torch = sys.modules.get("torch")
+    if getattr(torch, "__file__", None):
+        dirs.append(os.path.dirname(torch.__file__))
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+def _is_user_file(file: str) -> bool:
+    """The one rule of what a user frame is: code that is neither graphflow's, torch's
+    nor the standard library's (nor the interpreter's own frozen modules)."""
+    return not file.startswith("<") and not os.path.realpath(file).startswith(_library_dirs())
+
+
+def _frames(tb: TracebackType | None) -> tuple[UserFrame, ...]:
+    return tuple(UserFrame(f.filename, f.lineno or 0, f.name, (f.line or "").strip())
+                 for f in traceback.extract_tb(tb) if _is_user_file(f.filename))
+
+
+def record_user_frames(error: BaseException) -> None:
+    """Keep the user frames of ``error``'s traceback on it, before the traceback is dropped."""
+    try:
+        setattr(error, _USER_FRAMES, _frames(error.__traceback__))
+    except (AttributeError, TypeError):  # an exception class that refuses new attributes
+        pass
+
+
+def user_frames(error: BaseException) -> list[tuple[BaseException, tuple[UserFrame, ...]]]:
+    """Each error of ``error``'s chain that has user frames, with them, root cause first
+    (the order Python prints a chain in): the last frame of the first is where the
+    user's code failed. Frames kept by rollback are used, else the live traceback."""
+    found: list[tuple[BaseException, tuple[UserFrame, ...]]] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = getattr(current, _USER_FRAMES, None)
+        frames = _frames(current.__traceback__) if frames is None else frames
+        if frames:
+            found.append((current, frames))
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return found[::-1]
 
 
 class GraphflowError(Exception):

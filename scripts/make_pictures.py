@@ -1,4 +1,4 @@
-"""Regenerate the pictures docs/cli.md shows, from the bundled plans, into docs/pictures/.
+"""Regenerate the pictures docs/cli.md shows, from the bundled plans and an example's, into docs/pictures/.
 
 Each DAG picture is what ``graphflow show PLAN -o FILE.svg`` draws (``--expand`` where
 the name says so); the capture report is drawn from ``docs/pictures/capture-report.json``,
@@ -35,6 +35,7 @@ PICTURES = (
     ("dsv4-mini-piecewise-expanded.svg", "plans/dsv4_mini_piecewise.yaml", {"expand": True}),
     ("dsv4-61l-decode.svg", "plans/dsv4_61l_decode.yaml", {}),
     ("dsv4-tp-piecewise.svg", "plans/dsv4_tp_piecewise.yaml", {}),
+    ("hf-llama-decode.svg", "examples/hf_llama/decode.yaml", {}),
 )
 REPORT_PICTURE = "capture-report.svg"
 #: The drawing code, besides the plans. (What the plan model, loader or schedule change in a

@@ -364,6 +364,7 @@ class TestCompiledCapture:
         engine.close()
         assert _debug_get_cache_entry_list(Probe.scaled.__code__) == []
 
+    @pytest.mark.slow
     def test_inductor_on_the_cpu(self, tmp_path, monkeypatch):
         """Inductor's generated C++ code, captured (run) by the CPU backend; a second
         pipeline in a fresh cache directory misses, the same directory hits."""

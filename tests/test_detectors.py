@@ -522,6 +522,7 @@ class TestWatch:
         watched(det, seg)
         assert torch.equal(result[0], expected)
 
+    @pytest.mark.slow
     def test_watching_ops_does_not_import_dynamo(self):
         # Importing TorchDynamo costs a second or more of start-up; a watch must not
         # pull it in for a model that never compiles.

@@ -102,6 +102,7 @@ class TestPersistence:
         print(kernel._ready(spec, args), type(kernel.compiled(spec)).__name__)
     """)
 
+    @pytest.mark.slow
     def test_a_second_process_loads_what_the_first_compiled(self, tmp_path):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
         runs = [subprocess.run([sys.executable, "-c", self.SCRIPT, str(tmp_path)], capture_output=True, text=True,

@@ -78,6 +78,7 @@ def test_every_rank_returns_its_value():
     assert all(r.elapsed_s > 0 for r in ranks)
 
 
+@pytest.mark.slow
 def test_a_rank_that_does_not_finish_is_killed_and_reported():
     start = time.monotonic()
     # Long enough for rank 0 to start and finish on a loaded machine, short beside rank 1's sleep.

@@ -176,6 +176,32 @@ class TestRegions:
         assert len(piecewise.boxes) == len(full.boxes)
 
 
+class TestCuts:
+    """A segment cut at ``breaks``: PIECEWISE makes a graph per piece, the picture draws them."""
+
+    def test_a_wildcard_cut_is_drawn_generically_and_counted_in_the_header(self, tmp_path):
+        picture = layout(load_plan(ROOT / "examples" / "hf_llama" / "decode.yaml"))
+        (cut,) = picture.cuts
+        assert picture.boxes[cut.box].label == "decode" and cut.pieces is None
+        assert cut.label == "graph pieces cut at model.layers.*.self_attn (eager)"
+        assert "1 PIECEWISE region (1 cut into graph pieces)" in picture.header[1]
+        assert "decode: graph pieces cut at model.layers.*.self_attn (eager), a graph per piece" in picture.notes
+        assert "R0, cut at self_attn" in {r.label for r in picture.regions}
+        draw(picture, str(tmp_path / "cut.svg"), ImageFormat.SVG)
+        text = "".join(ET.parse(tmp_path / "cut.svg").getroot().itertext())
+        assert "self_attn" in text and "…" in text and "one graph per piece where cut" in text
+
+    def test_named_submodules_give_the_number_of_pieces(self):
+        segment = Segment(name="step", kind=GRAPH, call="forward", breaks=("model.attn", "model.mlp"))
+        picture = layout(Plan(name="named", segments=(segment,)))
+        assert [(c.pieces, c.label) for c in picture.cuts] == [
+            (3, "3 graph pieces, cut at model.attn, model.mlp (eager)")]
+
+    def test_full_capture_is_not_cut(self):
+        picture = layout(load_plan(ROOT / "examples" / "hf_llama" / "decode.yaml"), mode=Mode.FULL)
+        assert picture.cuts == () and "cut" not in picture.header[1]
+
+
 class TestCollapse:
     def test_61_copies_are_drawn_once(self):
         picture = layout(plan("dsv4_61l_decode"))

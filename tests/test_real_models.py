@@ -469,7 +469,7 @@ class TestRunnerAndCli:
         assert capsys.readouterr().out.startswith("ok: beside: 2 descriptors")
         sys.modules.pop("beside_plan_model", None)
         (home / "plan.yaml").write_text((home / "plan.yaml").read_text().replace("beside_plan_model", "elsewhere"))
-        assert main(["run", str(home / "plan.yaml"), "--quiet"]) == 1
+        assert main(["run", str(home / "plan.yaml"), "--quiet"]) == 2
         err = capsys.readouterr().err
         assert f"cannot import module 'elsewhere' for model 'elsewhere:build': No module named 'elsewhere' (also " \
                f"looked in {home}, {tmp_path})" in err

@@ -250,6 +250,12 @@ class TestDot:
         graph_line = next(line for line in dot.splitlines() if line.strip().startswith('"L0.pre" ['))
         assert "shape=box" in graph_line
 
+    def test_a_cut_segment_shows_its_graph_pieces_and_breaks(self):
+        dot = to_dot(load_plan(PLANS.parent / "examples" / "hf_llama" / "decode.yaml"))
+        assert 'label="PIECEWISE target#0, cut at model.layers.*.self_attn"' in dot
+        assert ('"decode" [shape=record, label="{decode|{graph|eager: model.layers.*.self_attn|graph …}|'
+                'graph pieces cut at model.layers.*.self_attn (eager)}"') in dot
+
     def test_edges_carry_buffer_versions(self):
         dot = to_dot(split_plan(layers=2))
         assert '"L0.pre" -> "L0.attn" [style=solid, label="q0@1"];' in dot

@@ -108,6 +108,18 @@ class TestWrite:
         text = "".join(ET.parse(tmp_path / "r.svg").getroot().itertext())
         assert "75 more" in text and "59 shown, 75 summed in the last row" in text
 
+    def test_rows_follow_the_drawn_panels_and_the_figure_says_so(self, tmp_path):
+        # Verify has no panel: a slow verify must not lift a row the bars show as cheap.
+        report = feed(CaptureReport("p", "cuda"), Event(EventKind.PIPELINE_BEGIN),
+                      end(Phase.WARMUP, P8, 0.1), end(Phase.CAPTURE, P8, 0.1), end(Phase.VERIFY, P8, 5.0),
+                      end(Phase.WARMUP, P2, 0.3), end(Phase.CAPTURE, P2, 0.2), end(Phase.VERIFY, P2, 0.0),
+                      end(Phase.WARMUP, F8, 0.2), end(Phase.CAPTURE, F8, 0.2), Event(EventKind.PIPELINE_END))
+        write_report(report.document(), tmp_path / "r.svg")
+        text = "".join(ET.parse(tmp_path / "r.svg").getroot().itertext())
+        assert "3 descriptors, sorted by warmup + capture time, the most first" in text
+        drawn = [text.index(label) for label in ("PIECEWISE(B=2)", "FULL(B=8)", "PIECEWISE(B=8)")]
+        assert drawn == sorted(drawn)
+
     def test_a_failed_capture_says_so(self, tmp_path):
         write_report(document(ok=False), tmp_path / "r.svg")
         assert "rolled back [phase=verify]: CaptureError: mismatch" in (tmp_path / "r.svg").read_text()

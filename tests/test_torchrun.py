@@ -28,6 +28,9 @@ from graphflow.dist.distributed import NVLS_ENV, in_job, joined
 from test_tp import FAULTY_RANK, SIZES, TINY
 from torchrun_models import FAILURE_TIMEOUT_S, HANG_TIMEOUT_S, write_plans
 
+#: Every test here shares one set of torchrun jobs, about a minute of processes on 2 cores.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Wall-clock bound of one job: interpreters, rendezvous, a tiny capture, on a busy 2-core machine.
 JOB_TIMEOUT_S = 150

@@ -5,8 +5,11 @@ Each subcommand lives in its own module beside this one and exposes
 the parsed arguments and returning the exit status. A command that cannot go on raises
 instead, and ``main`` turns the error into one message and an exit status, the same for
 every subcommand: 0 success, 1 the plan has errors or the job failed, 2 the input could
-not be read (bad YAML, unknown file, bad arguments). Nothing reaches the user as a
-traceback.
+not be read (bad YAML, unknown file, bad arguments) or a plan names a model factory or
+call that does not exist. Nothing reaches the user as a traceback: a failure in the
+user's own code (a segment, a factory) ends with where in it (``(at mine.py:42)``), and
+``--debug`` (or ``GRAPHFLOW_DEBUG=1``) lists those frames with their source lines, so
+"where did my code fail?" needs no debugger.
 
 Errors are exceptions, results are return values. A command raises ``CommandError``
 (with its status and, for a ``trace`` action, the words its message starts with) or
@@ -26,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
 from graphflow import __version__
-from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, PlanError
+from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, PlanError, user_frames
 
 __all__ = ["FLAGS", "CommandError", "main", "parse_sizes", "with_flags"]
 
@@ -72,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Declarative CUDA-graph capture: validate, show and run capture plans.",
     )
     parser.add_argument("--version", action="version", version=f"graphflow {__version__}")
+    parser.add_argument("--debug", action="store_true", default=None,
+                        help="on an error, also show the frames of your own code it came from, with their source "
+                             "lines (GRAPHFLOW_DEBUG=1 does the same)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for name in _COMMANDS:
@@ -100,11 +107,38 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except GraphflowError as err:
-        return report_error(err)
+        return report_error(err, debug=args.debug)
 
 
-def report_error(err: GraphflowError) -> int:
-    """Say what went wrong, once, and return the exit status it means."""
+def _debugging(flag: bool | None = None) -> bool:
+    """Whether errors show the user's frames: ``--debug``, else ``GRAPHFLOW_DEBUG``."""
+    if flag is not None:
+        return flag
+    return os.environ.get("GRAPHFLOW_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def report_error(err: GraphflowError, *, debug: bool | None = None) -> int:
+    """Say what went wrong, once, and return the exit status it means.
+
+    The one line ends with the innermost frame of the user's own code, the first place
+    to look; ``debug`` (``None``: ``GRAPHFLOW_DEBUG`` decides) lists all of them after it.
+    """
+    chain = user_frames(err)
+    at = f" (at {chain[0][1][-1].where()})" if chain else ""
+    status = _report(err, at)
+    if chain and _debugging(debug):
+        print("graphflow: where in your code (most recent call last):", file=sys.stderr)
+        for error, frames in chain:
+            print(f"  {type(error).__name__}: {error}" if error is not err else f"  {type(error).__name__}",
+                  file=sys.stderr)
+            for frame in frames:
+                print(f"    {frame.where()} in {frame.function}", file=sys.stderr)
+                if frame.source:
+                    print(f"      {frame.source}", file=sys.stderr)
+    return status
+
+
+def _report(err: GraphflowError, at: str) -> int:
     if isinstance(err, InvalidPlanError):
         for diagnostic in err.report.diagnostics:
             print(diagnostic, file=sys.stderr)
@@ -113,15 +147,17 @@ def report_error(err: GraphflowError) -> int:
               f"(graphflow validate {where} lists them)", file=sys.stderr)
         return 1
     if isinstance(err, CaptureError):
-        print(f"graphflow: capture failed, rolled back: {with_flags(str(err))}", file=sys.stderr)
+        print(f"graphflow: capture failed, rolled back: {with_flags(str(err))}{at}", file=sys.stderr)
         for note in getattr(err, "__notes__", ()):
-            if not note.startswith(TRACEBACK_NOTE):  # where in the code: for a debugger, not the user
+            if not note.startswith(TRACEBACK_NOTE):  # where in the code: the user frames say it
                 print(f"graphflow: {note}", file=sys.stderr)
-        return 1
+        # A plan naming a factory, module or call that is not there is bad input, like a
+        # plan that cannot be read: fixed in the plan, not in the model.
+        return 2 if isinstance(err.__cause__, PlanError) else 1
     if isinstance(err, CommandError):
-        print(f"{err.prog}: {with_flags(str(err))}", file=sys.stderr)
+        print(f"{err.prog}: {with_flags(str(err))}{at}", file=sys.stderr)
         return err.status
-    print(f"graphflow: {with_flags(str(err))}", file=sys.stderr)
+    print(f"graphflow: {with_flags(str(err))}{at}", file=sys.stderr)
     return 2 if isinstance(err, PlanError) else 1
 
 

@@ -124,7 +124,8 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
 
     began = time.perf_counter()
     lead = ctx.rank == 0
-    listeners = [ProgressDisplay()] if lead and not (args.quiet or args.json) else []
+    progress = ProgressDisplay(json=args.json) if lead and not args.quiet else None
+    listeners = [] if progress is None else [progress]
     if report is not None:
         listeners.append(report)
     document, error, summary, session = None, None, {}, None
@@ -134,13 +135,15 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
         started = time.perf_counter()
         engine = session.capture()
         captured_s = time.perf_counter() - started
-        timings = time_steps(engine, args.steps)
+        timings = time_steps(engine, args.steps, time_all=args.time_all, progress=progress)
         document = report_document(source, engine, timings, captured_s, time.perf_counter() - began)
         summary = rank_summary(engine)
     except GraphflowError as err:
         error = err
     except ValueError as err:  # sizes the plan does not have
         error = CommandError(str(err))
+    if progress is not None:
+        progress.close()
     try:
         if session is not None:
             close(session)
@@ -170,7 +173,7 @@ def _finish(args, plan, source: str, ctx, document: dict | None, error: Graphflo
     if error is not None:
         _tell_torchrun(error)
     if ctx.rank != 0:
-        status = report_error(error) if error is not None else 0
+        status = report_error(error, debug=args.debug) if error is not None else 0
         try:
             store.wait([f"{namespace}/reported"], timeout)
         except RuntimeError:  # rank 0 is gone: torchrun reports it; this rank's own status stands
@@ -179,7 +182,7 @@ def _finish(args, plan, source: str, ctx, document: dict | None, error: Graphflo
     summaries = _collect(store, namespace, ctx.world_size, timeout)
     ok = all(s is not None and s["ok"] for s in summaries)
     _print_job(args, plan, source, ctx, document, summaries, ok)
-    status = report_error(error) if error is not None else 0
+    status = report_error(error, debug=args.debug) if error is not None else 0
     store.set(f"{namespace}/reported", "1")
     return status or (0 if ok else 1)
 

@@ -3,12 +3,16 @@
 The plan is a YAML file or, with ``--module pkg.mod:factory [--step METHOD]``, the plan
 a decorated model declares (``graphflow.cli.source``). The plan is validated (errors
 stop it before any capture), captured in a ``graphflow.session.Session`` with a
-progress display on stderr, then reported: descriptors captured, time per phase, pool
-bytes, verify results and, on a GPU, eager versus graph step time per descriptor (the
-median of a few steps of each, ``graphflow.runtime.time_steps``); the report and the
-checks around it are ``graphflow.cli.capture_report``, which each rank of a torchrun
-job shares. On the CPU backend no graph exists, regions are
-replayed eagerly and a speed-up would be noise, so none is shown. Exit 0 on success,
+progress display on stderr (plain lines when stderr is no terminal, JSON lines with
+``--json``, a line at least every few seconds of long work, so a long run never looks
+hung), then reported: descriptors captured, time per phase, pool bytes, verify results
+and, on a GPU, eager versus graph step time (the median of a few steps of each,
+``graphflow.runtime.time_steps``) of a sample of descriptors, the smallest, median and
+largest of each mode, or of all with ``--time-all``: timing all 67 of a large plan
+takes minutes. The report and the checks around it are ``graphflow.cli.capture_report``,
+which each rank of a torchrun job shares. On the CPU backend no graph exists, regions
+are replayed eagerly and a speed-up would be noise, so nothing is timed unless asked
+(``--steps N`` or ``--time-all``), and a timing shown says it is no graph's. Exit 0 on success,
 1 when the plan has errors or capture failed (rolled back; the error names phase,
 descriptor, segment and what to do, with no traceback), 2 when the plan cannot be
 read or the arguments are bad.
@@ -72,10 +76,14 @@ def register(subparsers) -> None:
                              "reports when all are live")
     parser.add_argument("--disable-check", action="append", default=[], metavar="NAME",
                         help="turn off one capture-safety check (repeat), e.g. host_sync")
-    parser.add_argument("--steps", type=int, default=10, metavar="N",
-                        help="steps timed per descriptor, eager and graph (default 10; 0 skips timing)")
-    parser.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
-    parser.add_argument("--quiet", action="store_true", help="print only the result line")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="steps timed per descriptor, eager and graph (default 3; 0 skips timing; given, it "
+                             "times on the CPU backend too)")
+    parser.add_argument("--time-all", action="store_true",
+                        help="time every descriptor, not the smallest, median and largest of each mode")
+    parser.add_argument("--json", action="store_true",
+                        help="write the report as JSON to stdout, and progress as JSON lines to stderr")
+    parser.add_argument("--quiet", action="store_true", help="print only the result line, and no progress")
     parser.add_argument("--trace", metavar="DIR",
                         help="write this rank's capture trace to DIR/rank0.jsonl, DIR/rank{N}.jsonl under torchrun "
                              "(for 'graphflow trace diff'; GRAPHFLOW_TRACE=DIR does the same)")
@@ -115,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     captures_graphs = check_backend(options)
     if args.trace is not None:
         trace_dir(args.trace)
-    listeners = [] if args.quiet or args.json else [ProgressDisplay(graphs=captures_graphs)]
+    progress = None if args.quiet else ProgressDisplay(graphs=captures_graphs, json=args.json)
+    listeners = [] if progress is None else [progress]
     report = report_listener(args.report, plan, options) if args.report else None
     if report is not None:
         listeners.append(report)
@@ -139,14 +148,18 @@ def run(args: argparse.Namespace) -> int:
             ready_s = time.perf_counter() - started
             wait_lazy(engine, ready_s, say=not (args.quiet or args.json))
         captured_s = time.perf_counter() - started
-        timings = time_steps(engine, args.steps)
+        timings = time_steps(engine, args.steps, time_all=args.time_all, progress=progress)
         document = report_document(source, engine, timings, captured_s, time.perf_counter() - began)
         document["ready_s"] = ready_s
     except BaseException:
+        if progress is not None:
+            progress.close()
         close(session)
         if report is not None:  # also after a rolled-back capture: it shows how far it got
             write_report(report, args.report, failed=True)
         raise
+    if progress is not None:
+        progress.close()
     close(session)
     if report is not None:
         write_report(report, args.report)

@@ -259,6 +259,10 @@ def _start_forkserver() -> dict[str, str]:
 
     ``__main__`` is preloaded as spawn would import it, which also hands the server the
     caller's ``sys.path`` (a function of a test module must unpickle in the ranks).
+    The server starts with SIGINT ignored, as Python keeps it: it ignores SIGINT itself
+    only once the preload is done, and a Ctrl-C during the seconds torch takes to import
+    printed its ``KeyboardInterrupt`` traceback under the launcher's own "interrupted".
+    Its ranks take SIGINT back (``_rank_main``).
     """
     global _forkserver_env
     if _forkserver_env is None:
@@ -267,5 +271,20 @@ def _start_forkserver() -> dict[str, str]:
         multiprocessing.get_context("forkserver").set_forkserver_preload(
             ["__main__", "torch", "torch.distributed", "graphflow.dist.launch"])
         _forkserver_env = dict(os.environ)
-        forkserver.ensure_running()
+        with _sigint_ignored():
+            forkserver.ensure_running()
     return _forkserver_env
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in this process for the block, so the processes it starts inherit
+    that (only the main thread may change a handler; elsewhere the block runs as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

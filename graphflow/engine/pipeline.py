@@ -100,7 +100,7 @@ from graphflow.engine.locus import Where
 from graphflow.engine.options import RunOptions
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
-from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError
+from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, record_user_frames
 from graphflow.events import Event, EventKind, Listener, Phase
 from graphflow.engine.jit import registry as jit_registry
 from graphflow.plan import Descriptor, Plan
@@ -311,7 +311,9 @@ def _detach(exc: BaseException) -> None:
     call path); arguments and attributes may be anything (a model's own exception
     keeping a tensor). So each error of the chain (causes, contexts, the members of a
     group) gets its traceback as text, in a note, and loses the traceback; arguments and
-    the attributes of errors that are not graphflow's own become their ``repr``.
+    the attributes of errors that are not graphflow's own become their ``repr``. The
+    frames of the user's own code stay as data (``graphflow.errors.user_frames``), so the
+    command line can say where that code failed without parsing the note.
     """
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
@@ -320,11 +322,6 @@ def _detach(exc: BaseException) -> None:
         if error is None or id(error) in seen:
             continue
         seen.add(id(error))
-        if error.__traceback__ is not None:
-            text = "".join(traceback.format_tb(error.__traceback__)).rstrip()
-            error.add_note(f"{TRACEBACK_NOTE}\n{text}")
-            traceback.clear_frames(error.__traceback__)
-            error.__traceback__ = None
         # An exception class may refuse a new value; rollback must still end with the
         # original error, so such a value stays.
         with contextlib.suppress(AttributeError, TypeError):
@@ -337,4 +334,10 @@ def _detach(exc: BaseException) -> None:
                 if not name.startswith("__") and not isinstance(value, (*_PLAIN, BaseException)):
                     with contextlib.suppress(AttributeError, TypeError):
                         setattr(error, name, repr(value))
+        if error.__traceback__ is not None:  # after the attributes, which would turn the user frames to text
+            record_user_frames(error)
+            text = "".join(traceback.format_tb(error.__traceback__)).rstrip()
+            error.add_note(f"{TRACEBACK_NOTE}\n{text}")
+            traceback.clear_frames(error.__traceback__)
+            error.__traceback__ = None
         pending += [error.__cause__, error.__context__, *getattr(error, "exceptions", ())]

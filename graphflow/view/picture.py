@@ -36,7 +36,7 @@ from graphflow.view.render import kind_counts, shown_mode
 from graphflow.view.style import EAGER, REGION_EDGE, REGION_FILL, family_colors, lighten
 from graphflow.view.units import compact_sizes, group_by_template, plural
 
-__all__ = ["Expand", "ImageFormat", "Layout", "MAX_PIXELS", "draw", "layout", "parse_layers"]
+__all__ = ["Cut", "Expand", "ImageFormat", "Layout", "MAX_PIXELS", "draw", "layout", "parse_layers"]
 
 #: The largest picture drawn, in pixels at ``DPI`` (SVG: the same size in points x 0.72).
 MAX_PIXELS = (3840, 3840)
@@ -193,6 +193,40 @@ class Elided:
 
 
 @attrs.frozen
+class Cut:
+    """A drawn segment whose one call PIECEWISE capture cuts at submodules (``breaks``): a
+    graph per piece, each break eager between. ``pieces`` is None when a pattern has a
+    ``*``: how many submodules match is known only once the model is built, so the cut is
+    drawn generically (a piece, the break, more pieces)."""
+
+    box: int  # index into Layout.boxes
+    patterns: tuple[str, ...]
+    pieces: int | None
+    label: str
+
+
+#: A cut drawn piece by piece up to this many breaks; past it, generically.
+_CUT_DRAWN = 3
+
+
+def _cut(index: int, segment: Segment) -> Cut:
+    patterns = segment.breaks
+    known = not any("*" in p for p in patterns) and len(patterns) <= _CUT_DRAWN
+    at = ", ".join(patterns)
+    if known:  # a path without * is one submodule, called once per call of the segment
+        pieces = len(patterns) + 1
+        return Cut(index, patterns, pieces, f"{pieces} graph pieces, cut at {at} (eager)")
+    return Cut(index, patterns, None, f"graph pieces cut at {at} (eager)")
+
+
+def _cut_text(segments: Iterable[Segment]) -> str:
+    """How the segments' breaks cut a region, short enough for the region's label."""
+    patterns = dict.fromkeys(p.rsplit(".", 1)[-1] for s in segments if s is not None and s.is_graph
+                             for p in s.breaks)
+    return f"cut at {', '.join(patterns)}" if patterns else ""
+
+
+@attrs.frozen
 class Layout:
     plan: str
     mode: Mode
@@ -213,6 +247,7 @@ class Layout:
     full_outline: bool  # PIECEWISE drawn, and FULL captured too: FULL pieces are outlined
     labelled: bool
     colors: tuple[tuple[str, str], ...]  # family -> color
+    cuts: tuple[Cut, ...] = ()
 
     @property
     def pixels(self) -> tuple[int, int]:
@@ -745,6 +780,9 @@ def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_f
                             f"(×{block.count}){hint}")
     differing = _differing_notes(parts_by_family)
     header_notes.extend(differing)
+    cuts = [_cut(i, b.segment) for i, b in enumerate(boxes) if structure.mode is Mode.PIECEWISE
+            and b.segment.is_graph and b.segment.breaks]
+    header_notes += [f"{boxes[c.box].label}: {c.label}, a graph per piece" for c in cuts]
 
     edges = _edges(structure, boxes, box_of, copy_of, section_of_box, missing)
     regions = _region_boxes(structure, boxes, box_of, line_lanes)
@@ -769,20 +807,26 @@ def _build(structure: _Structure, arr: _Arrangement, lanes_by_family, parts_by_f
     sizes = list(plan.capture.all_sizes)
     modes = ", ".join(f"{m.value} x {len(plan.capture.sizes_for(m))}" for m in plan.capture.modes)
     mode = structure.mode
+    cut_regions = sum(1 for r in structure.regions if _cut_text(plan.segment(n) for n in r.segments)) \
+        if mode is Mode.PIECEWISE else 0
     header = (
         plan.name,
         f"{plural(len(plan.segments), 'segment')} ({kind_counts(plan.segments)}), "
-        f"{plural(len(structure.regions), mode.value + ' region')}, {plural(len(plan.buffers), 'buffer')}, "
+        f"{plural(len(structure.regions), mode.value + ' region')}"
+        + (f" ({cut_regions} cut into graph pieces)" if cut_regions else "")
+        + f", {plural(len(plan.buffers), 'buffer')}, "
         f"{plural(len(plan.channels), 'channel')}, {plural(len(plan.streams), 'stream')}"
         + (f", world size {plan.world_size}" if plan.world_size > 1 else ""),
         f"descriptors: {modes} ({plan.capture.size_symbol} = {compact_sizes(sizes)})",
         *header_notes,
     )
+    # The counts line must not run off a narrow picture (about 0.066 in a character at 8.5 pt).
+    width = min(max(width, 2 * _MARGIN + 0.066 * len(header[1])), cap_w)
     return Layout(plan.name, mode, width, height, header, tuple((f, lanes_by_family[f]) for f, _ in parts_by_family),
                   tuple(line_tops), tuple(line_lanes), tuple(line_family), tuple(boxes), tuple(edges),
                   tuple(regions), tuple(syncs), tuple(blocks), tuple(elided), tuple(header_notes),
                   bool(structure.full_regions), len(boxes) <= _LABELLED_BOXES,
-                  tuple(family_colors(plan).items()))
+                  tuple(family_colors(plan).items()), tuple(cuts))
 
 
 def _all_segments(part: _Part) -> list[Segment]:
@@ -919,6 +963,9 @@ def _region_boxes(structure: _Structure, boxes, box_of, line_lanes) -> list[Regi
         y1 = line_lanes[line][max(lanes)] + _BOX_H / 2 + pad
         regions = entry["labels"]
         label = _merged_region_label(regions, one_family, mode)
+        cut = _cut_text(structure.plan.segment(n) for r in regions for n in r.segments) \
+            if mode is Mode.PIECEWISE else ""
+        label += f", {cut}" if cut else ""
         out.append(RegionBox(mode, label, line, x0, x1, y0, y1, entry["open_left"], entry["open_right"],
                              tuple(r.name for r in regions)))
     return out
@@ -1095,10 +1142,14 @@ class _Painter:
         from matplotlib.patches import FancyBboxPatch, Polygon, Rectangle
 
         graph, graph_colors, eager, breaks, dd, channel_tags = [], [], [], [], [], []
-        for box in self.p.boxes:
+        cut_of = {cut.box: cut for cut in self.p.cuts}
+        for index, box in enumerate(self.p.boxes):
             s = box.segment
             x0, y0 = box.x - _BOX_W / 2, box.y - _BOX_H / 2
             patch = FancyBboxPatch((x0, y0), _BOX_W, _BOX_H, boxstyle="round,pad=0,rounding_size=0.07")
+            if index in cut_of:
+                self.cut(box, cut_of[index])
+                continue
             if s.is_graph:
                 graph.append(patch)
                 graph_colors.append(self.colors[s.family])
@@ -1141,6 +1192,38 @@ class _Painter:
                                    _BOX_H + 0.07, boxstyle="round,pad=0,rounding_size=0.09") for b in tagged]
             self.ax.add_collection(PatchCollection(ring, facecolor="none", edgecolor=_CHANNEL, linewidths=1.0,
                                                    zorder=2.9))
+
+    def cut(self, box: Box, cut: Cut) -> None:
+        """A box per graph piece and the eager break between, so the picture counts the
+        graphs PIECEWISE makes as ``graphflow show`` does; a cut whose size the plan cannot
+        know ends in a piece marked ``…``."""
+        from matplotlib.collections import PatchCollection
+        from matplotlib.patches import FancyBboxPatch
+
+        color = self.colors[box.segment.family]
+        if cut.pieces is None:
+            slots = [("graph", ""), ("eager", cut.patterns[0].rsplit(".", 1)[-1]), ("graph", "…")]
+        else:
+            slots = [("graph", "")]
+            for pattern in cut.patterns:
+                slots += [("eager", pattern.rsplit(".", 1)[-1]), ("graph", "")]
+        gap = 0.04
+        width = (_BOX_W - gap * (len(slots) - 1)) / len(slots)
+        y0, h = box.y - _BOX_H / 2 + 0.17, _BOX_H - 0.17
+        pieces, eager = [], []
+        for k, (kind, text) in enumerate(slots):
+            x = box.x - _BOX_W / 2 + k * (width + gap)
+            patch = FancyBboxPatch((x, y0), width, h, boxstyle="round,pad=0,rounding_size=0.05")
+            (pieces if kind == "graph" else eager).append(patch)
+            size = 5.5 if len(text) <= 9 else max(4.0, 5.5 * 9 / len(text))
+            self.text(x + width / 2, y0 + h / 2, text, ha="center", va="center", fontsize=size,
+                      color=EAGER if kind == "eager" else "#333333", zorder=6)
+        self.ax.add_collection(PatchCollection(pieces, facecolor=lighten(color), edgecolor=color, linewidths=1.2,
+                                               zorder=3))
+        self.ax.add_collection(PatchCollection(eager, facecolor=lighten(EAGER, 0.5), edgecolor=EAGER,
+                                               linewidths=1.4, zorder=3))
+        size = 7.2 if len(box.label) <= 17 else max(5.2, 7.2 * 17 / len(box.label))
+        self.text(box.x, box.y - _BOX_H / 2 + 0.07, box.label, ha="center", va="center", fontsize=size, zorder=6)
 
     def edges(self) -> None:
         from matplotlib.collections import LineCollection, PatchCollection, PathCollection
@@ -1278,7 +1361,7 @@ class _Painter:
         kinds = {s.segment.family for s in p.boxes if s.segment.is_graph}
         handles = [Patch(facecolor=lighten(c), edgecolor=c, label=f"graph segment ({f})")
                    for f, c in self.colors.items() if f in kinds]
-        if any(not b.segment.is_graph for b in p.boxes):
+        if any(not b.segment.is_graph for b in p.boxes) or p.cuts:
             handles.append(Patch(facecolor=lighten(EAGER, 0.5), edgecolor=EAGER, linewidth=1.8,
                                  label="eager break"))
         if any(b.segment.data_dependent for b in p.boxes):
@@ -1288,7 +1371,8 @@ class _Painter:
             handles.append(Patch(facecolor="white", edgecolor=_CHANNEL, label="⇄ uses a channel"))
         if any(r.mode is p.mode for r in p.regions):
             handles.append(Patch(facecolor=REGION_FILL, edgecolor=REGION_EDGE,
-                                 label=f"{p.mode.value} region = one graph"))
+                                 label=f"{p.mode.value} region = one graph" + (" per piece where cut" if p.cuts
+                                                                              else "")))
         if p.full_outline:
             handles.append(Patch(facecolor="none", edgecolor=_FULL_EDGE, linestyle="--", label="FULL graph"))
         if p.blocks:

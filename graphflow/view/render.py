@@ -317,7 +317,8 @@ def _edge_label(buffers: Sequence[tuple]) -> str:
 def to_dot(plan: Plan) -> str:
     """The plan's DAG as Graphviz DOT.
 
-    Graph segments are boxes filled by family; eager breaks are red octagons; each
+    Graph segments are boxes filled by family (a PIECEWISE one cut at ``breaks``: a record
+    of its graph pieces and the eager breaks between); eager breaks are red octagons; each
     PIECEWISE region (FULL, for a FULL-only plan) is a ``cluster_`` subgraph; edges carry ``buffer@version`` and
     are solid for read-after-write, dashed for write-after-read (an in-place update
     waiting for earlier readers) and dotted for declared ``after`` orderings.
@@ -336,12 +337,15 @@ def to_dot(plan: Plan) -> str:
     for region in plan.regions(mode):
         ident = re.sub(r"\W", "_", f"cluster_{region.family}_{region.index}")
         lines.append(f"  subgraph {ident} {{")
+        cut = dict.fromkeys(p for n in region.segments for p in plan.segment(n).breaks
+                            if mode is Mode.PIECEWISE and plan.segment(n).is_graph)
+        title = f"{mode.value} {region.family}#{region.index}" + (f", cut at {', '.join(cut)}" if cut else "")
         lines.append(
-            f'    label={_q(f"{mode.value} {region.family}#{region.index}")}; style="rounded,filled"; '
+            f'    label={_q(title)}; style="rounded,filled"; '
             f'fillcolor="{REGION_FILL}"; color="{REGION_EDGE}";'
         )
         for name in region.segments:
-            lines.append(f"    {_node(plan.segment(name), colors)}")
+            lines.append(f"    {_node(plan.segment(name), colors, cut=mode is Mode.PIECEWISE)}")
             in_region.add(name)
         lines.append("  }")
     for segment in plan.segments:
@@ -357,9 +361,26 @@ def to_dot(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _node(segment: Segment, colors: dict[str, str]) -> str:
+def _record(text: str) -> str:
+    """A record field's text: DOT reads ``{}|<>`` there as structure, and ``"`` ends the string."""
+    return re.sub(r'([{}|<>"\\])', r"\\\1", text)
+
+
+def _node(segment: Segment, colors: dict[str, str], cut: bool = False) -> str:
     lines = [segment.name, *([", ".join(segment.channels)] if segment.channels else [])]
     label = '"' + "\\n".join(_escape(line) for line in lines) + '"'
+    if cut and segment.is_graph and segment.breaks:
+        # PIECEWISE makes a graph per piece: the node shows them, the breaks eager between,
+        # so the DOT view counts graphs as ``graphflow show`` does.
+        color = colors[segment.family]
+        at = ", ".join(segment.breaks)
+        pieces = f"graph|eager: {at}|graph …" if any("*" in p for p in segment.breaks) else \
+            "|".join(["graph", *(f"eager: {p}|graph" for p in segment.breaks)])
+        fields = "|".join(_record(f) for f in pieces.split("|"))
+        label = '"{' + _record(" · ".join(lines)) + "|{" + fields + "}|" + _record(
+            f"graph pieces cut at {at} (eager)") + '}"'
+        return (f'{_q(segment.name)} [shape=record, label={label}, style="rounded,filled", '
+                f'fillcolor="{lighten(color)}", color="{color}", tooltip={_q(segment.call)}];')
     if segment.is_graph:
         color = colors[segment.family]
         style = f'shape=box, style="rounded,filled", fillcolor="{lighten(color)}", color="{color}"'
