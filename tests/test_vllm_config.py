@@ -45,7 +45,9 @@ class TestModes:
         assert plan.plan.capture.modes == modes and plan.cudagraph_mode == mode.upper()
 
     @pytest.mark.parametrize("config", [{"cudagraph_mode": "NONE"}, {"enforce_eager": True}, {"optimization_level": 0},
-                                        {"compilation_mode": "NONE", "cudagraph_mode": "PIECEWISE"}])
+                                        {"compilation_mode": "NONE", "cudagraph_mode": "PIECEWISE"},
+                                        {"compilation_mode": 1}, {"compilation_mode": "STOCK_TORCH_COMPILE",
+                                                                  "cudagraph_mode": "FULL", "runner": "v1"}])
     def test_what_captures_nothing(self, config):
         plan = planned({**config, "max_num_seqs": 8, "cudagraph_capture_sizes": [4, 1]})
         assert plan.descriptors == () and plan.plan.capture.modes == ()
@@ -54,6 +56,16 @@ class TestModes:
         assert planned({"max_num_seqs": 8}).cudagraph_mode == "FULL_AND_PIECEWISE"
         assert planned({"max_num_seqs": 8, "optimization_level": "-O1"}).cudagraph_mode == "PIECEWISE"
         assert planned({"max_num_seqs": 8, "optimization_level": 3}).cudagraph_mode == "FULL_AND_PIECEWISE"
+
+    def test_drafter_graphs_are_named_as_not_predicted(self):
+        def notes(**inputs):
+            plan = planned({"max_num_seqs": 8, "num_speculative_tokens": 2, **inputs})
+            return [u for u in plan.unknowns if u.startswith("not predicted: drafter graphs")]
+
+        assert len(notes(speculative_method="eagle")) == 1
+        assert notes(speculative_method="ngram") == []
+        # V1 runs the drafter with graphs only inside the target's PIECEWISE captures
+        assert notes(speculative_method="eagle", cudagraph_mode="FULL", runner="v1") == []
 
     def test_without_vllm_compile_the_piecewise_half_is_dropped(self):
         assert planned({"max_num_seqs": 8, "compilation_mode": 0}).cudagraph_mode == "FULL_DECODE_ONLY"

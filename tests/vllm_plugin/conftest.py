@@ -57,3 +57,33 @@ def plugin(monkeypatch):
 
     yield register
     module.unregister()
+
+
+@pytest.fixture
+def vllm_output(monkeypatch):
+    """vLLM's logging as each of its processes configures it (its ``vllm`` logger and
+    handler, not propagating), at INFO: yields what that handler writes; undone after."""
+    import io
+    import logging
+
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    for name in ("propagate", "level"):
+        monkeypatch.setattr(vllm_logger, name, getattr(vllm_logger, name))
+    factory = logging.getLogRecordFactory()
+    configure_logging(LoggingConfig(log_level="INFO", configure_logging=True, pylogging_config_file=None))
+    (handler,) = vllm_logger.handlers
+    handler.setStream(io.StringIO())
+    yield handler.stream
+    logging.setLogRecordFactory(factory)
+    logging.getLogger("vllm.graphflow").manager._clear_cache()
+
+
+@pytest.fixture
+def plugin_log(caplog, vllm_output):
+    """caplog under vLLM's logging: pytest hands its handler to the loggers that do not
+    propagate (vLLM's, and so the plugin's, a child of it) when the test starts."""
+    return caplog

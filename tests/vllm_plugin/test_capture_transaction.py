@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 import harness  # noqa: E402
 
 from graphflow.errors import CaptureError  # noqa: E402
+from graphflow.integrations.vllm.logs import LOGGER  # noqa: E402
 
 # max_num_seqs=4, 64 batched tokens: PIECEWISE 8, 4, 2, 1 then FULL decode 4, 2, 1.
 ORDER = [("PIECEWISE", 8), ("PIECEWISE", 4), ("PIECEWISE", 2), ("PIECEWISE", 1),
@@ -87,26 +88,26 @@ def test_a_failure_at_any_descriptor_rolls_everything_back(runner, plugin, cpu_c
     assert cpu_cuda.captures == captures
 
 
-def test_with_on_failure_eager_capture_returns_and_serving_is_eager(runner, plugin, caplog):
+def test_with_on_failure_eager_capture_returns_and_serving_is_eager(runner, plugin, plugin_log):
     plugin(on_failure="eager")
     runner.fail_at = ORDER[2]
-    with caplog.at_level("ERROR", logger="graphflow.vllm"):
+    with plugin_log.at_level("ERROR", logger=LOGGER):
         assert runner.capture_model() == 0
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "graphflow.vllm"]
+    (line,) = [r.getMessage() for r in plugin_log.records if r.name == LOGGER and r.levelname == "ERROR"]
     assert "target PIECEWISE(tokens=2)" in line and "serving without CUDA graphs" in line and "rank 0" in line
     assert state(runner)["keys"] == 0 and state(runner)["entries"] == 0
     runner.tiny.fail = None
     assert runner.serve(4)[0].name == "NONE"
 
 
-def test_a_capture_that_succeeds_is_committed_and_logged(runner, plugin, cpu_cuda, caplog):
+def test_a_capture_that_succeeds_is_committed_and_logged(runner, plugin, cpu_cuda, plugin_log):
     plugin()
-    with caplog.at_level("INFO", logger="graphflow.vllm"):
+    with plugin_log.at_level("INFO", logger=LOGGER):
         runner.capture_model()
     left = state(runner)
     assert left["flag"] is False and left["keys"] == 7 and left["entries"] == 7
     assert [(m, d.num_tokens) for m, d in runner.runs if m != "NONE"] == ORDER
-    messages = [r.getMessage() for r in caplog.records if r.name == "graphflow.vllm"]
+    messages = [r.getMessage() for r in plugin_log.records if r.name == LOGGER]
     assert any("captured 7 graphs on rank 0" in m and "target PIECEWISE=4 (largest 8), target FULL=3 (largest 4)"
                in m for m in messages)
     captures = cpu_cuda.captures

@@ -68,6 +68,11 @@ CASES = [
     ("batched-tokens-100", dict(max_num_seqs=64, max_num_batched_tokens=100), {}, "ALWAYS"),
     ("interactivity", dict(max_num_seqs=16, max_num_batched_tokens=2048, performance_mode="interactivity"),
      {"performance_mode": "interactivity"}, "ALWAYS"),
+    ("stock-torch-compile", dict(max_num_seqs=64, max_num_batched_tokens=8192, compilation_config={"mode": 1}),
+     {"compilation_mode": 1}, "ALWAYS"),
+    ("stock-torch-compile-full", dict(max_num_seqs=64, max_num_batched_tokens=8192,
+                                      compilation_config={"mode": 1, "cudagraph_mode": "FULL"}),
+     {"compilation_mode": 1, "cudagraph_mode": "FULL"}, "ALWAYS"),
 ]
 
 
@@ -81,11 +86,16 @@ def configs():
     return {case[0]: harness.engine_config(**case[1]) for case in CASES}
 
 
-def resolved_engine(config, runner: str, support: str):
-    """What a worker holds after resolving the config: V1's dispatcher or V2's graph manager."""
+def resolved_engine(config, runner: str, support: str, *, drafter: bool = False):
+    """What a worker holds after resolving the config: V1's dispatcher or V2's graph manager.
+
+    ``drafter`` gives V1 an EAGLE drafter's dispatcher, its keys set by vLLM's own
+    ``EagleProposer.initialize_cudagraph_keys`` (the proposer's model is not needed).
+    """
     import torch
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.spec_decode.eagle import EagleProposer
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
     config = copy.deepcopy(config)
@@ -94,7 +104,12 @@ def resolved_engine(config, runner: str, support: str):
     if runner == "v1":
         dispatcher = CudagraphDispatcher(config)
         dispatcher.initialize_cudagraph_keys(mode, config.uniform_decode_query_len)
-        return types.SimpleNamespace(vllm_config=config, cudagraph_dispatcher=dispatcher, drafter=None,
+        proposer = None
+        if drafter:
+            proposer = types.SimpleNamespace(speculative_config=config.speculative_config,
+                                             cudagraph_dispatcher=CudagraphDispatcher(config))
+            EagleProposer.initialize_cudagraph_keys(proposer, mode)
+        return types.SimpleNamespace(vllm_config=config, cudagraph_dispatcher=dispatcher, drafter=proposer,
                                      encoder_cudagraph_manager=None, device=torch.device("cuda:0"))
     manager = CudaGraphManager(config, torch.device("cuda:0"), mode, config.uniform_decode_query_len)
     return types.SimpleNamespace(vllm_config=config, cudagraph_manager=manager, speculator=None, model_state=None,
@@ -155,3 +170,70 @@ def test_a_prediction_says_what_it_cannot_know(configs):
     assert any("attention backends" in u for u in plan.unknowns)
     assert not any("attention backends" in u for u in
                    plan_from_vllm_config(configs["seqs-8"], model_plan=MODEL_PLAN, attention_support="ALWAYS").unknowns)
+
+
+@pytest.fixture
+def v1_config(monkeypatch):
+    """A post-init ``VllmConfig`` for model runner V1 (its post-init differs from V2's)."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+    def build(**engine_kwargs):
+        config = harness.engine_config(**engine_kwargs)
+        assert not config.use_v2_model_runner
+        return config
+
+    return build
+
+
+def test_stock_torch_compile_captures_nothing_on_v1(vllm_world, v1_config):
+    """V1's post-init keeps FULL_DECODE_ONLY and its dispatcher lists the keys, but V1's
+    ``load_model`` compiles with stock torch.compile and returns before it wraps the model
+    in a ``CUDAGraphWrapper``: no key captures a graph."""
+    kwargs = dict(max_num_seqs=64, max_num_batched_tokens=8192, compilation_config={"mode": 1})
+    config = v1_config(**kwargs)
+    assert config.compilation_config.cudagraph_mode.name == "FULL_DECODE_ONLY"
+    engine = resolved_engine(config, "v1", "ALWAYS")
+    assert vllm_keys(engine)  # listed, never captured
+    assert plan_from_engine(engine).descriptors == ()
+    assert plan_from_vllm_config(config, model_plan=MODEL_PLAN, attention_support="ALWAYS").descriptors == ()
+    predicted = plan_from_vllm_config(inputs(kwargs, {"compilation_mode": "STOCK_TORCH_COMPILE"}),
+                                      model_plan=MODEL_PLAN, runner="v1", attention_support="ALWAYS")
+    assert predicted.cudagraph_mode == "NONE" and predicted.summary() == "no graphs"
+
+
+SPEC_2_SEQS_8 = dict(max_num_seqs=8, max_num_batched_tokens=2048,
+                     speculative_config={**NGRAM, "num_speculative_tokens": 2})
+
+
+def test_v1_captures_drafter_graphs_only_inside_the_targets_piecewise_captures(vllm_world, v1_config):
+    """Under FULL the drafter's dispatcher lists PIECEWISE keys, but V1's ``_dummy_run``
+    runs the drafter with graphs only while the target captures PIECEWISE: none here."""
+    full = resolved_engine(v1_config(**SPEC_2_SEQS_8, compilation_config={"cudagraph_mode": "FULL"}), "v1", "ALWAYS",
+                           drafter=True)
+    listed = [d for _, ds in full.drafter.cudagraph_dispatcher.get_capture_descs() for d in ds]
+    assert len(listed) == 9  # the sizes up to 48, rounded to multiples of q = 3
+    assert {m.name for m, _ in full.drafter.cudagraph_dispatcher.get_capture_descs()} == {"PIECEWISE"}
+    plan = plan_from_engine(full)
+    assert plan.family("drafter") == () and set(plan.counts()) == {("target", "FULL")}
+
+    both = resolved_engine(v1_config(**SPEC_2_SEQS_8), "v1", "ALWAYS", drafter=True)
+    plan = plan_from_engine(both)
+    drafter = plan.family("drafter")
+    assert drafter and sorted(d.num_tokens for d in drafter) == sorted(
+        d.num_tokens for _, ds in both.drafter.cudagraph_dispatcher.get_capture_descs() for d in ds)
+    assert {d.num_tokens for d in drafter} == set(plan.plan.capture.sizes_for(plan.plan.capture.modes[0]))
+    assert plan.plan.capture.modes[0].value == "PIECEWISE"
+
+
+def test_a_prediction_says_it_does_not_predict_drafter_graphs(configs):
+    eagle = {"max_num_seqs": 300, "max_num_batched_tokens": 8192, "num_speculative_tokens": 4,
+             "speculative_method": "eagle"}
+    notes = [u for u in plan_from_vllm_config(eagle, model_plan=MODEL_PLAN, runner="v2").unknowns
+             if u.startswith("not predicted: drafter graphs")]
+    assert len(notes) == 1 and "eagle with 4 speculative tokens" in notes[0] and "number unknown" in notes[0]
+    # V1 runs the drafter with graphs only inside PIECEWISE target captures: under FULL it knows there are none
+    v1_full = plan_from_vllm_config({**eagle, "cudagraph_mode": "FULL"}, model_plan=MODEL_PLAN, runner="v1")
+    assert not any("drafter" in u for u in v1_full.unknowns)
+    # n-gram proposals run no model, so no drafter graph
+    assert not any("not predicted: drafter" in u for u in
+                   plan_from_vllm_config(configs["spec-2"], model_plan=MODEL_PLAN, attention_support="ALWAYS").unknowns)

@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 import harness  # noqa: E402
 
 from graphflow.integrations.vllm import plugin as module  # noqa: E402
+from graphflow.integrations.vllm.logs import LOGGER  # noqa: E402
 from graphflow.dist.trace import INCOMPLETE, Tracer, TraceWriteWarning, read_trace  # noqa: E402
 
 FULL_DISK = "/dev/full"
@@ -58,21 +59,21 @@ def runner_v2(vllm_world, cpu_cuda):
 
 
 def test_v1_a_trace_that_fills_the_disk_keeps_every_graph_and_says_it_is_incomplete(
-        runner, plugin, cpu_cuda, tmp_path, monkeypatch, caplog):
+        runner, plugin, cpu_cuda, tmp_path, monkeypatch, plugin_log):
     from vllm.compilation import monitor
 
     real = Tracer._open
     monkeypatch.setattr(Tracer, "_open", lambda self: Failing(real(self), after=3))
     monkeypatch.setenv("GRAPHFLOW_TRACE", str(tmp_path))
     plugin()
-    with caplog.at_level("INFO", logger="graphflow.vllm"), \
+    with plugin_log.at_level("INFO", logger=LOGGER), \
             pytest.warns(TraceWriteWarning, match=r"rank0\.jsonl.*No space left on device"):
         runner.capture_model()
     module.unregister()  # closes the trace
     assert monitor.cudagraph_capturing_enabled is False
     assert sum(len(k) for k in runner.cudagraph_dispatcher.cudagraph_keys.values()) == 7
     assert sum(len(w.concrete_cudagraph_entries) for w in (runner.full, runner.piecewise)) == 7
-    messages = [r.getMessage() for r in caplog.records if r.name == "graphflow.vllm"]
+    messages = [r.getMessage() for r in plugin_log.records if r.name == LOGGER]
     assert any("captured 7 graphs on rank 0" in m and "incomplete" in m and "events lost" in m for m in messages)
     events = read_trace(tmp_path / "rank0.jsonl")
     record = events[-1]

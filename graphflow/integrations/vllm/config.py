@@ -6,7 +6,11 @@
    optimization level (``-O0`` NONE, ``-O1`` PIECEWISE, ``-O2``/``-O3``, the default,
    FULL_AND_PIECEWISE); a compilation mode other than VLLM_COMPILE drops the piecewise
    half (FULL_AND_PIECEWISE becomes FULL_DECODE_ONLY); pooling models capture PIECEWISE
-   instead of FULL, encoder-decoder models FULL_DECODE_ONLY.
+   instead of FULL, encoder-decoder models FULL_DECODE_ONLY. Stock ``torch.compile``
+   (compilation mode 1, STOCK_TORCH_COMPILE) captures nothing on either runner: V2's
+   post-init sets NONE (``_disable_cudagraphs_for_v2_stock_torch_compile``), and V1's
+   ``load_model`` compiles the model and returns before wrapping it in a
+   ``CUDAGraphWrapper``, so the FULL keys its dispatcher still lists capture no graph.
 2. **Sizes** (``VllmConfig._set_cudagraph_sizes``): without explicit sizes, ``[1, 2, 4]``,
    multiples of 8 below 256, multiples of 16 from 256, up to ``min(max_num_seqs * q * 2,
    512)`` (1024 on Blackwell), ``q = 1 + speculative tokens``; then ``max_num_seqs``
@@ -24,8 +28,12 @@
    FULL capture different sizes. With the default FULL_AND_PIECEWISE at 256 sequences:
    51 PIECEWISE and 35 FULL graphs.
 
-A post-init ``VllmConfig`` has applied rules 1 and 2 already; only 3 to 5 are left.
-Run-time downgrades this function cannot see are listed in ``VllmPlan.unknowns``;
+A post-init ``VllmConfig`` has applied rules 1 and 2 already (all but V1's stock
+``torch.compile``, which this function applies to it); only 3 to 5 are left.
+Only the target family is predicted: the drafter's graphs (EAGLE, MTP, draft models)
+depend on the speculator vLLM builds, and V2's dynamic speculative decoding rewrites its
+capture list while capturing. Those, and run-time downgrades this function cannot see,
+are listed in ``VllmPlan.unknowns``;
 ``graphflow.integrations.vllm.plan_from_engine`` reads what a running engine resolved.
 """
 
@@ -69,6 +77,8 @@ _RUNTIME_UNKNOWNS = (
     "LoRA, micro-batching (DBO), dynamic speculative decoding, KV connectors that need PIECEWISE and "
     "models without a compiled or breakable piecewise path change the graphs at run time",
 )
+#: ``speculative_config.method``s whose proposer runs no model, so captures no drafter graph.
+_MODEL_FREE_METHODS = frozenset({"ngram", "suffix"})
 
 
 def plan_from_vllm_config(
@@ -86,7 +96,8 @@ def plan_from_vllm_config(
     ``cudagraph_mode``, ``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``,
     ``optimization_level`` (0-3), ``compilation_mode`` (``VLLM_COMPILE``...),
     ``enforce_eager``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``num_speculative_tokens``, ``performance_mode``, ``pooling``,
+    ``num_speculative_tokens``, ``speculative_method`` (``eagle``, ``ngram``...),
+    ``performance_mode``, ``pooling``,
     ``encoder_decoder``, ``device_capability`` (90 for Hopper; 100 raises the default
     maximum to 1024). ``runner`` is ``"v1"`` or ``"v2"`` (default: the config's, else
     V2, vLLM 0.33's default on a GPU). ``attention_support`` is one of
@@ -109,8 +120,18 @@ def plan_from_vllm_config(
                         f"{', '.join(ATTENTION_SUPPORT)}", element="attention_support")
     unknowns.extend(_RUNTIME_UNKNOWNS)
 
-    mode, sizes = (settings.mode, settings.sizes) if settings.resolved else settings.resolve()
+    if settings.compilation_mode == "STOCK_TORCH_COMPILE":  # V1's post-init keeps the mode; its runner captures none
+        mode, sizes = "NONE", ()
+    else:
+        mode, sizes = (settings.mode, settings.sizes) if settings.resolved else settings.resolve()
     mode = _resolve_at_run_time(mode, str(attention_support).upper(), settings)
+    # V1 captures drafter graphs only inside the target's PIECEWISE captures (GPUModelRunner._dummy_run)
+    drafting = _ROUTINES[mode][1] == "PIECEWISE" or (runner == "v2" and mode != "NONE")
+    if drafting and settings.num_speculative_tokens and settings.speculative_method not in _MODEL_FREE_METHODS:
+        unknowns.append(f"not predicted: drafter graphs ({settings.speculative_method or 'speculative decoding'} "
+                        f"with {settings.num_speculative_tokens} speculative tokens), number unknown: they follow "
+                        "the speculator vLLM builds (and V2's dynamic speculative decoding rewrites them while "
+                        "capturing); plan_from_engine reads them")
     q = settings.q
     if mode != "NONE" and runner == "v1" and _ROUTINES[mode][0] == "FULL" and q > 1:
         sizes = _round_for_speculation(sizes, q)
@@ -135,6 +156,7 @@ class _Inputs:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     num_speculative_tokens: int
+    speculative_method: str
     performance_mode: str
     pooling: bool
     encoder_decoder: bool
@@ -179,6 +201,7 @@ class _Inputs:
             max_num_seqs=_size(values.get("max_num_seqs"), "max_num_seqs"),
             max_num_batched_tokens=_size(values.get("max_num_batched_tokens"), "max_num_batched_tokens"),
             num_speculative_tokens=_count(values.get("num_speculative_tokens") or 0, "num_speculative_tokens"),
+            speculative_method=str(values.get("speculative_method") or ""),
             performance_mode=str(values.get("performance_mode") or "balanced"),
             pooling=bool(values.get("pooling", False)),
             encoder_decoder=bool(values.get("encoder_decoder", False)),
@@ -249,7 +272,7 @@ class _Inputs:
 _KEYS = frozenset({
     "cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "optimization_level",
     "compilation_mode", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
-    "performance_mode", "pooling", "encoder_decoder", "device_capability", "runner",
+    "speculative_method", "performance_mode", "pooling", "encoder_decoder", "device_capability", "runner",
 })
 
 
@@ -265,6 +288,7 @@ def _from_vllm_config(config: Any) -> dict[str, Any]:
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "num_speculative_tokens": getattr(config, "num_speculative_tokens", 0),
+        "speculative_method": getattr(getattr(config, "speculative_config", None), "method", None),
     }
     use_v2 = getattr(config, "use_v2_model_runner", None)
     if use_v2 is not None:

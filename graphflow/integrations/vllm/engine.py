@@ -50,15 +50,7 @@ def engine_descriptors(runner: Any) -> tuple[VllmDescriptor, ...]:
 
 def _raw_descriptors(runner: Any) -> Iterator[tuple[str, Any, Any, int]]:
     if runner_kind(runner) == "v1":
-        dispatchers = [("target", runner.cudagraph_dispatcher),
-                       ("drafter", getattr(getattr(runner, "drafter", None), "cudagraph_dispatcher", None))]
-        for family, dispatcher in dispatchers:
-            if dispatcher is None:
-                continue
-            q = getattr(dispatcher, "uniform_decode_query_len", 1)
-            for mode, descs in dispatcher.get_capture_descs():
-                for desc in descs:
-                    yield family, mode, desc, q
+        yield from _v1_descriptors(runner)
         encoder = getattr(runner, "encoder_cudagraph_manager", None)
     else:
         for family, manager in graph_managers(runner):
@@ -72,6 +64,45 @@ def _raw_descriptors(runner: Any) -> Iterator[tuple[str, Any, Any, int]]:
             for budget in budgets:
                 if budget:
                     yield "encoder", "FULL", _Budget(int(budget)), 1
+
+
+def _v1_descriptors(runner: Any) -> Iterator[tuple[str, Any, Any, int]]:
+    """The target's and the drafter's keys that V1 really captures, not all its dispatchers list.
+
+    Under stock ``torch.compile`` V1's ``load_model`` returns before wrapping the model in
+    a ``CUDAGraphWrapper``, so its dispatcher's keys capture nothing. The drafter has no
+    capture loop of its own: ``_dummy_run`` runs it with graphs only inside the target's
+    PIECEWISE captures, padded by the drafter's dispatcher, so under FULL (no PIECEWISE
+    target graphs) the drafter's PIECEWISE keys capture nothing either.
+    """
+    if _name(getattr(runner.vllm_config.compilation_config, "mode", None)) in ("STOCK_TORCH_COMPILE", "1"):
+        return
+    target = runner.cudagraph_dispatcher
+    q = getattr(target, "uniform_decode_query_len", 1)
+    piecewise: set[int] = set()
+    for mode, descs in target.get_capture_descs():
+        for desc in descs:
+            if _name(mode) == "PIECEWISE":
+                piecewise.add(int(desc.num_tokens))
+            yield "target", mode, desc, q
+    drafter = getattr(getattr(runner, "drafter", None), "cudagraph_dispatcher", None)
+    if drafter is None or not piecewise:
+        return
+    q = getattr(drafter, "uniform_decode_query_len", 1)
+    captured = {_padded(drafter, size) for size in piecewise}
+    for mode, descs in drafter.get_capture_descs():
+        for desc in descs:
+            if int(desc.num_tokens) in captured:
+                yield "drafter", mode, desc, q
+
+
+def _padded(dispatcher: Any, num_tokens: int) -> int:
+    """The token count ``dispatcher`` runs ``num_tokens`` at, as the drafter's ``dummy_run`` asks it."""
+    return int(dispatcher.dispatch(num_tokens)[1].num_tokens)
+
+
+def _name(value: Any) -> str:
+    return str(getattr(value, "name", value)).upper()
 
 
 @attrs.frozen

@@ -1,7 +1,8 @@
 """Where the plugin wraps vLLM 0.33, and what a capture changes that must come back.
 
-vLLM has no capture callback, so the plugin wraps methods (``vllm-plugin.md`` gives the
-file:line of each in the installed package):
+vLLM has no capture callback, so the plugin wraps these methods (each named by its module
+in the installed package; docs/vllm.md says what the plugin does in each, and what a
+moved one does: ``register`` logs it and leaves vLLM running without the plugin):
 
 * model runner V1 (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``): ``capture_model``
   and ``profile_cudagraph_memory`` (a session each; capture as a transaction); for the

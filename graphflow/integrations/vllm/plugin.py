@@ -2,25 +2,29 @@
 
 vLLM loads every ``vllm.general_plugins`` entry point in each process that runs a model
 (the engine core and every worker), before the worker class exists; ``register`` is that
-entry point (``pip install graphflow[vllm]`` installs it). It does nothing unless
-``GRAPHFLOW_VLLM=1``; then, once per process, it wraps vLLM's capture paths
-(``graphflow.integrations.vllm.hooks``) and in each capture or profiling run:
+entry point (plain ``pip install graphflow`` installs it, into a vLLM fork too). It
+does nothing unless ``GRAPHFLOW_VLLM`` is on. It never stops vLLM from starting: a setting
+it cannot read, a vLLM other than 0.33.x (unless ``GRAPHFLOW_VLLM_ANY_VERSION`` is on) and
+a vLLM attribute it cannot wrap each log one line and leave the plugin off. Otherwise,
+once per process, it wraps vLLM's capture paths (``graphflow.integrations.vllm.hooks``)
+and in each capture or profiling run:
 
 1. builds the plan from the runner's resolved descriptors and its post-init config
    (``plan_from_engine``), runs graphflow's rules, logs every finding with its code and
-   refuses to capture (``CaptureError``, phase ``validate``) on an error: every rank has
+   refuses to capture (``CaptureError``, phase ``validate``, logged) on an error: every rank has
    the same config, so every rank refuses alike;
 2. opens a ``CaptureSession``: phase boundaries per descriptor, each a store barrier;
    every custom all-reduce traced and served by its family's warmup policy;
 3. runs vLLM's capture inside a ``CaptureTransaction``; on any failure it tells the
-   other ranks at once (``abandon``), rolls back, and raises ``CaptureError`` naming the
-   mode, descriptor and rank, or, with ``GRAPHFLOW_VLLM_ON_FAILURE=eager``, logs one
-   line and serves eagerly. A trace file that cannot be written is no such failure:
+   other ranks at once (``abandon``), rolls back, logs the failure and raises
+   ``CaptureError`` naming the mode, descriptor and rank, or, with
+   ``GRAPHFLOW_VLLM_ON_FAILURE=eager``, logs it and serves eagerly. A trace file that cannot be written is no such failure:
    the ``Tracer`` warns once and marks the trace incomplete, and the graphs stand;
 4. logs what it captured, how long it took and the memory vLLM reports (and that the
    trace is incomplete, when it is).
 
-``unregister()`` puts every wrapped attribute back. Settings: ``settings.py``.
+``unregister()`` puts every wrapped attribute back. Settings: ``settings.py``; the log,
+through vLLM's: ``logs.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,13 +40,16 @@ from typing import Any
 from graphflow.errors import CaptureError, DivergenceError, PlanError
 from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan
 from graphflow.integrations.vllm.session import CaptureSession
-from graphflow.integrations.vllm.settings import PluginSettings
+from graphflow.integrations.vllm.logs import log
+from graphflow.integrations.vllm.settings import ANY_VERSION_ENV, PluginSettings, SettingsError
 from graphflow.dist.trace import TraceLog, Tracer
 from graphflow.plan.rules import Severity, validate
 
-__all__ = ["Plugin", "register", "registered", "unregister"]
+__all__ = ["SUPPORTED_VLLM", "Plugin", "register", "registered", "unregister"]
 
-log = logging.getLogger("graphflow.vllm")
+#: The vLLM release series the hooks were written and tested against: they wrap its
+#: internals, which move between releases.
+SUPPORTED_VLLM = "0.33"
 
 #: Findings logged per rule code before the rest are counted in one line.
 _SHOWN_PER_CODE = 5
@@ -56,21 +62,43 @@ _SESSIONS = itertools.count(1)
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: install the plugin if ``GRAPHFLOW_VLLM=1``.
+    """The ``vllm.general_plugins`` entry point: install the plugin if ``GRAPHFLOW_VLLM`` is on.
 
-    Idempotent per process: a second call (vLLM calls it in the engine core and again in
-    each worker it forks) changes nothing.
+    Never raises for a bad setting, another vLLM version or a hook it cannot install: vLLM
+    calls it unguarded in every process, so raising would stop the engine; each logs one
+    line instead and the plugin stays off. Idempotent per process: a second call (vLLM
+    calls it in the engine core and again in each worker it forks) changes nothing.
     """
     global _PLUGIN
     if _PLUGIN is not None:
         return
-    settings = PluginSettings.from_env()
+    try:
+        settings = PluginSettings.from_env()
+    except SettingsError as error:
+        log.error("%s; plugin off", error)
+        return
     if not settings.enabled:
         return
-    _PLUGIN = Plugin(settings)
-    _PLUGIN.install()
-    log.info("graphflow: vLLM plugin enabled (warmup %s, on failure %s, barrier timeout %g s%s)",
-             _policies(settings), settings.on_failure, settings.timeout_s,
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if not _supported(version):
+        if not settings.any_version:
+            log.warning("vLLM %s is not %s.x, the version this plugin wraps: plugin off (%s=1 tries anyway)",
+                        version, SUPPORTED_VLLM, ANY_VERSION_ENV)
+            return
+        log.warning("vLLM %s is not %s.x, the version this plugin wraps: trying anyway (%s)",
+                    version, SUPPORTED_VLLM, ANY_VERSION_ENV)
+    plugin = Plugin(settings)
+    try:
+        plugin.install()
+    except Exception as error:  # an attribute another vLLM moved: vLLM runs on without the plugin
+        plugin.uninstall()
+        log.error("cannot wrap vLLM %s (%s: %s): plugin off", version, type(error).__name__, error)
+        return
+    _PLUGIN = plugin
+    log.info("vLLM plugin enabled on vLLM %s (warmup %s, on failure %s, barrier timeout %g s%s)",
+             version, _policies(settings), settings.on_failure, settings.timeout_s,
              f", trace in {settings.trace_dir}" if settings.trace_dir else "")
 
 
@@ -85,6 +113,10 @@ def unregister() -> None:
 def registered() -> Plugin | None:
     """The installed plugin of this process, or None."""
     return _PLUGIN
+
+
+def _supported(version: str) -> bool:
+    return version == SUPPORTED_VLLM or version.startswith(f"{SUPPORTED_VLLM}.")
 
 
 def _policies(settings: PluginSettings) -> str:
@@ -129,7 +161,7 @@ class Plugin:
             return capture()
         import torch.distributed as dist
 
-        from graphflow.integrations.vllm.engine import plan_from_engine
+        from graphflow.integrations.vllm.engine import plan_from_engine, runner_kind
         from graphflow.integrations.vllm.hooks import runner_hooks, transaction_for
 
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -139,8 +171,8 @@ class Plugin:
             plan = plan_from_engine(runner, warmup=self.settings.warmup, data_dependent=self.settings.routed,
                                     barrier_timeout_s=self.settings.timeout_s)
         except PlanError as error:
-            raise CaptureError(f"graphflow refused to capture: {error}", phase="validate", rank=rank,
-                               hint="fix the vLLM setting it names") from error
+            raise _logged(CaptureError(f"graphflow refused to capture: {error}", phase="validate", rank=rank,
+                                       hint="fix the vLLM setting it names")) from error
         if not plan.descriptors:
             return capture()
         self.plans.append(plan)
@@ -166,13 +198,13 @@ class Plugin:
                 session.abandon(f"{type(error).__name__}: {error}")
             undo_error = txn.rollback(error) if txn is not None else None
             session.flush()
-            return self._failed(error, undo_error, where, rank, what, plan)
+            return self._failed(error, undo_error, where, rank, what, runner_kind(runner))
         finally:
             self.session = None
             session.flush()
         if txn is not None:
             txn.commit()
-            log.info("graphflow: captured %d graphs on rank %d in %.1f s (%s); vLLM reports %.2f GiB%s",
+            log.info("captured %d graphs on rank %d in %.1f s (%s); vLLM reports %.2f GiB%s",
                      len(plan.descriptors), rank, time.perf_counter() - start, plan.summary(),
                      (result or 0) / (1 << 30), _trace_state(session.tracer))
         return result
@@ -183,19 +215,19 @@ class Plugin:
         for d in report.diagnostics:
             shown[d.code] = shown.get(d.code, 0) + 1
             if shown[d.code] <= _SHOWN_PER_CODE:
-                (log.error if d.severity is Severity.ERROR else log.warning)("graphflow: %s", d)
+                (log.error if d.severity is Severity.ERROR else log.warning)("%s", d)
         for code, count in shown.items():
             if count > _SHOWN_PER_CODE:
-                log.warning("graphflow: %s: %d more like these", code, count - _SHOWN_PER_CODE)
+                log.warning("%s: %d more like these", code, count - _SHOWN_PER_CODE)
         for line in plan.unknowns:
-            log.debug("graphflow: the plan cannot see: %s", line)
+            log.debug("the plan cannot see: %s", line)
         if not report.ok:
             codes = ", ".join(dict.fromkeys(d.code for d in report.errors))
-            raise CaptureError(
+            raise _logged(CaptureError(
                 f"graphflow refused to capture {plan.plan.name}: {len(report.errors)} validation error(s) ({codes}); "
                 f"first: {report.errors[0]}", phase="validate", rank=rank,
                 hint="fix the settings the findings name (GRAPHFLOW_VLLM_WARMUP=real for a placeholder that "
-                     "reaches routing), or skip a rule with GRAPHFLOW_VLLM_DISABLE")
+                     "reaches routing), or skip a rule with GRAPHFLOW_VLLM_DISABLE"))
 
     def _open(self, rank: int, plan: VllmPlan) -> CaptureSession:
         import torch.distributed as dist
@@ -210,7 +242,7 @@ class Plugin:
         return CaptureSession(rank=rank, world=world, store=store, log=self._log, timeout_s=self.settings.timeout_s,
                               namespace=f"graphflow-vllm/{next(_SESSIONS)}", agree_calls=self.settings.agree_calls)
 
-    def _failed(self, error: BaseException, undo_error, where: tuple, rank: int, what: str, plan: VllmPlan) -> Any:
+    def _failed(self, error: BaseException, undo_error, where: tuple, rank: int, what: str, kind: str) -> Any:
         family, mode, descriptor, phase = where
         if isinstance(error, KeyboardInterrupt):
             raise error
@@ -221,17 +253,16 @@ class Plugin:
                 f"CUDA graph {what} failed {f'at {descriptor} ({phase})' if descriptor else 'outside any descriptor'} "
                 f"on rank {rank}: "
                 f"{type(error).__name__}: {error}", phase=phase or what, descriptor=descriptor, rank=rank,
-                hint="vLLM's capture state was rolled back (flag off, graphs and keys cleared, pools and "
-                     "counters restored, gc unfrozen)")
+                hint=_rolled_back(what, kind))
         if undo_error is not None:
             failure.add_note(f"while rolling back: {undo_error!r}")
         if self.settings.on_failure == "eager" and what == "capture":
-            log.error("graphflow: %s; rolled back: serving without CUDA graphs (GRAPHFLOW_VLLM_ON_FAILURE=eager)",
+            log.error("%s; rolled back: serving without CUDA graphs (GRAPHFLOW_VLLM_ON_FAILURE=eager)",
                       failure.message)
             return 0
         if failure is error:
-            raise error
-        raise failure from error
+            raise _logged(failure)
+        raise _logged(failure) from error
 
     # -- what the hooks call --------------------------------------------------------------
     @contextlib.contextmanager
@@ -267,6 +298,23 @@ class Plugin:
         for hook in self.settings.prepare:
             hook(communicator, tensor)
         self._prepared.add(key)
+
+
+def _logged(error: CaptureError) -> CaptureError:
+    """``error``, logged: vLLM prints a worker's exception only in the process that
+    collects it, so each rank's own line says what it refused or where it failed."""
+    log.error("%s", error)
+    return error
+
+
+def _rolled_back(what: str, kind: str) -> str:
+    """The failure's hint: what came back. V1 turns the capturing flag on for its capture and
+    off after it, V2 never touches it, so the flag is off on V1 and as it was on V2."""
+    if what != "capture":
+        return "a profiling run: graphflow rolled nothing back (vLLM's profiling cleans up after itself)"
+    flag = "capturing flag off" if kind == "v1" else "capturing flag as it was"
+    return (f"vLLM's capture state was rolled back ({flag}, graphs and keys cleared, pools and counters "
+            "restored, gc unfrozen)")
 
 
 def _trace_state(tracer: Tracer | None) -> str:

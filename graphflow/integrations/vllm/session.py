@@ -21,7 +21,6 @@ touches CUDA, from this thread or another. No vLLM or torch import.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,8 +33,6 @@ from graphflow.dist.trace import TraceLog
 __all__ = ["CaptureSession", "Site"]
 
 _WORLD = "world"
-
-log = logging.getLogger("graphflow.vllm")
 
 
 @attrs.define

@@ -1,9 +1,16 @@
 """The plugin's settings, read from the environment (vLLM workers inherit it).
 
+The switches are read as vLLM reads its own boolean flags (``VLLM_USE_PRECOMPILED``,
+``VLLM_DISABLE_PYNCCL``): ``1`` or ``true`` in any case, spaces around ignored, is on;
+anything else is off, so a deployment writes them as it writes vLLM's. The other settings
+are checked only when the plugin is on; one that cannot be read is a ``SettingsError``
+naming the variable and what it accepts, which ``register`` logs before staying off.
+
 =============================  ==========================================================
 variable                       meaning
 =============================  ==========================================================
-``GRAPHFLOW_VLLM``             ``1`` turns the plugin on; anything else (or unset): off
+``GRAPHFLOW_VLLM``             ``1`` or ``true`` turns the plugin on; anything else: off
+``GRAPHFLOW_VLLM_ANY_VERSION`` ``1`` or ``true``: install on a vLLM other than 0.33.x too
 ``GRAPHFLOW_VLLM_WARMUP``      the custom all-reduce's warmup policy while capture is open
                                but the stream is not capturing: ``placeholder`` (vLLM's),
                                ``real`` or ``prepare``; per family:
@@ -37,9 +44,13 @@ from graphflow.plan import WarmupPolicy
 from graphflow.dist.trace import TRACE_ENV
 from graphflow.plan.rules import RULES
 
-__all__ = ["ENABLE_ENV", "PluginSettings", "SettingsError"]
+__all__ = ["ANY_VERSION_ENV", "ENABLE_ENV", "PluginSettings", "SettingsError"]
 
 ENABLE_ENV = "GRAPHFLOW_VLLM"
+ANY_VERSION_ENV = "GRAPHFLOW_VLLM_ANY_VERSION"
+
+#: What vLLM's boolean flags take as on (compared lowercased and stripped).
+_TRUE = ("1", "true")
 
 
 class SettingsError(GraphflowError, ValueError):
@@ -57,6 +68,7 @@ class PluginSettings:
     routed: Mapping[str, bool] | None = None
     prepare: tuple[Callable[[Any, Any], Any], ...] = ()
     trace_dir: str | None = None
+    any_version: bool = False
 
     def policy(self, family: str) -> WarmupPolicy:
         return self.warmup.get(family, WarmupPolicy.PLACEHOLDER)
@@ -64,7 +76,7 @@ class PluginSettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
         env = os.environ if env is None else env
-        if env.get(ENABLE_ENV, "").strip() != "1":
+        if not _flag(env, ENABLE_ENV):
             return cls()
         return cls(
             enabled=True,
@@ -76,7 +88,13 @@ class PluginSettings:
             routed=_routed(env.get("GRAPHFLOW_VLLM_ROUTED", "")),
             prepare=tuple(_hook(spec) for spec in _items(env.get("GRAPHFLOW_VLLM_PREPARE", ""))),
             trace_dir=env.get(TRACE_ENV) or None,
+            any_version=_flag(env, ANY_VERSION_ENV),
         )
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    """A boolean switch, on for ``1`` or ``true`` (any case), as vLLM reads its own."""
+    return env.get(name, "").strip().lower() in _TRUE
 
 
 def _items(value: str) -> list[str]:
