@@ -52,9 +52,12 @@ _USER_FRAMES = "graphflow_user_frames"
 
 
 def _library_dirs() -> tuple[str, ...]:
-    """Folders whose code is not the user's: graphflow, the standard library, and torch
+    """Folders whose code is not the user's: graphflow, the standard library, installed
+    packages (site-packages: PyYAML's parser, transformers' modeling code), and torch
     when it is loaded (an error raised in torch's code means torch was loaded)."""
-    dirs = [os.path.dirname(os.path.abspath(__file__)), *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib"))]
+    paths = sysconfig.get_paths()
+    dirs = [os.path.dirname(os.path.abspath(__file__)),
+            *(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))]
     torch = sys.modules.get("torch")
     if getattr(torch, "__file__", None):
         dirs.append(os.path.dirname(torch.__file__))
@@ -62,9 +65,11 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _is_user_file(file: str) -> bool:
-    """The one rule of what a user frame is: code that is neither graphflow's, torch's
-    nor the standard library's (nor the interpreter's own frozen modules)."""
-    return not file.startswith("<") and not os.path.realpath(file).startswith(_library_dirs())
+    """The one rule of what a user frame is: code that is neither graphflow's, torch's,
+    an installed package's nor the standard library's (nor the interpreter's frozen
+    modules, nor a compiled extension's source such as ``yaml/_yaml.pyx``)."""
+    return (not file.startswith("<") and not file.endswith(".pyx")
+            and not os.path.realpath(file).startswith(_library_dirs()))
 
 
 def _frames(tb: TracebackType | None) -> tuple[UserFrame, ...]:

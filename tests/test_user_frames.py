@@ -108,6 +108,16 @@ class TestWhereTheUserCodeFailed:
         assert "Traceback" not in proc.stderr
 
 
+    def test_an_installed_packages_frames_are_not_the_users(self, capsys, tmp_path):
+        """PyYAML's parser raised the syntax error: the user's file is the plan, which the
+        message names already, and no frame of an installed package is pointed at."""
+        plan = tmp_path / "broken.yaml"
+        plan.write_text("graphflow: 1\nname: x\n  bad: [\n")
+        assert main(["run", str(plan), "--quiet"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "broken.yaml:3: YAML syntax error" in line and "(at " not in line
+
+
 class TestExitStatusTable:
     """Each row of docs/cli.md's table of exit statuses."""
 
