@@ -29,7 +29,13 @@ def hf_greedy(module, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     import transformers
 
     model = module.build(device=prompt.device)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=module.MAX_LEN)
+    return decode_loop(model, transformers.StaticCache(config=model.config, max_cache_len=module.MAX_LEN), prompt,
+                       steps)
+
+
+def decode_loop(model, cache, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding with the model's own forward on ``cache``: the prompt one token a
+    call, then ``steps`` new tokens."""
     tokens = []
     with torch.no_grad():
         for i in range(prompt.shape[1]):

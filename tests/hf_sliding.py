@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.hf_examples import decode_loop
+
 #: positions the cache holds: more than the 36 decoded, and more than the small windows
 MAX_LEN = 64
 WINDOW = 16
@@ -85,12 +87,4 @@ def hf_greedy(name: str, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     import transformers
 
     model = build(name, prompt.device, cache=False)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN)
-    tokens = []
-    with torch.no_grad():
-        for i in range(prompt.shape[1]):
-            out = model(input_ids=prompt[:, i : i + 1], past_key_values=cache, use_cache=True)
-        for _ in range(steps):
-            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
-            out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
-    return torch.cat(tokens, dim=1)
+    return decode_loop(model, transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN), prompt, steps)

@@ -22,27 +22,10 @@ from graphflow.session import Session
 from graphflow.dist.trace import (INCOMPLETE, TraceLog, Tracer, TraceWriteWarning, diff_traces, incomplete,
                              read_trace)
 from plans.toy_model import toy_plan
+from tests.disk_full import Failing
 
 CPU = RunOptions(backend="cpu", detectors=False)
 FULL_DISK = "/dev/full"
-
-
-class Failing:
-    """The tracer's file, on a disk that fills up: from the ``after``-th write on, each
-    write puts part of its bytes on disk and raises ENOSPC."""
-
-    def __init__(self, file, after: int):
-        self.file, self.after, self.writes = file, after, 0
-
-    def write(self, data: bytes) -> int:
-        self.writes += 1
-        if self.writes >= self.after:
-            self.file.write(data[: len(data) // 2])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return self.file.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.file, name)
 
 
 class FullAtTheEnd:

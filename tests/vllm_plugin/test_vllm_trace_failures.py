@@ -5,7 +5,6 @@ The plugin writes graphflow's trace (``GRAPHFLOW_TRACE=DIR``) through the same
 trace incomplete; it never rolls back a capture that succeeded, on V1 or V2.
 """
 
-import errno
 import os
 
 import pytest
@@ -17,25 +16,9 @@ import harness  # noqa: E402
 from graphflow.integrations.vllm import plugin as module  # noqa: E402
 from graphflow.integrations.vllm.logs import LOGGER  # noqa: E402
 from graphflow.dist.trace import INCOMPLETE, Tracer, TraceWriteWarning, read_trace  # noqa: E402
+from tests.disk_full import Failing  # noqa: E402
 
 FULL_DISK = "/dev/full"
-
-
-class Failing:
-    """The tracer's file, on a disk that fills up at the ``after``-th write."""
-
-    def __init__(self, file, after: int):
-        self.file, self.after, self.writes = file, after, 0
-
-    def write(self, data: bytes) -> int:
-        self.writes += 1
-        if self.writes >= self.after:
-            self.file.write(data[: len(data) // 2])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return self.file.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.file, name)
 
 
 @pytest.fixture
