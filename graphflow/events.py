@@ -43,6 +43,9 @@ class EventKind(enum.Enum):
     SEGMENT_END = "segment_end"
     REGION_END = "region_end"
     DESCRIPTOR_END = "descriptor_end"
+    #: A descriptor a phase left out (its warmup, under ``capture.warmup: auto``): said,
+    #: so that progress and reports show no silent gap.
+    DESCRIPTOR_SKIPPED = "descriptor_skipped"
     PHASE_END = "phase_end"
     PIPELINE_END = "pipeline_end"
     ROLLBACK = "rollback"

@@ -165,7 +165,7 @@ class TestYamlFields:
     def test_keys_in_field_order_with_nested_keys(self):
         layout = fields.yaml_fields(CaptureSettings)
         assert list(layout) == ["modes", "sizes", "size_symbol", "warmup_iters", "verify", "barrier_timeout_s",
-                                "compile"]
+                                "compile", "warmup"]
         assert list(layout["verify"]) == ["atol", "rtol"]
 
     def test_skip(self):

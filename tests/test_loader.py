@@ -404,7 +404,8 @@ class TestErrors:
          "expected a mapping of symbols to the rows the buffer holds, got int 4"),
         ("model_args: [1]\n", 3, "model_args", "expected a mapping of factory arguments, got a list"),
         ("capture: {modes: [PIECEWISE], when: now}\n", 3, "capture",
-         "unknown key 'when'; known keys: modes, sizes, size_symbol, warmup_iters, verify, barrier_timeout_s, compile"),
+         "unknown key 'when'; known keys: modes, sizes, size_symbol, warmup_iters, verify, barrier_timeout_s, compile, "
+         "warmup"),
     ])
     def test_bad_field(self, body, line, element, message):
         error = load_error(plan_text(body))
@@ -624,7 +625,7 @@ class TestSchema:
                            ("segment", "name kind call reads writes stream channels family data_dependent device "
                                        "ranks after kernels inputs objects constants returns breaks compile"),
                            ("reference", "call inputs objects constants returns"),
-                           ("capture", "modes sizes size_symbol warmup_iters verify barrier_timeout_s compile"),
+                           ("capture", "modes sizes size_symbol warmup_iters verify barrier_timeout_s compile warmup"),
                            ("compile", "enabled backend mode dynamic fullgraph strict options")):
             assert tuple(defs[key]["properties"]) == tuple(names.split()), key
         assert defs["buffer"]["required"] == ["shape", "dtype", "device"]

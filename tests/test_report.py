@@ -45,7 +45,7 @@ class TestCollect:
             ("FULL", 8, 0.75, 0.5, None, 1600, 600),
         ]
         assert document["totals"] == {"descriptors": 3, "warmup_s": 1.5, "capture_s": 0.6875, "verify_s": 0.03125,
-                                      "pool_bytes": 1600, "phases_s": 2.25}
+                                      "pool_bytes": 1600, "phases_s": 2.25, "warmed_up": 3, "verified": 1}
         assert document["phases"] == [{"phase": "warmup", "seconds": 1.5}, {"phase": "capture", "seconds": 0.75}]
         assert (document["plan"], document["backend"], document["ok"], document["error"]) == ("p", "cuda", True, None)
 

@@ -188,7 +188,8 @@ class TestSizes:
 class TestPlan:
     def test_only_modes_and_sizes_change(self):
         plan = planned({"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [4]}).plan
-        assert plan.capture == CaptureSettings((Mode.PIECEWISE,), (4,), "N", 3, 0.5, 0.0, 60.0)
+        assert plan.capture == CaptureSettings(modes=(Mode.PIECEWISE,), sizes=(4,), size_symbol="N", warmup_iters=3,
+                                               atol=0.5, rtol=0.0, barrier_timeout_s=60.0)
         assert plan.segments == PLAN.segments and plan.name == PLAN.name
 
     def test_reads_a_vllm_config_object_as_resolved(self):

@@ -32,14 +32,15 @@ import importlib
 import os
 import re
 import sys
+from pathlib import Path
 
 from graphflow import __version__
 from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, PlanError, user_frames
 
-__all__ = ["FLAGS", "CommandError", "main", "parse_sizes", "with_flags"]
+__all__ = ["FLAGS", "CommandError", "main", "parse_sizes", "with_flags", "write_out"]
 
 #: Subcommand modules, in the order ``graphflow --help`` lists them.
-_COMMANDS = ("validate", "show", "run", "launch", "export", "trace", "rules")
+_COMMANDS = ("validate", "show", "run", "launch", "export", "trace", "rules", "vllm")
 
 
 #: Each ``RunOptions`` field ``graphflow run`` sets from its command line, as the command
@@ -84,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _COMMANDS:
         importlib.import_module(f"graphflow.cli.{name}_cmd").register(subparsers)
     return parser
+
+
+def write_out(text: str, output: str | None) -> int:
+    """A command's text to the ``-o`` file, or to standard output without one; exit status 0."""
+    if output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        Path(output).write_text(text)
+    except OSError as err:
+        raise CommandError(f"{output}: cannot write: {err.strerror or err}") from err
+    return 0
 
 
 def parse_sizes(text: str | None) -> tuple[int, ...] | None:

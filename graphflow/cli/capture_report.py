@@ -140,8 +140,11 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
     descriptors = []
     for descriptor in report.descriptors:
         row = {"mode": descriptor.mode.value, "size": descriptor.size, "verify": None,
-               "eager_ms": None, "graph_ms": None, "speedup": None}
-        row.update({f"{t.phase.value}_s": t.seconds for t in report.times if t.descriptor == descriptor})
+               "eager_ms": None, "graph_ms": None, "speedup": None, "warmup_skipped": False}
+        for t in report.times:
+            if t.descriptor == descriptor:
+                row[f"{t.phase.value}_s"] = None if t.skipped else t.seconds
+                row["warmup_skipped"] |= t.skipped and t.phase.value == "warmup"
         if descriptor in verify:
             row["verify"] = {"bit_exact": verify[descriptor].bit_exact, "max_abs_diff": verify[descriptor].max_abs_diff,
                              "against": list(verify[descriptor].against)}
@@ -161,6 +164,8 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
                    f"rtol={engine.plan.capture.rtol:g} of {against} (max |diff| {worst:.3g}, {exact} bit-exact)")
     else:
         checked = f"; verify {exact}/{len(verified)} bit-exact against {against}" if verified else "; not verified"
+    if verified and len(verified) < len(report.descriptors):
+        checked += f" ({len(verified)} of {len(report.descriptors)} descriptors verified)"
     result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {what}, "
               f"in {total_s:.2f} s on {report.backend}" + checked)
     compiled = report.compile
@@ -176,6 +181,9 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
         "graphs_captured": real, "remapped": dict(report.remapped), "rank": report.rank,
         "graphs": report.graphs if real else 0, "pool_bytes": report.pool_bytes, "buffer_bytes": report.buffer_bytes,
         "pool_estimate": report.pool_estimate,
+        # Before any capture: the largest descriptors' warmup peaks (None on the CPU backend).
+        "pool_forecast_bytes": report.pool_forecast, "warmup_peak_bytes": report.warmup_peak,
+        "verified": len(verified), "warmups_skipped": report.warmups_skipped,
         "capture_s": captured_s, "total_s": total_s,
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
         "descriptors": descriptors, "compile": compile_doc, "result": result,
@@ -216,6 +224,9 @@ def print_report(document: dict) -> None:
     line()
     estimate = "".join(f", {mode} estimated at {format_bytes(size)} after its two largest"
                        for mode, size in document["pool_estimate"].items())
+    forecast = document.get("pool_forecast_bytes")
+    if forecast is not None:
+        estimate += f", forecast at {format_bytes(forecast)} before capture"
     line((f"graphs {document['graphs']}, pool {format_bytes(document['pool_bytes'])}{estimate}, " if real else "")
          + f"static buffers {format_bytes(document['buffer_bytes'])}")
     if document.get("trace"):
@@ -250,6 +261,12 @@ def print_report(document: dict) -> None:
         console.width = max(console.width, 120)
     console.print(rows)
     line()
+    total = len(document["descriptors"])
+    skipped = document.get("warmups_skipped", 0)
+    line(f"warmed up {total - skipped} of {total} descriptors"
+         + (f" ({skipped} went straight to capture: capture.warmup auto)" if skipped else "")
+         + f"; verified {document.get('verified', 0)} of {total}"
+         + (" (a sample: --verify all compares every one)" if 0 < document.get("verified", 0) < total else ""))
     if document.get("ready_s") is not None:
         line(f"ready {document['ready_s']:.2f} s (serving eagerly), all descriptors live after "
              f"{document['capture_s']:.2f} s")

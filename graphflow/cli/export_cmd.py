@@ -9,10 +9,8 @@ plan cannot be built or read, with the error naming the module and method.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-from graphflow.cli import CommandError
+from graphflow.cli import write_out
 from graphflow.cli.source import add_plan_source_arguments, plan_source
 from graphflow.plan.loader import dump_plan
 
@@ -32,12 +30,4 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    text = dump_plan(plan_source(args))
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    try:
-        Path(args.output).write_text(text)
-    except OSError as err:
-        raise CommandError(f"{args.output}: cannot write: {err.strerror or err}") from err
-    return 0
+    return write_out(dump_plan(plan_source(args)), args.output)

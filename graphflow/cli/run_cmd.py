@@ -5,8 +5,9 @@ a decorated model declares (``graphflow.cli.source``). The plan is validated (er
 stop it before any capture), captured in a ``graphflow.session.Session`` with a
 progress display on stderr (plain lines when stderr is no terminal, JSON lines with
 ``--json``, a line at least every few seconds of long work, so a long run never looks
-hung), then reported: descriptors captured, time per phase, pool bytes, verify results
-and, on a GPU, eager versus graph step time (the median of a few steps of each,
+hung), then reported: descriptors captured, time per phase, pool bytes (measured, and as
+forecast before capture from the largest descriptors' warmup), warmups skipped, verify
+results (of a sample of the descriptors unless ``--verify all``) and, on a GPU, eager versus graph step time (the median of a few steps of each,
 ``graphflow.runtime.time_steps``) of a sample of descriptors, the smallest, median and
 largest of each mode, or of all with ``--time-all``: timing all 67 of a large plan
 takes minutes. The report and the checks around it are ``graphflow.cli.capture_report``,
@@ -62,7 +63,11 @@ def register(subparsers) -> None:
     parser.add_argument("--modes", metavar="MODE,...",
                         help="capture these modes instead of the plan's: PIECEWISE, FULL or both "
                              "(GRAPHFLOW_MODES=... does the same)")
-    parser.add_argument("--no-verify", action="store_true", help="skip comparing replay with eager")
+    parser.add_argument("--verify", choices=("sample", "all", "off"), default="sample",
+                        help="compare replay with eager on a sample of each mode's descriptors (default: the first, "
+                             "the last, a few between and those the detectors watch), on all of them, or not at all")
+    parser.add_argument("--no-verify", action="store_const", const="off", dest="verify",
+                        help="the same as --verify off")
     parser.add_argument("--no-compile", action="store_true",
                         help="run the segments the plan compiles (torch.compile) uncompiled, to compare")
     parser.add_argument("--detectors", choices=("first", "all", "off"), default="first",
@@ -107,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         # and refuses a plan with errors first.
         from graphflow.engine.memory import check_plan_on_the_host
 
-        check_plan_on_the_host(plan, sizes=parse_sizes(args.sizes), verify=not args.no_verify)
+        check_plan_on_the_host(plan, sizes=parse_sizes(args.sizes), verify=args.verify != "off")
     options = _options(args)
     if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
         if args.lazy:
@@ -206,7 +211,7 @@ def _options(args: argparse.Namespace):
         checks = [check_named(name) for name in args.disable_check]
     except ValueError as err:
         raise CommandError(f"--disable-check: {err}") from err
-    return RunOptions(backend=args.backend, verify=not args.no_verify, detectors=args.detectors,
+    return RunOptions(backend=args.backend, verify=args.verify, detectors=args.detectors,
                       disabled_checks=checks, sizes=parse_sizes(args.sizes), lazy=args.lazy,
                       compile=not args.no_compile)
 

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from graphflow.cli import CommandError
+from graphflow.cli import CommandError, write_out
 from graphflow.cli.source import add_plan_source_arguments, plan_source
 
 __all__ = ["register"]
@@ -47,6 +47,13 @@ def register(subparsers) -> None:
     parser.add_argument("--mode", choices=("piecewise", "full"),
                         help="picture: whose regions to box and order the step by (default: PIECEWISE unless the "
                              "plan captures FULL only)")
+    parser.add_argument("--serving", metavar="PKG.MOD:FACTORY",
+                        help="instead of a plan: the serving plan of the continuous-batching manager this factory "
+                             "returns (transformers' ContinuousBatchingManager; docs/serving.md): its graph keys, "
+                             "the engine tensors they adopt and their memory, before any capture")
+    parser.add_argument("--longest", type=int, metavar="TOKENS",
+                        help="with --serving: the most tokens one request holds (prompt and new tokens), which "
+                             "bounds the keys")
     parser.set_defaults(func=run)
 
 
@@ -58,6 +65,8 @@ def _format(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.serving:
+        return _serving(args)
     fmt = _format(args)
     if fmt in ("png", "svg") and not args.output:
         raise CommandError(f"show --format {fmt} needs -o FILE")
@@ -83,15 +92,22 @@ def run(args: argparse.Namespace) -> int:
 
         Console().print(to_rich(summarize(plan)))
         return 0
-    text = to_dot(plan) if fmt == "dot" else format_summary(summarize(plan))
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    try:
-        Path(args.output).write_text(text)
-    except OSError as err:
-        raise CommandError(f"{args.output}: cannot write: {err.strerror or err}") from err
-    return 0
+    return write_out(to_dot(plan) if fmt == "dot" else format_summary(summarize(plan)), args.output)
+
+
+def _serving(args: argparse.Namespace) -> int:
+    """The serving plan of the manager ``--serving`` builds (the factory runs: it builds
+    the model and the engine's cache on its own device)."""
+    if args.plan or args.module:
+        raise CommandError("--serving shows the plan of a serving engine: give it instead of PLAN or --module")
+    from graphflow.engine.model.binding import import_factory
+    from graphflow.integrations.hf.batching import serving_plan
+
+    manager = import_factory(args.serving)()
+    if not hasattr(manager, "batch_processor"):
+        raise CommandError(f"--serving {args.serving} returned {type(manager).__name__}, not a "
+                           "ContinuousBatchingManager (model.init_continuous_batching(...))")
+    return write_out(serving_plan(manager, longest=args.longest).render() + "\n", args.output)
 
 
 def _picture(args: argparse.Namespace, plan, fmt: str, layers) -> int:

@@ -19,7 +19,7 @@ _NAMES = {
     "Graph": "backend", "make_backend": "backend",
     "Engine": "engine", "Outcome": "phase", "PhaseResult": "phase", "PipelineReport": "engine",
     "RunOptions": "options", "run_pipeline": "pipeline", "UndoError": "rollback", "UndoStack": "rollback",
-    "VerifyResult": "verify",
+    "Verify": "options", "VerifyResult": "verify",
 }
 
 __all__ = sorted(_NAMES)

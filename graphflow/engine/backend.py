@@ -183,6 +183,16 @@ class Backend(abc.ABC):
     def memory_allocated(self, device: torch.device) -> int:
         return 0
 
+    def reset_peak_memory(self, device: torch.device) -> int | None:
+        """Start measuring the most memory allocated on ``device`` (``peak_memory``);
+        the bytes allocated now, or None when the backend cannot tell."""
+        return None
+
+    def peak_memory(self, device: torch.device) -> int | None:
+        """The most bytes allocated on ``device`` since ``reset_peak_memory``, when the
+        backend can tell."""
+        return None
+
     def free_memory(self, device: torch.device) -> int | None:
         """Bytes that can still be allocated on ``device``, when the backend can tell."""
         return host_available() if device.type == "cpu" else None
@@ -655,6 +665,15 @@ class CudaBackend(Backend):
 
     def memory_allocated(self, device: torch.device) -> int:
         return 0 if device.type == "cpu" else torch.cuda.memory_allocated(device)
+
+    def reset_peak_memory(self, device: torch.device) -> int | None:
+        if device.type == "cpu":
+            return None
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+
+    def peak_memory(self, device: torch.device) -> int | None:
+        return None if device.type == "cpu" else torch.cuda.max_memory_allocated(device)
 
     def free_memory(self, device: torch.device) -> int | None:
         if device.type == "cpu":

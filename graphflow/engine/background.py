@@ -304,7 +304,8 @@ class BackgroundCapture:
         return attrs.evolve(report, descriptors=live, graphs=len(self._captured.graphs),
                             phases=summarize([*report.phases, *tally.phases]),
                             verify=(*report.verify, *tally.verified), times=(*report.times, *tally.times),
-                            pool_bytes=self._alloc.pool_bytes(ctx), pool_estimate=dict(self._captured.pool_estimate))
+                            pool_bytes=self._alloc.pool_bytes(ctx), pool_estimate=dict(self._captured.pool_estimate),
+                            warmup_peak={**tally.warmup_peak, **report.warmup_peak})
 
     def _one(self, ctx: Context, descriptor: Descriptor, hooks: Hooks) -> None:
         run_descriptor(ctx, self._alloc, self._captured, descriptor, ctx.descriptors.index(descriptor) + 1,

@@ -23,7 +23,7 @@ import torch
 
 from graphflow.engine.allocate import Allocation, step_items
 from graphflow.engine.backend import Call, Graph
-from graphflow.engine.context import Context
+from graphflow.engine.context import Context, per_size_warmup
 from graphflow.engine.execute import bind, run_scheduled
 from graphflow.engine.memory import pool_estimate
 from graphflow.engine.model.returned import Placed, placeable
@@ -57,6 +57,10 @@ class Captured:
     _pool_read_at: float = 0.0
     #: The outputs whose returned tensor capture keeps (``graphflow.engine.model.returned``).
     placeable: frozenset[str] = frozenset()
+    #: Why every descriptor warms up before its capture (``per_size_warmup``), or None:
+    #: only those ``Context.warms`` names. Decided once the first warmup has shown
+    #: whether the step launches JIT kernels, for the pipeline and a lazy engine's thread.
+    per_size: str | None = None
     _undos: tuple = ()
     _ctx: Context | None = None
     #: descriptor -> its graphs not known ready yet (``settle``), with each one's region
@@ -91,8 +95,9 @@ class Captured:
         self._undos = ()
 
 
-def open_capture(ctx: Context) -> Captured:
-    """Freeze the collector and install the JIT tripwires for the captures to come."""
+def open_capture(ctx: Context, *, jit: bool = False) -> Captured:
+    """Freeze the collector and install the JIT tripwires for the captures to come;
+    ``jit``: the first warmup launched JIT kernels (prewarm had some to compile)."""
     # Everything alive now leaves the collector's generations: a collection during capture
     # scans only what capture creates, and stays short. No full collection first: in a
     # process holding a framework and a model it costs tens of milliseconds or more, and
@@ -106,7 +111,9 @@ def open_capture(ctx: Context) -> Captured:
     untrip = ctx.stack.push("remove the JIT tripwires", tripwires.remove)
     # Outputs kept where the graphs return them: not in lazy capture (``graphflow.engine.model.returned``).
     keep = ctx.backend.captures_graphs and not ctx.options.lazy
-    captured = Captured(placeable=placeable(ctx.plan, ctx.segments) if keep else frozenset(),
+    per_size = per_size_warmup(ctx.plan, ctx.segments, compiled=ctx.options.compile, jit=jit,
+                               world_size=ctx.world_size)
+    captured = Captured(placeable=placeable(ctx.plan, ctx.segments) if keep else frozenset(), per_size=per_size,
                         undos=(untrip, unfreeze), ctx=ctx)
     ctx.stack.push("drop the step programs", captured.programs.clear)
     return captured

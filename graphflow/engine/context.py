@@ -15,13 +15,74 @@ import attrs
 
 from graphflow.engine.backend import Backend
 from graphflow.engine.locus import Locus
-from graphflow.engine.options import RunOptions, Watch
+from graphflow.engine.options import RunOptions, Verify, Watch
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.snapshots import VerifyPlan
 from graphflow.events import Event, EventKind, Listener
-from graphflow.plan import Descriptor, Plan, Segment
+from graphflow.plan import Descriptor, Plan, Segment, Warmup
 
-__all__ = ["Context"]
+__all__ = ["Context", "SAMPLE_BETWEEN", "per_size_warmup", "sample"]
+
+#: How many descriptors ``Verify.SAMPLE`` verifies between each mode's first and last.
+SAMPLE_BETWEEN = 3
+
+
+def sample(descriptors: tuple[Descriptor, ...]) -> frozenset[Descriptor]:
+    """Per mode, in capture order: the first and the last descriptor and up to
+    ``SAMPLE_BETWEEN`` evenly spaced between them, what ``Verify.SAMPLE`` verifies.
+
+    The first is the largest (it runs every kernel at its widest), the last the smallest
+    (the padding and the shortest rows), the others the sizes between; a capture broken
+    in the code is broken at all of them.
+    """
+    by_mode: dict = {}
+    for descriptor in descriptors:
+        by_mode.setdefault(descriptor.mode, []).append(descriptor)
+    chosen: set[Descriptor] = set()
+    for group in by_mode.values():
+        last = len(group) - 1
+        between = min(SAMPLE_BETWEEN, max(0, last - 1))
+        chosen.update(group[round(k * last / (between + 1))] for k in range(between + 2))
+    return frozenset(chosen)
+
+
+def per_size_warmup(plan: Plan, segments: tuple[Segment, ...], *, compiled: bool, jit: bool,
+                    world_size: int = 1) -> str | None:
+    """Why this run must warm up every descriptor, whatever ``capture.warmup`` says; None
+    when warming up the first of each mode (and those verified or watched) is enough.
+
+    ``capture.warmup: auto`` lets a descriptor go straight to capture because what warmup
+    does once (loading kernel modules, growing the allocator, cuBLAS's workspaces) is done
+    by a larger descriptor before it. Some warmup work is per size, and capture needs it:
+
+    - ``capture.warmup: each``: the plan asks for it;
+    - a compiled segment (``compiled``: the plan compiles one and ``RunOptions.compile``):
+      ``torch.compile`` specializes per shape, and compiles a size on its first call,
+      which must be warmup's, never a capture's;
+    - a segment with ``breaks``: the split (``graphflow.engine.model.split``) records
+      each break's output structure per size at warmup, and capture reads it;
+    - a channel: a collective's warmup (``real``, ``prepare``) initializes the
+      communicator's per-size state, and ranks must run the same phases in the same order;
+    - several ranks (the plan's ``world_size`` or the run's): each would decide from its
+      own first warmup (``jit``), and their phases must pair up;
+    - a segment with ``kernels``, or a JIT kernel launched by the first warmup that may
+      specialize per batch size (``jit``: ``JitKernel.per_size``): a JIT kernel is
+      compiled per specialization, and prewarm compiles those warmup launched; a size
+      never warmed would compile its own inside capture.
+    """
+    if plan.capture.warmup is Warmup.EACH:
+        return "capture.warmup is each"
+    if compiled and any(plan.compile_of(s) is not None for s in segments):
+        return "torch.compile specializes each segment it compiles per size"
+    if any(s.breaks for s in segments):
+        return "a segment's breaks record their outputs per size at warmup"
+    if plan.channels:
+        return "collectives warm up per size"
+    if max(plan.world_size, world_size) > 1:
+        return "ranks must run the same phases"
+    if any(s.kernels for s in segments) or jit:
+        return "JIT kernels compile per specialization, at warmup"
+    return None
 
 
 @attrs.frozen(eq=False)
@@ -63,6 +124,29 @@ class Context:
         """Whether the detectors watch this descriptor's warmup and capture."""
         scope = self.options.detectors
         return scope is Watch.ALL or (scope is Watch.FIRST and descriptor in self._first_of_mode)
+
+    def first_of_mode(self, descriptor: Descriptor) -> bool:
+        """Whether this is its mode's first (largest) descriptor in capture order."""
+        return descriptor in self._first_of_mode
+
+    @functools.cached_property
+    def _sampled(self) -> frozenset[Descriptor]:
+        return sample(self.descriptors)
+
+    def verifies(self, descriptor: Descriptor) -> bool:
+        """Whether verify compares this descriptor's replay with its eager step: all with
+        ``Verify.ALL``; with ``Verify.SAMPLE``, the ``sample`` and the watched ones (their
+        warmup runs anyway, and a hazard the detectors missed shows in the replay)."""
+        scope = self.options.verify
+        return scope is Verify.ALL or (scope is Verify.SAMPLE and (descriptor in self._sampled
+                                                                    or self.watches(descriptor)))
+
+    def warms(self, descriptor: Descriptor, each: bool) -> bool:
+        """Whether this descriptor warms up before its capture: every one when ``each``
+        (``per_size_warmup`` gave a reason), else the first of each mode, those verify
+        compares (its reference is their warmup) and those the detectors watch."""
+        return (each or descriptor in self._first_of_mode or self.verifies(descriptor)
+                or self.watches(descriptor))
 
     def emit(self, kind: EventKind, **fields) -> None:
         """Tell every listener; ``phase``, ``descriptor``, ``region`` and ``segment`` come

@@ -43,9 +43,13 @@ class PipelineReport:
     """What a committed pipeline did; ``graphflow run`` prints it.
 
     ``times`` holds each descriptor's seconds in warmup, capture and verify, with the
-    capture pool's size after it when it was measured; ``prewarm`` lists the JIT
-    specializations compiled, loaded and launched before capture; ``compile`` what
-    ``torch.compile`` did for each compiled segment during warmup.
+    capture pool's size after it when it was measured (a warmup left out by
+    ``capture.warmup: auto`` is there, ``skipped``); ``verify`` the descriptors verify
+    compared (``RunOptions.verify``: a sample of them by default); ``prewarm`` lists the
+    JIT specializations compiled, loaded and launched before capture; ``compile`` what
+    ``torch.compile`` did for each compiled segment during warmup. ``warmup_peak``: per
+    mode, the transient device memory its first (largest) descriptor's warmup took, known
+    before any capture: ``pool_forecast`` beside the measured ``pool_bytes``.
     """
 
     backend: str
@@ -63,9 +67,22 @@ class PipelineReport:
     pool_estimate: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.memory)
     #: Per compiled segment, what torch.compile did (graphflow.engine.model.compiled), when the plan compiles any.
     compile: CompileReport | None = None
+    warmup_peak: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.warmup.Warmed)
 
     def phase(self, phase: Phase) -> PhaseResult:
         return next(r for r in self.phases if r.phase is phase)
+
+    @property
+    def pool_forecast(self) -> int | None:
+        """The capture pool as forecast before any capture: the largest first-descriptor
+        warmup peak of any mode (the modes share the pool, and graphs captured one after
+        another reuse its blocks); None where the backend cannot tell (the CPU's)."""
+        return max(self.warmup_peak.values(), default=None)
+
+    @property
+    def warmups_skipped(self) -> int:
+        """How many descriptors went to capture without a warmup (``capture.warmup: auto``)."""
+        return sum(1 for t in self.times if t.skipped and t.phase is Phase.WARMUP)
 
 
 @attrs.define(eq=False)

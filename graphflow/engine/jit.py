@@ -163,6 +163,13 @@ class JitKernel(abc.ABC):
 
     kind: ClassVar[str]
 
+    #: Whether a batch size can need a specialization of its own: False for a kernel whose
+    #: ``specialize`` keys on nothing the batch size changes (dtypes, a row's length, the
+    #: alignment of buffers' base addresses), so that a descriptor needs no warmup of its
+    #: own for it (``capture.warmup: auto``). A kernel that says False wrongly is still
+    #: refused cold inside capture, by name (``JitRegistry.launch``).
+    per_size: bool = True
+
     def __init__(self, name: str, *, communicates: bool = False):
         self.name = name
         self.communicates = communicates
@@ -371,10 +378,11 @@ class TritonKernel(JitKernel):
     kind = "triton"
 
     def __init__(self, name: str, launch: Callable[..., Any], specialize: Callable[..., Mapping[str, Any]], *,
-                 communicates: bool = False):
+                 communicates: bool = False, per_size: bool = True):
         super().__init__(name, communicates=communicates)
         self.launch = launch
         self._specialize = specialize
+        self.per_size = per_size
 
     def specialize(self, *args: Any) -> Mapping[str, Any]:
         return self._specialize(*args)

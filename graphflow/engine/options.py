@@ -15,7 +15,7 @@ import attrs
 from graphflow.engine.detectors import Check
 from graphflow.engine.backend import BackendKind
 
-__all__ = ["RunOptions", "Watch", "check_named"]
+__all__ = ["RunOptions", "Verify", "Watch", "check_named"]
 
 
 class Watch(enum.Enum):
@@ -35,6 +35,33 @@ def _watch(value) -> Watch:
     if isinstance(value, bool):
         return Watch.FIRST if value else Watch.OFF
     return Watch(value)
+
+
+class Verify(enum.Enum):
+    """Which descriptors verify compares with the eager step.
+
+    A broken capture is broken in the code (state outside the plan's buffers, a
+    data-dependent path, an undeclared buffer), not in one batch size, and what it breaks
+    shows at every size: ``SAMPLE`` checks each mode's first and last descriptor in
+    capture order and a few evenly spaced between, plus every descriptor the detectors
+    watch, for a few seconds instead of one replay and compare per descriptor
+    (``graphflow.engine.context.Context.verifies``). ``ALL`` checks every one.
+    """
+
+    SAMPLE = "sample"  # the default
+    ALL = "all"
+    OFF = "off"
+
+    def __bool__(self) -> bool:
+        # Whether the run verifies anything: what every check that only asks "verify or
+        # not" (verify's inputs, its snapshots, its memory) needs to know.
+        return self is not Verify.OFF
+
+
+def _verify(value) -> Verify:
+    if isinstance(value, bool):
+        return Verify.SAMPLE if value else Verify.OFF
+    return Verify(value)
 
 
 def check_named(name: str | Check) -> Check:
@@ -70,7 +97,8 @@ class RunOptions:
     """What ``run_pipeline`` does, apart from the plan and the model.
 
     ``backend``: ``auto`` (CUDA when a GPU is present, else the CPU backend), ``cuda`` or
-    ``cpu``. ``verify``: compare replay with the eager step. ``detectors``: watch graph
+    ``cpu``. ``verify``: compare replay with the eager step (``Verify``: a sample of
+    the descriptors, all, or off; ``True``/``False`` mean sample/off). ``detectors``: watch graph
     segments for capture hazards (``Watch``: the first descriptor of each mode, all, or
     off; ``True``/``False`` mean first/off), except the ``disabled_checks``. ``sizes``: capture
     only these of the plan's descriptor sizes. ``seed``: verify's random inputs, so a
@@ -84,7 +112,7 @@ class RunOptions:
     """
 
     backend: BackendKind = attrs.field(default=BackendKind.AUTO, converter=BackendKind)
-    verify: bool = True
+    verify: Verify = attrs.field(default=Verify.SAMPLE, converter=_verify)
     detectors: Watch = attrs.field(default=Watch.FIRST, converter=_watch)
     disabled_checks: frozenset[Check] = attrs.field(default=frozenset(), converter=_checks)
     sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes)

@@ -5,7 +5,8 @@ The pipeline runs each phase once per descriptor (warmup, capture, verify) or on
 (allocate, prewarm, commit), and a lazy engine's capture thread runs warmup, capture and
 verify itself: both go through ``run_phase``, so every phase is bracketed and timed alike,
 and both run a descriptor through ``run_descriptor``, so the order of its phases (warmup,
-prewarm after the run's first, capture, verify) is written once. What differs between
+prewarm after the run's first, capture, verify) is written once, with which descriptors
+warm up and which verify (``Context.warms``, ``Context.verifies``). What differs between
 the two is said by ``Hooks``: the thread runs the phases that use the static buffers
 under the lock it shares with the serving side, and the pipeline may verify one
 descriptor behind.
@@ -95,6 +96,9 @@ class Tally:
     verified: list[VerifyResult] = attrs.field(factory=list)
     #: The JIT registry's ``PrewarmReport``, when the run prewarmed anything.
     prewarm: object | None = None
+    #: Per mode, the first descriptor's warmup peak of transient device memory
+    #: (``Warmed.peak_bytes``): the capture pool forecast before any capture.
+    warmup_peak: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -142,11 +146,10 @@ def run_descriptor(ctx: Context, alloc: Allocation, captured: Captured | None, d
                                  pool=_pool(hooks, captured)))
     if hooks.guard is not None:
         captured.settle()  # before verify takes the guard: steps go on while the graphs instantiate
-    if not ctx.options.verify:
-        return captured, None
-    this = Waiting(descriptor, index, warmed)
+    this = Waiting(descriptor, index, warmed) if ctx.verifies(descriptor) else None
     if not hooks.behind:
-        run_verify(ctx, alloc, captured, this, tally, hooks)
+        if this is not None:
+            run_verify(ctx, alloc, captured, this, tally, hooks)
         return captured, None
     if waiting is not None:
         run_verify(ctx, alloc, captured, waiting, tally, hooks)
@@ -157,16 +160,35 @@ def warm(ctx: Context, alloc: Allocation, captured: Captured | None, descriptor:
          tally: Tally, hooks: Hooks = Hooks()) -> tuple[Warmed, Captured]:
     """One descriptor's warmup; after the run's first (``captured`` None), prewarm and the
     capture opened (``open_capture``): prewarm compiles the JIT specializations that
-    warmup launched, so it waits for one warmup, and the captures need it done."""
+    warmup launched, so it waits for one warmup, and the captures need it done.
+
+    A descriptor that ``Context.warms`` leaves out (``capture.warmup: auto``) goes
+    straight to capture: its warmup is recorded as skipped (a ``DESCRIPTOR_SKIPPED``
+    event, a ``DescriptorTime`` with ``skipped``), so no report shows a silent gap."""
+    if captured is not None and not ctx.warms(descriptor, captured.per_size is not None):
+        ctx.emit(EventKind.DESCRIPTOR_SKIPPED, phase=Phase.WARMUP, descriptor=descriptor, index=index,
+                 total=len(ctx.descriptors))
+        skipped = DescriptorTime(Phase.WARMUP, descriptor, 0.0, skipped=True)
+        tally.times.append(skipped)
+        return Warmed(skipped), captured
     warmed = run_phase(ctx, tally.phases, Phase.WARMUP,
                        _guarded(hooks, descriptor, functools.partial(warmup, ctx, alloc, descriptor, index)),
                        pool=_pool(hooks, captured))
     tally.times.append(warmed.time)
+    if warmed.peak_bytes is not None:
+        tally.warmup_peak.setdefault(descriptor.mode.value, warmed.peak_bytes)
     if captured is None:
         prewarmed = run_phase(ctx, tally.phases, Phase.PREWARM, functools.partial(prewarm, ctx, alloc))
         tally.prewarm = prewarmed if prewarmed is not False else None
-        captured = open_capture(ctx)
+        captured = open_capture(ctx, jit=prewarmed is not False and _per_size_kernels(prewarmed))
     return warmed, captured
+
+
+def _per_size_kernels(prewarmed) -> bool:
+    """Whether warmup launched a JIT kernel that may specialize per batch size."""
+    from graphflow.engine.jit import registry
+
+    return any(registry.kernel(entry.spec.kernel).per_size for entry in prewarmed.entries)
 
 
 def run_verify(ctx: Context, alloc: Allocation, captured: Captured, waiting: Waiting, tally: Tally,

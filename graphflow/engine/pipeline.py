@@ -215,7 +215,8 @@ def _finish(ctx: Context, alloc: Allocation, captured: Captured, tally: Tally) -
     report = run_phase(ctx, tally.phases, Phase.COMMIT,
                        lambda: commit(ctx, alloc, captured, tuple(tally.verified), tuple(tally.times)),
                        pool=lambda _: captured.pool_bytes)
-    report = attrs.evolve(report, phases=summarize(tally.phases), prewarm=tally.prewarm)
+    report = attrs.evolve(report, phases=summarize(tally.phases), prewarm=tally.prewarm,
+                          warmup_peak=dict(tally.warmup_peak))
     live = background = None
     if ctx.options.lazy:
         live = LiveSwitch(report)

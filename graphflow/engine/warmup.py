@@ -5,7 +5,7 @@ will use, so lazy initialization (cuBLAS's per-stream workspaces, allocator grow
 kernel's first launch) happens outside capture; the detectors watch its graph segment
 calls, and around its last step it checks that no plain Python value the model keeps
 changed (``graphflow.engine.model.host_state``: a graph could not see it). Its inputs are
-verify's random inputs, and when the run verifies it keeps what
+verify's random inputs, and when verify compares this descriptor it keeps what
 verify needs (``Warmed``): the buffers the step started from and the buffers it wrote.
 Verify then replays the graph from the same start and compares, so the eager reference
 is computed once, here, instead of a second time in verify.
@@ -40,12 +40,14 @@ __all__ = ["DescriptorTime", "Warmed", "capture_streams", "check_findings", "eag
 
 @attrs.frozen
 class DescriptorTime:
-    """How long one descriptor took in one phase, and the pool after it (capture)."""
+    """How long one descriptor took in one phase, and the pool after it (capture);
+    ``skipped``: the phase left this descriptor out (its warmup, ``capture.warmup: auto``)."""
 
     phase: Phase
     descriptor: Descriptor
     seconds: float
     pool_bytes: int | None = None
+    skipped: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -61,6 +63,12 @@ class Warmed:
     time: DescriptorTime
     start: dict[str, torch.Tensor] = attrs.field(factory=dict)
     expected: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    #: The first descriptor of a mode only: the most device memory its warmup took above
+    #: what was allocated before (None elsewhere, and where the backend cannot tell).
+    #: The step's transient tensors are what its graphs keep in the capture pool, and the
+    #: first is the largest, whose pool blocks the smaller ones reuse: a forecast of the
+    #: pool before anything is captured.
+    peak_bytes: int | None = None
 
 
 def eager_step(ctx: Context, alloc: Allocation, size: int, fns=None) -> tuple[tuple[Segment, Call], ...]:
@@ -123,33 +131,47 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
     run's very first step checked for unwritten outputs, ``graphflow.engine.model.written``)."""
     runner = watched(ctx, alloc, Phase.WARMUP, capturing=False, descriptor=descriptor)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
-    keep = ctx.options.verify and ctx.verify_plan.reuses_warmup
+    keep = ctx.verifies(descriptor) and ctx.verify_plan.reuses_warmup
     host = ctx.watches(descriptor) and Check.HOST_STATE not in ctx.options.disabled_checks
     state = functools.partial(host_state.snapshot, alloc.model, alloc.owned.holders)
     start: dict[str, torch.Tensor] = {}
     expected: dict[str, torch.Tensor] = {}
+    devices = tuple(dict.fromkeys(alloc.devices.values())) if ctx.first_of_mode(descriptor) else ()
     with ctx.descriptor(descriptor, index) as block:
+        before = {device: ctx.backend.reset_peak_memory(device) for device in devices}
         views = alloc.buffers.views(descriptor.size)
-        fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=ctx.options.verify)
+        fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=bool(ctx.options.verify))
         step = eager_step(ctx, alloc, descriptor.size)
         iters = ctx.plan.capture.warmup_iters
         # Consecutive descriptors take turns when there are two pairs (``Allocation.behind``).
         pair = alloc.snapshots[index % len(alloc.snapshots)] if keep else None
-        before = None
+        held = None
         for i in range(iters):
             if keep and i == iters - 1:
                 start = pair[0].take(views, descriptor.size)
-            before = state() if host and i == iters - 1 else None
+            held = state() if host and i == iters - 1 else None
             # The first step also checks that every segment writes what it declares.
             first = index == 1 and i == 0
             run_eager(ctx.backend, schedule, step, checking(ctx, alloc, descriptor.size, runner) if first else runner)
         alloc.synchronize(ctx)
+        peak = _peak(ctx, before)
         check_findings(alloc)
-        if before is not None:
-            host_state.check_unchanged(before, state())
+        if held is not None:
+            host_state.check_unchanged(held, state())
         if keep:
             expected = pair[1].take(views, descriptor.size)
-    return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected)
+    return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected, peak)
+
+
+def _peak(ctx: Context, before: dict) -> int | None:
+    """The transient memory the warmup took on its devices: each one's peak since
+    ``before`` (what was allocated then) less that; None when any cannot tell."""
+    if not before or any(b is None for b in before.values()):
+        return None
+    peaks = {device: ctx.backend.peak_memory(device) for device in before}
+    if any(p is None for p in peaks.values()):
+        return None
+    return sum(max(0, peaks[device] - before[device]) for device in before)
 
 
 def fill_inputs(plan: Plan, views: dict[str, torch.Tensor], size: int, seed: int, *, strict: bool) -> None:

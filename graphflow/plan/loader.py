@@ -739,6 +739,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     settings["barrier_timeout_s"] = capture.barrier_timeout_s
     if capture.compile is not None:
         settings["compile"] = _data(capture.compile)
+    if capture.warmup is not CaptureSettings().warmup:
+        settings["warmup"] = capture.warmup.value
     data["capture"] = settings
     return data
 

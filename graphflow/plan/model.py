@@ -72,6 +72,7 @@ __all__ = [
     "Segment",
     "SegmentKind",
     "Stream",
+    "Warmup",
     "WarmupPolicy",
     "DTYPE_BYTES",
     "PAD_KEEP",
@@ -90,6 +91,21 @@ class SegmentKind(enum.Enum):
 class Mode(enum.Enum):
     PIECEWISE = "PIECEWISE"
     FULL = "FULL"
+
+
+class Warmup(enum.Enum):
+    """Which descriptors warm up before their capture (``capture.warmup``).
+
+    ``each``: every descriptor, one eager step (``warmup_iters``) before its capture.
+    ``auto``: only the descriptors that need it (the first of each mode, those verify
+    compares and those the detectors watch); the rest go straight to capture, since the
+    kernels, the allocator and cuBLAS are warm from the larger sizes warmed before them.
+    A plan whose warmup does per-size work that capture depends on warms each anyway
+    (``graphflow.engine.context.per_size_warmup`` says when, and why).
+    """
+
+    EACH = "each"
+    AUTO = "auto"
 
 
 class WarmupPolicy(enum.Enum):
@@ -511,6 +527,8 @@ class CaptureSettings:
                                                        factory=dict, hash=False, in_yaml=False)
     compile: Compile | None = field(Optional(_COMPILE), default=None,
                                     doc="torch.compile for every graph segment (a segment's compile overrides it)")
+    warmup: Warmup = field(Choice.of(Warmup), default=Warmup.AUTO,
+                           doc="which descriptors warm up: each, or auto (those that need it; docs/engine.md)")
 
     def __attrs_post_init__(self) -> None:
         # One spelling per meaning, so equal settings compare equal: when every captured

@@ -15,7 +15,8 @@ thinks it hung. ``json=True`` writes every line as one JSON object (``event``,
 ``message``), for ``graphflow run --json``, whose stdout holds the report.
 
 At the end, one line per mode says what was captured, the way vLLM ends its capture:
-``captured 67 FULL descriptors (67 graphs) in 21.8 s, pool 0.09 GiB``. The timing step
+``captured 67 FULL descriptors (67 graphs) in 21.8 s, pool 0.09 GiB``, and how many went
+to capture without a warmup (``capture.warmup: auto``; each one's start says so too). The timing step
 after capture reports each descriptor as it is timed (``timing_begin``, ``timing``,
 ``timed``, ``timing_end``). ``quiet`` silences it all; ``prefix`` (``rank 1: ``) tells
 ranks apart when several share one stderr; ``graphs=False`` says regions, for the CPU
@@ -56,12 +57,13 @@ NO_GRAPH = "no graph: the CPU backend replays the calls"
 class _Mode:
     """What one mode's descriptors did, for its closing line."""
 
-    __slots__ = ("descriptors", "graphs", "seconds")
+    __slots__ = ("descriptors", "graphs", "seconds", "skipped")
 
     def __init__(self) -> None:
         self.descriptors = 0
         self.graphs = 0
         self.seconds = 0.0
+        self.skipped = 0  # warmups left out (capture.warmup auto)
 
 
 class _Work:
@@ -114,6 +116,7 @@ class ProgressDisplay:
         self._last_line = float("-inf")
         self._modes: dict[str, _Mode] = {}
         self._started: set = set()
+        self._skipped: set = set()  # descriptors whose warmup was left out
         self._ended = False
         self._work: _Work | None = None
 
@@ -147,6 +150,9 @@ class ProgressDisplay:
             self._graphs += 1
         elif kind is EventKind.DESCRIPTOR_END and event.descriptor is not None:
             self._descriptor_end(event)
+        elif kind is EventKind.DESCRIPTOR_SKIPPED and event.descriptor is not None:
+            self._modes.setdefault(event.descriptor.mode.value, _Mode()).skipped += 1
+            self._skipped.add(event.descriptor)
         elif kind is EventKind.PIPELINE_END:
             self._stop()
             self._stop_heartbeat()
@@ -154,9 +160,11 @@ class ProgressDisplay:
             for mode, done in self._modes.items():
                 if not done.descriptors:  # a lazy engine's first warmup: its capture thread reports them
                     continue
+                skipped = (f", {done.skipped} straight to capture without a warmup (capture.warmup auto)"
+                           if done.skipped else "")
                 self._line(f"captured {plural(done.descriptors, mode + ' descriptor')} "
                            f"({plural(done.graphs, self.noun)}) in {done.seconds:.1f} s"
-                           f"{self._pool_text(event.pool_bytes)}", "captured", phase="capture",
+                           f"{self._pool_text(event.pool_bytes)}{skipped}", "captured", phase="capture",
                            elapsed_s=round(done.seconds, 3))
         elif kind is EventKind.ROLLBACK:
             self._stop()
@@ -174,7 +182,8 @@ class ProgressDisplay:
         self._started.add(event.descriptor)
         now = time.perf_counter()
         if self._progress is None and (len(self._started) == 1 or now - self._last_line >= self.interval_s):
-            self._line(f"{work.phase}: {event.descriptor} started ({event.index}/{event.total}), "
+            skipped = ", warmup skipped" if event.descriptor in self._skipped else ""
+            self._line(f"{work.phase}: {event.descriptor} started ({event.index}/{event.total}){skipped}, "
                        f"{now - self._began:.1f} s{self._left(work, now)}", "descriptor_begin",
                        **self._fields(work, now))
 

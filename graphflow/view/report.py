@@ -15,11 +15,13 @@ same way. The document (``"graphflow_report": 1``)::
      "descriptors": [                     # in capture order: PIECEWISE then FULL, largest first
        {"mode": "PIECEWISE", "size": 512,
         "warmup_s": 0.081, "capture_s": 0.125, "verify_s": 0.040,   # null: the phase did not run it
+        "warmup_skipped": false,          # true: straight to capture (capture.warmup auto)
         "pool_bytes": 1048576,            # the pool after capturing it (null: not measurable, CPU)
         "pool_growth_bytes": 1048576}],   # what capturing it added to the pool
      "phases": [{"phase": "warmup", "seconds": 5.2}, ...],
      "totals": {"descriptors": 67, "warmup_s": 5.2, "capture_s": 8.3, "verify_s": 2.1,
-                "pool_bytes": 1048576, "phases_s": 16.0}}
+                "pool_bytes": 1048576, "phases_s": 16.0,
+                "warmed_up": 7, "verified": 5}}   # descriptors that warmed up, and that verify compared
 
 This module imports neither torch nor matplotlib at import time.
 """
@@ -69,6 +71,8 @@ class CaptureReport:
             row[_TIMED[event.phase]] = event.elapsed_s
             if event.phase is Phase.CAPTURE:
                 row["pool_bytes"] = event.pool_bytes
+        elif kind is EventKind.DESCRIPTOR_SKIPPED and event.phase is Phase.WARMUP and event.descriptor is not None:
+            self._row(event.descriptor)["warmup_skipped"] = True
         elif kind is EventKind.PHASE_END and event.phase is not None:
             # A phase runs once per descriptor (warmup, capture, verify): one row, summed.
             row = next((p for p in self.phases if p["phase"] == event.phase.value), None)
@@ -89,7 +93,7 @@ class CaptureReport:
         key = (mode, size)
         if key not in self.rows:
             self.rows[key] = {"mode": mode, "size": size, "warmup_s": None, "capture_s": None, "verify_s": None,
-                              "pool_bytes": None, "pool_growth_bytes": None}
+                              "pool_bytes": None, "pool_growth_bytes": None, "warmup_skipped": False}
         return self.rows[key]
 
     def document(self) -> dict[str, Any]:
@@ -110,7 +114,9 @@ class CaptureReport:
             "ok": bool(self.ok), "error": self.error, "descriptors": rows, "phases": list(self.phases),
             "totals": {"descriptors": len(rows), "warmup_s": total("warmup_s"), "capture_s": total("capture_s"),
                        "verify_s": total("verify_s"), "pool_bytes": pools[-1] if pools else None,
-                       "phases_s": sum(p["seconds"] for p in self.phases)},
+                       "phases_s": sum(p["seconds"] for p in self.phases),
+                       "warmed_up": sum(r["warmup_s"] is not None for r in rows),
+                       "verified": sum(r["verify_s"] is not None for r in rows)},
         }
 
 

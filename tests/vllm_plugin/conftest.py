@@ -50,6 +50,7 @@ def plugin(monkeypatch):
 
     def register(**env):
         monkeypatch.setenv("GRAPHFLOW_VLLM", "1")
+        monkeypatch.delenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", raising=False)  # register adds to it
         for name, value in env.items():
             monkeypatch.setenv(f"GRAPHFLOW_VLLM_{name.upper()}", str(value))
         module.register()

@@ -11,9 +11,6 @@ ranks agree and capture. For an MoE model the plan sees the routing and the plug
 refuses the placeholder before capture (GF503).
 """
 
-import json
-import os
-import socket
 import subprocess
 import sys
 
@@ -21,38 +18,26 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.vllm_plugin.ranks import free_port, run_ranks  # noqa: E402
+
 from graphflow.dist.trace import diff_traces, read_trace  # noqa: E402
 
 WORLD = 3
 TIMEOUT_S = 20
 SCENARIOS = [("llama-tiny", "placeholder"), ("llama-tiny", "real"), ("llama-tiny", "prepare"),
              ("moe-tiny", "placeholder")]
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every scenario on three ranks: {(model, policy): (per-rank results, trace dir)}."""
     root = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     traces = {scenario: root / f"{scenario[0]}-{scenario[1]}" for scenario in SCENARIOS}
     args = [f"{model}:{policy}:{traces[(model, policy)]}" for model, policy in SCENARIOS]
-    env = {**os.environ, "GRAPHFLOW_VLLM_TIMEOUT_S": str(TIMEOUT_S)}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "rank_worker.py"), str(rank), str(WORLD), str(port),
-                               str(root / f"rank{rank}.json"), *args], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail("a rank hung: the barriers should have turned the divergence into an error")
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    results = [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    results = run_ranks("rank_worker.py", [[str(rank), str(WORLD), str(port), str(root / f"rank{rank}.json"), *args]
+                                           for rank in range(WORLD)], root, TIMEOUT_S,
+                        "a rank hung: the barriers should have turned the divergence into an error")
     return {scenario: ([r[i] for r in results], traces[scenario]) for i, scenario in enumerate(SCENARIOS)}
 
 

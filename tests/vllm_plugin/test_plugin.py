@@ -27,6 +27,7 @@ def fresh_loader(monkeypatch):
     import vllm.plugins
 
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.delenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", raising=False)  # an enabled plugin adds to it
     yield vllm.plugins.load_general_plugins
     module.unregister()
 
@@ -87,3 +88,15 @@ def test_validation_errors_refuse_capture_before_any_graph(vllm_world, cpu_cuda,
         with pytest.raises(CaptureError, match="cudagraph_num_of_warmups = 0") as info:
             runner.capture_model()
     assert info.value.phase == "validate" and cpu_cuda.captures == 0 and runner.runs == []
+
+
+def test_an_enabled_plugin_has_vllms_ray_launcher_copy_its_settings(plugin, monkeypatch):
+    """vLLM's launcher of Ray engines copies only some prefixes; ``register`` in the driver adds ours."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    monkeypatch.delenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", raising=False)
+    monkeypatch.setenv("GRAPHFLOW_VLLM_WARMUP", "real")
+    assert "GRAPHFLOW_VLLM_WARMUP" not in get_env_vars_to_copy()
+    plugin()
+    copied = get_env_vars_to_copy()
+    assert {"GRAPHFLOW_VLLM", "GRAPHFLOW_VLLM_WARMUP"} <= copied

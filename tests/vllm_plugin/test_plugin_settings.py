@@ -109,7 +109,8 @@ def test_an_attribute_another_vllm_moved_is_one_line_and_every_wrap_undone(load,
 
 def test_lines_go_through_vllms_handler_with_time_and_rank(vllm_world, vllm_output, plugin):
     plugin()
-    (line,) = [line for line in vllm_output.getvalue().splitlines() if "graphflow" in line]
+    ray, line = [line for line in vllm_output.getvalue().splitlines() if "graphflow" in line]
+    assert re.search(r" INFO .* graphflow\[rank 0\]: added GRAPHFLOW_ to VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", ray)
     assert re.search(r" INFO \d\d-\d\d \d\d:\d\d:\d\d \[\S*plugin\.py:\d+\] graphflow\[rank 0\]: "
                      r"vLLM plugin enabled on vLLM 0\.33\.\d", line), line
 

@@ -168,6 +168,8 @@ class CuteRMSNorm(CuteKernel):
     count is a runtime argument: batch sizes share one compiled kernel.
     """
 
+    per_size = False  # (dtype, n, vec): the row, never the batch size
+
     def __init__(self, name: str = "dsv4.rms_norm"):
         super().__init__(name)
 

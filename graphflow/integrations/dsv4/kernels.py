@@ -91,4 +91,5 @@ def jit_kernel(backend: str):
         from graphflow.integrations.dsv4.triton_rms import launch, specialize
     except ImportError:
         return None
-    return registry.register(TritonKernel(KERNEL_NAMES["triton"], launch, specialize))
+    # Its specialization is the row's (dtype, block, alignment, n % 16): batch sizes share it.
+    return registry.register(TritonKernel(KERNEL_NAMES["triton"], launch, specialize, per_size=False))

@@ -31,8 +31,10 @@
 A post-init ``VllmConfig`` has applied rules 1 and 2 already (all but V1's stock
 ``torch.compile``, which this function applies to it); only 3 to 5 are left.
 Only the target family is predicted: the drafter's graphs (EAGLE, MTP, draft models)
-depend on the speculator vLLM builds, and V2's dynamic speculative decoding rewrites its
-capture list while capturing. Those, and run-time downgrades this function cannot see,
+depend on the speculator vLLM builds. Dynamic speculative decoding
+(``num_speculative_tokens_per_batch_size``) is not modelled either: V2 lists the
+target's decode graphs once per draft width, and its drafter's ``capture`` rewrites the
+decode list while capturing, once per width. Those, and run-time downgrades this function cannot see,
 are listed in ``VllmPlan.unknowns``;
 ``graphflow.integrations.vllm.plan_from_engine`` reads what a running engine resolved.
 """
@@ -74,7 +76,7 @@ _COMPILATION_MODES = {0: "NONE", 1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE
 _ASSUMED_SUPPORT = ("attention backends' FULL-graph support: assumed ALWAYS (FA3, FlashInfer); a backend "
                     "with less turns FULL into FULL_AND_PIECEWISE or drops it at run time (pass attention_support)")
 _RUNTIME_UNKNOWNS = (
-    "LoRA, micro-batching (DBO), dynamic speculative decoding, KV connectors that need PIECEWISE and "
+    "LoRA, micro-batching (DBO), KV connectors that need PIECEWISE and "
     "models without a compiled or breakable piecewise path change the graphs at run time",
 )
 #: ``speculative_config.method``s whose proposer runs no model, so captures no drafter graph.
@@ -97,7 +99,8 @@ def plan_from_vllm_config(
     ``optimization_level`` (0-3), ``compilation_mode`` (``VLLM_COMPILE``...),
     ``enforce_eager``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``num_speculative_tokens``, ``speculative_method`` (``eagle``, ``ngram``...),
-    ``performance_mode``, ``pooling``,
+    ``num_speculative_tokens_per_batch_size`` (dynamic speculative decoding: named in
+    ``unknowns``, not modelled), ``performance_mode``, ``pooling``,
     ``encoder_decoder``, ``device_capability`` (90 for Hopper; 100 raises the default
     maximum to 1024). ``runner`` is ``"v1"`` or ``"v2"`` (default: the config's, else
     V2, vLLM 0.33's default on a GPU). ``attention_support`` is one of
@@ -130,8 +133,9 @@ def plan_from_vllm_config(
     if drafting and settings.num_speculative_tokens and settings.speculative_method not in _MODEL_FREE_METHODS:
         unknowns.append(f"not predicted: drafter graphs ({settings.speculative_method or 'speculative decoding'} "
                         f"with {settings.num_speculative_tokens} speculative tokens), number unknown: they follow "
-                        "the speculator vLLM builds (and V2's dynamic speculative decoding rewrites them while "
-                        "capturing); plan_from_engine reads them")
+                        "the speculator vLLM builds; plan_from_engine reads them")
+    if settings.speculative_schedule and settings.num_speculative_tokens and mode != "NONE":
+        unknowns.append(_dynamic_unknown(settings))
     q = settings.q
     if mode != "NONE" and runner == "v1" and _ROUTINES[mode][0] == "FULL" and q > 1:
         sizes = _round_for_speculation(sizes, q)
@@ -162,6 +166,7 @@ class _Inputs:
     encoder_decoder: bool
     device_capability: int
     runner: str | None
+    speculative_schedule: tuple[tuple[int, int, int], ...] | None = None
     unknowns: tuple[str, ...] = ()
 
     @property
@@ -207,6 +212,7 @@ class _Inputs:
             encoder_decoder=bool(values.get("encoder_decoder", False)),
             device_capability=int(values.get("device_capability", 90)),
             runner=values.get("runner"),
+            speculative_schedule=_schedule(values.get("num_speculative_tokens_per_batch_size")),
             unknowns=() if values.get("max_num_batched_tokens") is not None or resolved else (
                 "max_num_batched_tokens: not given, so no size is cut at it and none is appended",),
         )
@@ -273,6 +279,7 @@ _KEYS = frozenset({
     "cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "optimization_level",
     "compilation_mode", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
     "speculative_method", "performance_mode", "pooling", "encoder_decoder", "device_capability", "runner",
+    "num_speculative_tokens_per_batch_size",
 })
 
 
@@ -289,6 +296,8 @@ def _from_vllm_config(config: Any) -> dict[str, Any]:
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
         "num_speculative_tokens": getattr(config, "num_speculative_tokens", 0),
         "speculative_method": getattr(getattr(config, "speculative_config", None), "method", None),
+        "num_speculative_tokens_per_batch_size": getattr(getattr(config, "speculative_config", None),
+                                                         "num_speculative_tokens_per_batch_size", None),
     }
     use_v2 = getattr(config, "use_v2_model_runner", None)
     if use_v2 is not None:
@@ -314,6 +323,31 @@ def _resolve_at_run_time(mode: str, support: str, settings: _Inputs) -> str:
     elif decode == "FULL" and settings.q > 1 and level < ATTENTION_SUPPORT.index("UNIFORM_BATCH"):
         mode = "PIECEWISE" if piecewise_ok else "NONE"
     return mode
+
+
+def _dynamic_unknown(settings: _Inputs) -> str:
+    """What dynamic speculative decoding does to the graphs that this plan does not model."""
+    widths = sorted({min(settings.num_speculative_tokens, k) for first, _, k in settings.speculative_schedule
+                     if settings.max_num_seqs is None or first <= settings.max_num_seqs}, reverse=True)
+    return ("not predicted: dynamic speculative decoding (num_speculative_tokens_per_batch_size, draft widths "
+            f"{', '.join(map(str, widths))}): model runner V2 captures the target's FULL decode graphs once per "
+            "width, and the drafter's decode graphs once per width but 0 and 1 while capturing; V1's post-init "
+            "turns FULL into PIECEWISE; the graphs here are for the widest only, number unknown; "
+            "plan_from_engine reads them")
+
+
+def _schedule(value: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """vLLM's ``num_speculative_tokens_per_batch_size``: ``(first, last, width)`` batch-size ranges."""
+    if value is None:
+        return None
+    try:
+        ranges = tuple((int(a), int(b), int(k)) for a, b, k in value)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"expected a list of (first batch size, last batch size, draft width) ranges, got {value!r}",
+                        element="num_speculative_tokens_per_batch_size") from e
+    if not ranges:
+        raise PlanError("expected at least one (first, last, width) range", element="num_speculative_tokens_per_batch_size")
+    return ranges
 
 
 def _round_for_speculation(sizes: Sequence[int], q: int) -> tuple[int, ...]:

@@ -45,6 +45,9 @@ class VllmDescriptor:
     num_active_loras: int = 0
     num_ubatches: int = 1
     max_query_len: int | None = attrs.field(default=None, order=lambda v: -1 if v is None else v)
+    #: A V2 drafter's decode graph under dynamic speculative decoding: the draft width it
+    #: was captured for (V2 captures one graph per width the schedule can pick).
+    num_speculative_tokens: int | None = attrs.field(default=None, order=lambda v: -1 if v is None else v)
 
     def __str__(self) -> str:
         parts = [f"tokens={self.num_tokens}"]
@@ -54,6 +57,8 @@ class VllmDescriptor:
             parts.append(f"q={self.uniform_query_len}")
         if self.max_query_len is not None:
             parts.append(f"max_q={self.max_query_len}")
+        if self.num_speculative_tokens is not None:
+            parts.append(f"k={self.num_speculative_tokens}")
         if self.num_active_loras:
             parts.append(f"loras={self.num_active_loras}")
         if self.num_ubatches != 1:
@@ -66,13 +71,18 @@ def _mode(value: Any) -> Mode:
     return Mode(str(name).upper())
 
 
-def descriptor_from_vllm(family: str, mode: Any, desc: Any, *, uniform_query_len: int = 1) -> VllmDescriptor:
+def descriptor_from_vllm(family: str, mode: Any, desc: Any, *, uniform_query_len: int = 1,
+                         num_speculative_tokens: int | None = None) -> VllmDescriptor:
     """A ``VllmDescriptor`` from vLLM's own descriptor object.
 
     V1's ``BatchDescriptor`` says ``uniform=True`` and leaves the query length to the
     dispatcher (``uniform_query_len``); V2's ``BatchExecutionDescriptor`` carries it as
-    ``uniform_token_count`` and its mode as ``cg_mode``.
+    ``uniform_token_count`` and its mode as ``cg_mode``, and V2's drafter's
+    ``SpeculatorBatchDescriptor`` its draft width as ``num_speculative_tokens`` (given
+    here for a descriptor V2 will specialize while capturing).
     """
+    if num_speculative_tokens is None:
+        num_speculative_tokens = getattr(desc, "num_speculative_tokens", None)
     if hasattr(desc, "cg_mode"):
         mode = desc.cg_mode
         q = getattr(desc, "uniform_token_count", None)
@@ -87,6 +97,7 @@ def descriptor_from_vllm(family: str, mode: Any, desc: Any, *, uniform_query_len
         num_active_loras=int(getattr(desc, "num_active_loras", 0) or 0),
         num_ubatches=int(getattr(desc, "num_ubatches", 1) or 1),
         max_query_len=getattr(desc, "max_query_len", None),
+        num_speculative_tokens=None if num_speculative_tokens is None else int(num_speculative_tokens),
     )
 
 

@@ -8,6 +8,14 @@ micro-batching twins. Its capture descriptors are the truth; this module reads t
   ``runner.drafter.cudagraph_dispatcher`` (the drafter), ``runner.encoder_cudagraph_manager``;
 * model runner V2: ``runner.cudagraph_manager._capture_descs`` (the target), every
   ``CudaGraphManager`` the speculator holds (the drafter), the encoder runner's manager.
+  Two of the speculator's lists are not what V2 captures, and are read as V2 will use
+  them: with one speculative step it never captures the draft decode graphs
+  (``capture`` returns after the prefill ones), and under dynamic speculative decoding
+  (``num_speculative_tokens_per_batch_size``) with fused draft decodes its
+  ``SpeculatorCudaGraphManager.capture`` rewrites the decode list while capturing, one
+  graph per descriptor and draft width (every width the schedule picks, but 0 and 1).
+  The target's list needs nothing: its manager lists each width's decode graphs when
+  it is built.
 
 No vLLM import: the objects are read by attribute, so the same code reads the real
 engine and a test's.
@@ -26,7 +34,7 @@ from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan, ca
 from graphflow.integrations.vllm.schematic import FamilyFacts, family_facts, schematic_plan
 from graphflow.plan import CaptureSettings, WarmupPolicy
 
-__all__ = ["engine_descriptors", "graph_managers", "plan_from_engine", "runner_kind"]
+__all__ = ["engine_descriptors", "graph_managers", "plan_from_engine", "runner_kind", "speculative_widths"]
 
 
 def runner_kind(runner: Any) -> str:
@@ -43,20 +51,28 @@ def runner_kind(runner: Any) -> str:
 def engine_descriptors(runner: Any) -> tuple[VllmDescriptor, ...]:
     """Every graph ``runner`` will capture, all families, in capture order."""
     found: dict[VllmDescriptor, None] = {}
-    for family, mode, desc, q in _raw_descriptors(runner):
-        found[descriptor_from_vllm(family, mode, desc, uniform_query_len=q)] = None
+    for family, mode, desc, q, *width in _raw_descriptors(runner):
+        found[descriptor_from_vllm(family, mode, desc, uniform_query_len=q,
+                                   num_speculative_tokens=width[0] if width else None)] = None
     return capture_order(found)
 
 
-def _raw_descriptors(runner: Any) -> Iterator[tuple[str, Any, Any, int]]:
+def _raw_descriptors(runner: Any) -> Iterator[tuple]:
+    """(family, mode, vLLM's descriptor, uniform query length[, draft width]) of each graph."""
     if runner_kind(runner) == "v1":
         yield from _v1_descriptors(runner)
         encoder = getattr(runner, "encoder_cudagraph_manager", None)
     else:
         for family, manager in graph_managers(runner):
+            widths = _draft_widths(runner, manager)
+            if widths == ():
+                continue
             for mode, descs in getattr(manager, "_capture_descs", {}).items():
                 for desc in descs:
-                    yield family, mode, desc, 1
+                    if widths is None:
+                        yield family, mode, desc, 1
+                    else:
+                        yield from ((family, mode, desc, 1, k) for k in widths)
         encoder_runner = getattr(getattr(runner, "model_state", None), "encoder_runner", None)
         encoder = getattr(encoder_runner, "cudagraph_manager", None)
     if encoder is not None:
@@ -94,6 +110,32 @@ def _v1_descriptors(runner: Any) -> Iterator[tuple[str, Any, Any, int]]:
         for desc in descs:
             if int(desc.num_tokens) in captured:
                 yield "drafter", mode, desc, q
+
+
+def _draft_widths(runner: Any, manager: Any) -> tuple[int, ...] | None:
+    """How V2 captures ``manager``'s list: None as listed, ``()`` not at all, else once per
+    draft width in the tuple (``SpeculatorCudaGraphManager.capture(specialize_spec_tokens=True)``)."""
+    speculator = getattr(runner, "speculator", None)
+    if speculator is None or manager is not getattr(speculator, "decode_cudagraph_manager", None):
+        return None
+    if getattr(speculator, "num_speculative_steps", None) == 1:
+        return ()
+    spec = getattr(runner.vllm_config, "speculative_config", None)
+    schedule = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+    if schedule is None or not getattr(speculator, "supports_decode_metadata_update", False):
+        return None
+    return speculative_widths(schedule, int(manager.max_num_reqs), int(runner.vllm_config.num_speculative_tokens))
+
+
+def speculative_widths(schedule: Any, max_num_seqs: int, num_speculative_tokens: int) -> tuple[int, ...]:
+    """The draft widths V2 captures decode graphs for, widest first: every width
+    ``build_dynamic_sd_schedule_lookup`` gives a batch size up to ``max_num_seqs``, each
+    capped at ``num_speculative_tokens``, but 0 and 1. ``schedule`` is vLLM's
+    ``num_speculative_tokens_per_batch_size``: ``(first, last, width)`` ranges of batch
+    sizes, the first starting at 1; a range starting past ``max_num_seqs`` is never reached.
+    """
+    reached = {min(num_speculative_tokens, int(k)) for first, _, k in schedule if int(first) <= max_num_seqs}
+    return tuple(sorted(reached - {0, 1}, reverse=True))
 
 
 def _padded(dispatcher: Any, num_tokens: int) -> int:

@@ -3,8 +3,9 @@
 vLLM loads every ``vllm.general_plugins`` entry point in each process that runs a model
 (the engine core and every worker), before the worker class exists; ``register`` is that
 entry point (plain ``pip install graphflow`` installs it, into a vLLM fork too). It
-does nothing unless ``GRAPHFLOW_VLLM`` is on. It never stops vLLM from starting: a setting
-it cannot read, a vLLM other than 0.33.x (unless ``GRAPHFLOW_VLLM_ANY_VERSION`` is on) and
+does nothing unless ``GRAPHFLOW_VLLM`` is on; when on, it also adds ``GRAPHFLOW_`` to the
+prefixes vLLM copies to the Ray actors it starts (``settings.carry_to_ray_workers``). It
+never stops vLLM from starting: a setting it cannot read, a vLLM other than 0.33.x (unless ``GRAPHFLOW_VLLM_ANY_VERSION`` is on) and
 a vLLM attribute it cannot wrap each log one line and leave the plugin off. Otherwise,
 once per process, it wraps vLLM's capture paths (``graphflow.integrations.vllm.hooks``)
 and in each capture or profiling run:
@@ -13,8 +14,11 @@ and in each capture or profiling run:
    (``plan_from_engine``), runs graphflow's rules, logs every finding with its code and
    refuses to capture (``CaptureError``, phase ``validate``, logged) on an error: every rank has
    the same config, so every rank refuses alike;
-2. opens a ``CaptureSession``: phase boundaries per descriptor, each a store barrier;
-   every custom all-reduce traced and served by its family's warmup policy;
+2. opens a ``CaptureSession`` among the engine's own ranks (``group.py``: with data
+   parallelism vLLM's world spans every engine, which must not wait for each other):
+   the ranks first compare their settings, then cross a store barrier at each phase
+   boundary per descriptor; every custom all-reduce traced and served by its family's
+   warmup policy;
 3. runs vLLM's capture inside a ``CaptureTransaction``; on any failure it tells the
    other ranks at once (``abandon``), rolls back, logs the failure and raises
    ``CaptureError`` naming the mode, descriptor and rank, or, with
@@ -39,9 +43,11 @@ from typing import Any
 
 from graphflow.errors import CaptureError, DivergenceError, PlanError
 from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan
+from graphflow.integrations.vllm.group import EngineGroup, engine_group
 from graphflow.integrations.vllm.session import CaptureSession
 from graphflow.integrations.vllm.logs import log
-from graphflow.integrations.vllm.settings import ANY_VERSION_ENV, PluginSettings, SettingsError
+from graphflow.integrations.vllm.settings import ANY_VERSION_ENV, PREFIX, RAY_PREFIXES_ENV, PluginSettings, \
+    SettingsError, carry_to_ray_workers
 from graphflow.dist.trace import TraceLog, Tracer
 from graphflow.plan.rules import Severity, validate
 
@@ -56,8 +62,10 @@ _SHOWN_PER_CODE = 5
 
 _PLUGIN: Plugin | None = None
 
-#: Sessions opened in this process, for store namespaces: every rank opens them in the same
-#: order, and a namespace is never reused, even by a plugin registered again.
+#: Capture sessions opened in this process, the generation in each store namespace: every
+#: rank of an engine opens them in the same order (an engine restarted is new processes,
+#: counting from 1 together), and a namespace is never reused, even by a plugin
+#: registered again.
 _SESSIONS = itertools.count(1)
 
 
@@ -79,6 +87,9 @@ def register() -> None:
         return
     if not settings.enabled:
         return
+    if carry_to_ray_workers():
+        log.info("added %s to %s: the Ray actors vLLM starts from this process get the plugin's settings",
+                 PREFIX, RAY_PREFIXES_ENV)
     import vllm
 
     version = str(getattr(vllm, "__version__", "unknown"))
@@ -180,7 +191,7 @@ class Plugin:
             self._validate(plan, rank)
             self._validated = True
         what = "profiling" if profile else "capture"
-        session = self._open(rank, plan)
+        session = self._open(rank, runner)
         txn = None if profile else transaction_for(runner)
         start = time.perf_counter()
         self.session, self._failed_at = session, None
@@ -188,6 +199,7 @@ class Plugin:
         try:
             with session.at(phase="profile_cudagraph_memory" if profile else "capture_model"), \
                     runner_hooks(runner, self):
+                session.agree_settings(self.settings.agreed())
                 session.boundary("phase_begin", graphs=len(plan.descriptors), plan=_digest(plan))
                 result = capture()
                 session.boundary("phase_end")
@@ -229,18 +241,22 @@ class Plugin:
                 hint="fix the settings the findings name (GRAPHFLOW_VLLM_WARMUP=real for a placeholder that "
                      "reaches routing), or skip a rule with GRAPHFLOW_VLLM_DISABLE"))
 
-    def _open(self, rank: int, plan: VllmPlan) -> CaptureSession:
+    def _open(self, rank: int, runner: Any) -> CaptureSession:
+        """This capture's session: barriers among this engine's ranks only (``engine_group``),
+        in a namespace no other engine and no earlier capture of this one uses."""
         import torch.distributed as dist
 
         world, store = (0,), None
+        group = EngineGroup(0, world)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            world = tuple(range(dist.get_world_size()))
+            group = engine_group(rank, dist.get_world_size(), runner.vllm_config.parallel_config)
+            world = group.members
             store = dist.distributed_c10d._get_default_store()
         if self._log is None:
             tracer = Tracer(self.settings.trace_dir, rank) if self.settings.trace_dir else None
             self._log = TraceLog(rank, tracer)
         return CaptureSession(rank=rank, world=world, store=store, log=self._log, timeout_s=self.settings.timeout_s,
-                              namespace=f"graphflow-vllm/{next(_SESSIONS)}", agree_calls=self.settings.agree_calls)
+                              namespace=group.namespace(next(_SESSIONS)), agree_calls=self.settings.agree_calls)
 
     def _failed(self, error: BaseException, undo_error, where: tuple, rank: int, what: str, kind: str) -> Any:
         family, mode, descriptor, phase = where

@@ -12,7 +12,13 @@ object is what those wrappers share. It keeps, for one rank:
 * a ``StoreBarrier`` per scope over the c10d store, crossed at every phase boundary
   (warmup and capture begin and end, per descriptor): ranks whose traces differ raise
   ``DivergenceError`` at the same barrier, naming the first differing call, instead of
-  hanging in the next collective or in ``register_graph_buffers``.
+  hanging in the next collective or in ``register_graph_buffers``;
+* before the first of them, the settings check (``agree_settings``): ranks that run the
+  plugin with different ``GRAPHFLOW_VLLM_*`` values fail at once, naming the variable,
+  and one that never arrives (its worker runs without the plugin) is named at the
+  timeout with what to check.
+
+Its ``world`` is one engine's ranks (``group.engine_group``), not ``torch.distributed``'s.
 
 Host work only: vLLM captures with ``capture_error_mode="global"``, so nothing here
 touches CUDA, from this thread or another. No vLLM or torch import.
@@ -21,6 +27,8 @@ touches CUDA, from this thread or another. No vLLM or torch import.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +36,7 @@ import attrs
 
 from graphflow.dist.barrier import StoreBarrier
 from graphflow.errors import DivergenceError
-from graphflow.dist.trace import TraceLog
+from graphflow.dist.trace import ScopeState, TraceLog
 
 __all__ = ["CaptureSession", "Site"]
 
@@ -48,11 +56,12 @@ class Site:
 class CaptureSession:
     """A rank's trace and barriers for one capture (or profiling) run of vLLM.
 
-    ``groups`` maps a scope name to the ranks that must agree on it (the TP group's
-    members for its collectives); a group with the world's members is the world scope.
-    ``store`` is None at world size 1: nothing to agree with. ``log`` is the process's
-    trace log (one per process, so a profiling run and the capture run that follows it
-    write one trace file); ``namespace`` must differ between sessions sharing a store.
+    ``world`` is the ranks that capture together (one engine's); ``scope`` adds the
+    groups inside it that must agree on their own calls (a TP group); a group with the
+    world's members is the world scope. ``store`` is None at world size 1: nothing to
+    agree with. ``log`` is the process's trace log (one per process, so a profiling run
+    and the capture run that follows it write one trace file); ``namespace`` must differ
+    between sessions sharing a store and be the same on every member.
     """
 
     def __init__(self, *, rank: int, world: Sequence[int], store: Any = None, log: TraceLog | None = None,
@@ -65,7 +74,7 @@ class CaptureSession:
         self.agree_calls = agree_calls
         self._store = store
         self._timeout_s = timeout_s
-        self._namespace = namespace
+        self.namespace = namespace
         self._barriers: dict[str, StoreBarrier] = {}
         self._scopes: dict[str, tuple[int, ...]] = {_WORLD: self.world}
         self._calls: dict[int, int] = {}
@@ -88,7 +97,7 @@ class CaptureSession:
         barrier = self._barriers.get(scope)
         if barrier is None:
             barrier = self._barriers[scope] = StoreBarrier(
-                self._store, self.rank, members, timeout_s=self._timeout_s, namespace=f"{self._namespace}/{scope}")
+                self._store, self.rank, members, timeout_s=self._timeout_s, namespace=f"{self.namespace}/{scope}")
         return barrier
 
     def _arrive(self, scope: str, label: str) -> None:
@@ -101,6 +110,60 @@ class CaptureSession:
         except DivergenceError as e:
             self.failed = str(e)
             raise
+
+    def agree_settings(self, settings: Mapping[str, str]) -> None:
+        """Every member runs the plugin with ``settings`` (variable -> value), or every
+        member raises ``DivergenceError`` saying which variable differs on which ranks.
+
+        A member that never arrives is one whose worker runs without the plugin, or a
+        rank that stalled: after the timeout the error names it and says what to check.
+        """
+        if self._store is None or len(self.world) < 2:
+            return
+        text = json.dumps(dict(settings), sort_keys=True)
+        self._store.set(self._settings_key(self.rank), text)
+        barrier = StoreBarrier(self._store, self.rank, self.world, timeout_s=self._timeout_s,
+                               namespace=f"{self.namespace}/settings/agree")
+        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        try:
+            barrier.arrive("graphflow settings", ScopeState(0, digest, ()), phase=self.site.phase)
+        except DivergenceError as error:
+            self.failed = str(error)
+            raise self._settings_error(error) from error
+
+    def _settings_key(self, rank: int) -> str:
+        return f"{self.namespace}/settings/{rank}"
+
+    def _settings_error(self, error: DivergenceError) -> DivergenceError:
+        """The barrier's error, said in settings: which variable differs, or who is missing."""
+        seen = {r: json.loads(self._store.get(self._settings_key(r))) for r in self.world
+                if self._store.check([self._settings_key(r)])}
+        names = sorted({name for values in seen.values() for name in values})
+        lines = []
+        for name in names:
+            holders: dict[str, list[int]] = {}
+            for r, values in seen.items():
+                holders.setdefault(values.get(name, "(unset)"), []).append(r)
+            if len(holders) > 1:
+                lines.append(f"{name} is " + " and ".join(f"{value!r} on rank(s) {_ranks(ranks)}"
+                                                          for value, ranks in holders.items()))
+        if lines:
+            minority = sorted(_minority(seen, names))
+            return DivergenceError(
+                f"ranks of one engine run the vLLM plugin with different settings: {'; '.join(lines)}",
+                ranks=minority, rank=self.rank, phase=self.site.phase,
+                hint="give every worker the same GRAPHFLOW_VLLM_* values (under Ray a node's own environment wins "
+                     "over the driver's: set them where the Ray nodes start, or nowhere but the driver)")
+        missing = tuple(r for r in self.world if r not in seen)
+        if missing and error.ranks:
+            return DivergenceError(
+                f"rank(s) {_ranks(missing)} never started graphflow's capture within {self._timeout_s:g} s: "
+                f"their workers run without the plugin, or stalled ({error.message})",
+                ranks=missing, rank=self.rank, phase=self.site.phase,
+                hint="set GRAPHFLOW_VLLM=1 where every worker starts: under Ray, vLLM copies only some variables "
+                     "to its workers (the plugin adds GRAPHFLOW_ to VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY in a "
+                     "driver where it is on), and a node's own GRAPHFLOW_VLLM=0 wins over the driver's")
+        return error
 
     # -- events ----------------------------------------------------------------------------
     def boundary(self, event: str, **fields: Any) -> dict:
@@ -162,6 +225,19 @@ class CaptureSession:
     def flush(self) -> None:
         if self.tracer is not None:
             self.tracer.flush()
+
+
+def _minority(seen: Mapping[int, Mapping[str, str]], names: Sequence[str]) -> list[int]:
+    """The ranks outside the largest group of identical settings (ties: the lowest ranks' group)."""
+    groups: dict[str, list[int]] = {}
+    for r, values in sorted(seen.items()):
+        groups.setdefault(json.dumps([values.get(n) for n in names]), []).append(r)
+    largest = max(groups.values(), key=len)
+    return [r for r in seen if r not in largest]
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _text(value: Any) -> str | None:

@@ -27,13 +27,18 @@ variable                       meaning
                                called ``fn(communicator, tensor)`` once per shape
 ``GRAPHFLOW_TRACE``            a directory: write each rank's trace there
 =============================  ==========================================================
+
+Every rank of an engine must run with the same settings (but the trace directory and the
+version opt-in, which are the node's business): ``agreed`` is what ranks compare before
+their first barrier. Ray workers get only the variables vLLM copies to them;
+``carry_to_ray_workers`` adds ``GRAPHFLOW_`` to vLLM's list.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import attrs
@@ -44,10 +49,17 @@ from graphflow.plan import WarmupPolicy
 from graphflow.dist.trace import TRACE_ENV
 from graphflow.plan.rules import RULES
 
-__all__ = ["ANY_VERSION_ENV", "ENABLE_ENV", "PluginSettings", "SettingsError"]
+__all__ = ["ANY_VERSION_ENV", "ENABLE_ENV", "RAY_PREFIXES_ENV", "PluginSettings", "SettingsError", "carry_to_ray_workers"]
 
 ENABLE_ENV = "GRAPHFLOW_VLLM"
 ANY_VERSION_ENV = "GRAPHFLOW_VLLM_ANY_VERSION"
+#: vLLM's list of extra variable prefixes its Ray launcher copies from the driver to the
+#: Ray actors it starts (``vllm.ray.ray_env.get_env_vars_to_copy``; vllm/envs.py).
+RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+#: The prefix of every variable the plugin reads.
+PREFIX = "GRAPHFLOW_"
+#: The variables a rank may set for itself: where its trace goes, whether it tries another vLLM.
+_NODE_LOCAL = frozenset({TRACE_ENV, ANY_VERSION_ENV})
 
 #: What vLLM's boolean flags take as on (compared lowercased and stripped).
 _TRUE = ("1", "true")
@@ -73,6 +85,28 @@ class PluginSettings:
     def policy(self, family: str) -> WarmupPolicy:
         return self.warmup.get(family, WarmupPolicy.PLACEHOLDER)
 
+    def described(self) -> dict[str, str]:
+        """Each variable and the value it took, as text (defaults filled in): what
+        ``graphflow vllm check`` prints and, less the node-local ones, what ranks compare."""
+        return {
+            ENABLE_ENV: "1" if self.enabled else "0",
+            "GRAPHFLOW_VLLM_WARMUP": ",".join(f"{f}={self.policy(f).value}" for f in FAMILIES),
+            "GRAPHFLOW_VLLM_ON_FAILURE": self.on_failure,
+            "GRAPHFLOW_VLLM_TIMEOUT_S": f"{self.timeout_s:g}",
+            "GRAPHFLOW_VLLM_AGREE": "calls" if self.agree_calls else "boundaries",
+            "GRAPHFLOW_VLLM_DISABLE": ",".join(self.disable),
+            "GRAPHFLOW_VLLM_ROUTED": "auto" if self.routed is None else
+            ",".join(f for f in FAMILIES if self.routed.get(f)) or "none",
+            "GRAPHFLOW_VLLM_PREPARE": ",".join(f"{h.__module__}:{h.__qualname__}" for h in self.prepare),
+            TRACE_ENV: self.trace_dir or "",
+            ANY_VERSION_ENV: "1" if self.any_version else "0",
+        }
+
+    def agreed(self) -> dict[str, str]:
+        """The settings every rank of an engine must share: a rank with another warmup
+        policy or timeout would trace, refuse or wait differently from its peers."""
+        return {name: value for name, value in self.described().items() if name not in _NODE_LOCAL}
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
         env = os.environ if env is None else env
@@ -90,6 +124,25 @@ class PluginSettings:
             trace_dir=env.get(TRACE_ENV) or None,
             any_version=_flag(env, ANY_VERSION_ENV),
         )
+
+
+def carry_to_ray_workers(env: MutableMapping[str, str] | None = None) -> bool:
+    """Add ``GRAPHFLOW_`` to ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`` in ``env`` (the
+    process's environment by default) unless a prefix there covers it already; whether it
+    changed anything.
+
+    vLLM's Ray launcher of data-parallel engines copies the driver's ``VLLM_*``, ``NCCL_*``,
+    ``HF_*``... and the prefixes that variable lists (additive), nothing else: without
+    this, ``GRAPHFLOW_*`` would not reach the engines it starts on Ray, so their workers
+    would run without the plugin. The plugin runs in the driver (vLLM loads general
+    plugins while it parses its arguments), before the launcher reads the variable.
+    """
+    env = os.environ if env is None else env
+    prefixes = _items(env.get(RAY_PREFIXES_ENV, ""))
+    if any(PREFIX.startswith(p) for p in prefixes):
+        return False
+    env[RAY_PREFIXES_ENV] = ",".join([*prefixes, PREFIX])
+    return True
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:

@@ -1,0 +1,122 @@
+"""Which graphs served which steps: the silent failure of a serving engine is graphs that
+were captured and never dispatched, or batches that keep falling back to eager.
+
+A ``Coverage`` counts, per key, the steps served on its graph, the tokens they carried
+and the padded ones, and each eager step with why it was eager. ``as_dict`` is what a
+server exports; ``table`` is printed at the end of a run; ``warnings`` names a key captured
+and never used, and a fallback rate above ``FALLBACK_WARN``.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+
+import attrs
+
+from graphflow.integrations.hf.batching.keys import ServingKey
+
+__all__ = ["FALLBACK_WARN", "Coverage", "Fallback", "KeyCoverage"]
+
+#: The share of steps served eagerly above which a run is warned about.
+FALLBACK_WARN = 0.01
+
+
+class Fallback(enum.StrEnum):
+    """Why a step ran eagerly."""
+
+    NO_GRAPH_YET = "no graph yet"
+    NOT_PLANNED = "key never captured"
+    FAILED = "capture failed"
+
+
+@attrs.define
+class KeyCoverage:
+    key: ServingKey
+    #: planned, captured (not yet checked against the engine's eager step), live, failed.
+    state: str = "planned"
+    graph_steps: int = 0
+    eager: collections.Counter = attrs.field(factory=collections.Counter)
+    tokens: int = 0
+    padded: int = 0
+    failure: str | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.graph_steps + sum(self.eager.values())
+
+
+class Coverage:
+    """Counts, safe to read from another thread while the engine serves."""
+
+    def __init__(self, keys: tuple[ServingKey, ...]) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[ServingKey, KeyCoverage] = {key: KeyCoverage(key) for key in keys}
+
+    def entry(self, key: ServingKey) -> KeyCoverage:
+        with self._lock:
+            found = self._keys.get(key)
+            if found is None:
+                found = self._keys[key] = KeyCoverage(key, state="unplanned")
+            return found
+
+    def served(self, key: ServingKey, tokens: int, fallback: Fallback | None) -> None:
+        entry = self.entry(key)
+        with self._lock:
+            if fallback is None:
+                entry.graph_steps += 1
+            else:
+                entry.eager[fallback] += 1
+            entry.tokens += tokens
+            entry.padded += key.q - tokens
+
+    def as_dict(self) -> dict:
+        """Per key (its ``str``): state, steps on its graph, eager steps by reason, tokens,
+        padded tokens, why it failed; and the totals."""
+        with self._lock:
+            entries = list(self._keys.values())
+        keys = {str(e.key): {"state": e.state, "graph_steps": e.graph_steps,
+                             "eager_steps": {str(reason): n for reason, n in e.eager.items()},
+                             "tokens": e.tokens, "padded_tokens": e.padded, "failure": e.failure}
+                for e in entries}
+        steps = sum(e.steps for e in entries)
+        eager = sum(sum(e.eager.values()) for e in entries)
+        return {"keys": keys, "steps": steps, "graph_steps": steps - eager, "eager_steps": eager,
+                "fallback_rate": eager / steps if steps else 0.0,
+                "captured": sum(e.state == "live" for e in entries),
+                "unused": [str(e.key) for e in entries if e.state == "live" and e.steps == 0]}
+
+    def warnings(self) -> list[str]:
+        summary = self.as_dict()
+        found = []
+        if summary["unused"]:
+            found.append(f"{len(summary['unused'])} captured graph(s) never served a step: "
+                         f"{', '.join(summary['unused'][:4])}{' ...' if len(summary['unused']) > 4 else ''} "
+                         "(their memory served nothing: narrow the padding intervals' range or capture lazily)")
+        if summary["steps"] and summary["fallback_rate"] > FALLBACK_WARN:
+            reasons = collections.Counter()
+            for entry in summary["keys"].values():
+                reasons.update(entry["eager_steps"])
+            found.append(f"{summary['eager_steps']} of {summary['steps']} steps ran eagerly "
+                         f"({summary['fallback_rate']:.1%}): "
+                         + ", ".join(f"{n} {reason}" for reason, n in reasons.most_common()))
+        return found
+
+    def table(self) -> str:
+        """Plain text, one row per key that served or failed, busiest first."""
+        with self._lock:
+            entries = sorted(self._keys.values(), key=lambda e: (-e.steps, e.key))
+        rows = [("key", "state", "graph steps", "eager steps (why)", "tokens", "padded")]
+        for e in entries:
+            if e.steps == 0 and e.state in ("planned", "live"):
+                continue
+            why = ", ".join(f"{n} {reason}" for reason, n in e.eager.items()) or "-"
+            rows.append((str(e.key), e.state if e.failure is None else f"failed: {e.failure}",
+                         str(e.graph_steps), why, str(e.tokens), f"{e.padded / max(e.tokens + e.padded, 1):.0%}"))
+        summary = self.as_dict()
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.append(f"{summary['graph_steps']} of {summary['steps']} steps on graphs, "
+                     f"{summary['captured']} keys live, {len(summary['unused'])} never used")
+        return "\n".join(lines)

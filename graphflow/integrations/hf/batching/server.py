@@ -1,0 +1,206 @@
+"""graphflow under ``transformers serve``, transformers' own OpenAI-compatible server.
+
+With ``--continuous-batching`` the server runs every chat, completion and response request
+on one ``ContinuousBatchingManager``, which it makes itself at the first request
+(``CBGenerateManager.init_cb``: ``init_continuous_batching`` with that request's
+generation config, then ``start()``). transformers offers no callback or setting that
+reaches that manager, so ``install`` wraps two methods of the class, for the whole process:
+
+* ``ContinuousBatchingManager.start`` attaches graphflow (``serve``) first: every manager
+  passes through it once its settings are resolved and before its thread runs a step, and
+  ``serve`` must come before that thread (it builds the batch processor the thread then
+  adopts; a foreground capture must be done before the first step).
+* ``ContinuousBatchingManager.stop`` closes graphflow once the engine's thread has ended
+  (graphs are never freed under a step) and logs the coverage table (logger
+  ``graphflow.serving``).
+
+The engine is left as the server configured it, except asynchronous batching: graphflow
+serves the synchronous engine, and the server has no flag for it (transformers turns it on
+by itself with CUDA graphs and flash attention), so an attached manager runs without it,
+and the log says so.
+
+``python -m graphflow.integrations.hf.batching.server [transformers serve arguments]``
+is ``transformers serve`` with the hook installed (``GRAPHFLOW_SERVE=lazy|foreground``,
+default lazy). transformers' server leaves its manager's thread running when it shuts down
+(which keeps the process alive after Ctrl-C); this entry point stops it, so the coverage
+is logged and the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from graphflow.integrations.hf.batching.serving import Serving, serve
+
+__all__ = ["ENV", "MODES", "Installed", "install", "main"]
+
+log = logging.getLogger("graphflow.serving")
+
+#: The environment variable that picks the capture mode of the entry point.
+ENV = "GRAPHFLOW_SERVE"
+#: Its values: whether ``serve`` captures lazily.
+MODES = {"lazy": True, "foreground": False}
+
+_installed: Installed | None = None
+
+
+class Installed:
+    """The hook in place (``install``): the managers it serves now, by manager."""
+
+    def __init__(self, options: dict) -> None:
+        from transformers.generation.continuous_batching.continuous_api import (
+            ContinuousBatchingManager,
+        )
+
+        self.options = options
+        self.serving: dict[object, Serving] = {}
+        self._lock = threading.Lock()
+        self._cls = ContinuousBatchingManager
+        self._start, self._stop = ContinuousBatchingManager.start, ContinuousBatchingManager.stop
+        stop_signature = inspect.signature(self._stop)
+        installed = self
+
+        def start(manager) -> None:
+            if not manager.is_running() and manager not in installed.serving:
+                installed._attach(manager)
+            installed._start(manager)
+
+        def stop(manager, *args, **kwargs) -> None:
+            installed._stop(manager, *args, **kwargs)
+            bound = stop_signature.bind(manager, *args, **kwargs)
+            bound.apply_defaults()
+            if not bound.arguments["keep_for_next_session"]:  # a kept manager keeps its graphs too
+                installed._detach(manager)
+
+        start.__doc__ = f"{self._start.__doc__} (graphflow attached first: graphflow.integrations.hf.batching.server)"
+        stop.__doc__ = f"{self._stop.__doc__} (graphflow closed after: graphflow.integrations.hf.batching.server)"
+        self._cls.start, self._cls.stop = start, stop
+
+    def _attach(self, manager) -> None:
+        config = manager.continuous_batching_config
+        if manager.batch_processor is None and config.use_async_batching:
+            config.use_async_batching = False
+            log.info("graphflow: asynchronous batching off (graphflow serves the engine's synchronous batching)")
+        device = manager.model.device
+        try:
+            # The first request's handler thread starts the manager: the model's device, as
+            # the engine's own thread sets it.
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                serving = serve(manager, **self.options)
+        except Exception as exc:
+            # The server would queue requests on a manager that never starts: marked dead,
+            # its requests and /health answer 503 with why.
+            manager.background_thread_status.record_fatal_error(exc)
+            log.error("graphflow could not serve this engine: %s", exc)
+            raise
+        with self._lock:
+            self.serving[manager] = serving
+
+    def _detach(self, manager) -> None:
+        with self._lock:
+            serving = self.serving.pop(manager, None)
+        if serving is None:
+            return
+        if not manager.is_running():
+            _close(serving)
+            return
+        # transformers' stop waited a bounded time and the engine still runs a step:
+        # close once its thread has ended.
+        threading.Thread(target=_close_after, args=(manager, serving), name="graphflow-serving-close").start()
+
+    def stop_all(self) -> None:
+        """Stop every manager still served, failing its pending requests (the server's exit:
+        no client is left to read them); each logs its coverage."""
+        with self._lock:
+            managers = list(self.serving)
+        for manager in managers:
+            manager.stop(block=True, hard_stop=True)
+
+    def uninstall(self) -> None:
+        """Put transformers' own ``start`` and ``stop`` back (the managers served now stay
+        served until they stop)."""
+        global _installed
+        self._cls.start, self._cls.stop = self._start, self._stop
+        _installed = None
+
+
+def install(*, lazy: bool = True, **options) -> Installed:
+    """graphflow attached to every ``ContinuousBatchingManager`` this process starts (see
+    the module docstring); ``lazy`` and ``options`` (``verify``, ``backend``, ``longest``,
+    ``keys``) go to ``serve``."""
+    global _installed
+    if _installed is not None:
+        raise RuntimeError("graphflow is already installed in transformers' continuous batching "
+                           "(uninstall() the first one)")
+    _installed = Installed({"lazy": lazy, **options})
+    return _installed
+
+
+def _close(serving: Serving) -> None:
+    log.info("graphflow coverage of %s:\n%s", serving.plan.name, serving.report())
+    serving.close()
+
+
+def _close_after(manager, serving: Serving) -> None:
+    manager.join(time.perf_counter())
+    _close(serving)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``transformers serve`` with graphflow installed, in this process."""
+    argv = sys.argv[1:] if argv is None else argv
+    mode = os.environ.get(ENV, "lazy")
+    if mode not in MODES:
+        print(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}", file=sys.stderr)
+        raise SystemExit(2)
+    if "--help" not in argv and not _continuous_batching(argv):
+        print("graphflow serves transformers' continuous batching: add --continuous-batching to the serve arguments",
+              file=sys.stderr)
+        raise SystemExit(2)
+    _log_to_stderr()
+    installed = install(lazy=MODES[mode])
+    # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: an
+    # exit, not the default kill, so that the managers below are stopped.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+    from transformers.cli.transformers import app
+
+    try:
+        app(["serve", *argv], prog_name="python -m graphflow.integrations.hf.batching.server")
+    finally:
+        installed.stop_all()
+
+
+def _continuous_batching(argv: list[str]) -> bool:
+    flags = [arg for arg in argv if arg in ("--continuous-batching", "--no-continuous-batching")]
+    return bool(flags) and flags[-1] == "--continuous-batching"
+
+
+def _log_to_stderr() -> None:
+    """graphflow's lines on stderr: the server configures only uvicorn's and transformers'
+    loggers, which would leave graphflow's INFO lines (what it serves, its coverage) unseen."""
+    logger = logging.getLogger("graphflow")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    main()

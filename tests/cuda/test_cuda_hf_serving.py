@@ -1,0 +1,197 @@
+"""graphflow under transformers' continuous batching on the GPU: real graphs in place of the
+engine's own, tokens identical to the engine's eager steps in both modes, a failed key
+rolled back with memory back where it was, and the lazy path serving while it captures.
+
+The reference is the engine itself without graphs (its own eager ``compute_batch``), and
+its own graphs (``use_cuda_graph=True``): both are independent of graphflow.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+from graphflow.integrations.hf.batching import Fallback, serve  # noqa: E402
+from tests.cuda.memory import allocated  # noqa: E402
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+    built = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    built.set_attn_implementation("paged|sdpa")
+    return built
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(1)
+    lengths = [int(n) for n in torch.randint(3, 90, (12,), generator=generator)]
+    return [[int(t) for t in torch.randint(3, 2000, (n,), generator=generator)] for n in lengths]
+
+
+def batching(**overrides) -> ContinuousBatchingConfig:
+    settings = dict(block_size=32, num_blocks=64, max_batch_tokens=128, max_requests_per_batch=8,
+                    q_padding_interval_size=32, kv_padding_interval_size=1024, use_async_batching=False,
+                    use_cuda_graph=False)
+    settings.update(overrides)
+    return ContinuousBatchingConfig(**settings)
+
+
+def generate(model, prompts, config, attach=None, during=None):
+    """The engine's tokens per request, with graphflow attached by ``attach(manager)``."""
+    generation = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
+    serving = attach(manager) if attach is not None else None
+    try:
+        manager.start()
+        manager.add_requests(prompts, max_new_tokens=NEW_TOKENS)
+        if during is not None:
+            during(serving)
+        results = {}
+        for _ in prompts:
+            result = manager.get_result(timeout=120)
+            assert result is not None and result.error is None, result
+            results[result.request_id] = result.generated_tokens
+        manager.stop(block=True)
+        return results, serving
+    finally:
+        if serving is not None:
+            serving.close()
+        model.destroy_cached_continuous_batching_manager()
+
+
+def test_foreground_and_lazy_tokens_match_the_engine(model, prompts):
+    eager, _ = generate(model, prompts, batching())
+    own, _ = generate(model, prompts, batching(use_cuda_graph=True))
+    assert own == eager  # the engine's own graphs agree with its eager steps: the reference holds
+    foreground, fg = generate(model, prompts, batching(), attach=lambda m: serve(m))
+    assert foreground == eager
+    summary = fg.coverage.as_dict()
+    assert fg._backend.captures_graphs and summary["graph_steps"] > 0
+    assert summary["eager_steps"] == 0, fg.report()
+    assert all(entry["state"] == "live" for entry in summary["keys"].values() if entry["state"] != "unplanned")
+    assert fg.memory["pool_bytes"] > 0 and fg.memory["estimated_pool_bytes"] > 0
+    lazy, lz = generate(model, prompts, batching(), attach=lambda m: serve(m, lazy=True))
+    assert lazy == eager
+    assert lz.wait_captured(120)
+    assert lz.coverage.as_dict()["graph_steps"] > 0
+    print(fg.report())
+    print(lz.report())
+
+
+def test_a_failed_middle_key_rolls_back_alone(model, prompts, caplog):
+    """A key whose capture raises is undone with its memory, logged, and served eagerly."""
+    eager, _ = generate(model, prompts, batching())
+    layer = model.model.layers[1]
+    original = layer.forward
+    planned = {}
+
+    def attach(manager):
+        keys = [k for k in _plan_keys(manager)]
+        planned["key"] = keys[len(keys) // 2]
+
+        def failing(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if torch.cuda.is_current_stream_capturing() and hidden.shape[1] == planned["key"].q:
+                raise RuntimeError("injected failure at a middle key")
+            return original(*args, **kwargs)
+
+        layer.forward = failing
+        return serve(manager)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
+            tokens, serving = generate(model, prompts, batching(), attach=attach)
+    finally:
+        layer.__dict__.pop("forward", None)
+    assert tokens == eager
+    failed = [k for k, e in serving.coverage.as_dict()["keys"].items() if e["state"] == "failed"]
+    assert failed and str(planned["key"]) in failed
+    assert "injected failure" in caplog.text
+    for key in failed:
+        before, after = next(v for k, v in serving.key_memory.items() if str(k) == key)
+        assert after == before, f"{key}: {after - before} bytes left behind by its rollback"
+    assert serving.coverage.as_dict()["graph_steps"] > 0
+
+
+def test_close_gives_the_memory_back(model, prompts):
+    before = allocated()
+    for _ in range(3):
+        generate(model, prompts[:4], batching(), attach=lambda m: serve(m))
+    assert allocated() == before
+
+
+def test_lazy_serves_while_it_captures(model, prompts):
+    """Steps are served while the thread captures (none waits for a capture), on graphs
+    as they go live, with the engine's tokens."""
+    capturing = []
+
+    def attach(manager):
+        serving = serve(manager, lazy=True)
+        processor = serving.processor
+        step = processor._generation_step
+
+        def counted(model_):
+            capturing.append(serving._thread.is_alive())
+            step(model_)
+
+        processor._generation_step = counted
+        return serving
+
+    eager, _ = generate(model, prompts, batching())
+    tokens, serving = generate(model, prompts, batching(), attach=attach)
+    assert tokens == eager
+    summary = serving.coverage.as_dict()
+    no_graph_yet = sum(e["eager_steps"].get(str(Fallback.NO_GRAPH_YET), 0) for e in summary["keys"].values())
+    assert any(capturing) and no_graph_yet > 0  # served while capturing, eagerly where no graph was live
+    assert summary["steps"] == len(capturing)
+
+
+def _plan_keys(manager):
+    from graphflow.integrations.hf.batching import serving_plan
+
+    return serving_plan(manager).keys
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_models(family, prompts):
+    """Sliding-window (Mistral, window 16 < the prompts) and hybrid (Gemma-2: full and
+    sliding layers) models through the same engine: foreground and lazy tokens equal the
+    engine's eager steps."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    if family == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        built = MistralForCausalLM(MistralConfig(sliding_window=16, **common))
+    else:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        built = Gemma2ForCausalLM(Gemma2Config(sliding_window=16, head_dim=32, **common))
+    built = built.to("cuda", torch.bfloat16).eval()
+    built.set_attn_implementation("paged|sdpa")
+    eager, _ = generate(built, prompts, batching())
+    foreground, fg = generate(built, prompts, batching(), attach=lambda m: serve(m))
+    assert foreground == eager
+    assert fg.coverage.as_dict()["graph_steps"] > 0 and fg.coverage.as_dict()["eager_steps"] == 0, fg.report()
+    lazy, _ = generate(built, prompts, batching(), attach=lambda m: serve(m, lazy=True))
+    assert lazy == eager
+    print(family, fg.plan.settings["layer_types"], len(fg.plan.keys), "keys")

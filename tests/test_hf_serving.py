@@ -1,0 +1,619 @@
+"""graphflow serving transformers' continuous-batching engine (``serve``,
+``graphflow.integrations.hf.batching``) on the CPU backend.
+
+The CPU backend records no graph (a "graph" replays its calls eagerly), so these prove the
+wiring, the keys, the coverage counts, the fallbacks, the rollback and that the tokens are
+the engine's; nothing about CUDA itself.
+
+* keys: every padded key a batch of the engine can have (from the engine's own
+  ``pad_to_interval``/``pad_to_pow2`` applied to random batches, and from real batches the
+  engine's ``prepare_batch_tensors`` builds) is in ``serving_keys``;
+* tokens: greedy tokens through the manager with graphflow (foreground and lazy) are the
+  engine's own and Hugging Face's ``generate``, prompt by prompt, for Llama and for the
+  sliding-window and hybrid models the engine runs (Mistral, Qwen2, Gemma-2, Gemma-3);
+* coverage: every step counted once, with why it was eager;
+* failures: a key that fails its capture or its verification is rolled back alone and
+  served eagerly, with the same tokens; ``close`` gives the engine back as it was; async
+  batching is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import gc
+import logging
+import math
+import threading
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.utils import (
+    pad_to_interval,
+    pad_to_pow2,
+)
+
+from graphflow.engine.backend import CpuBackend
+from graphflow.errors import PlanError
+from graphflow.integrations.hf.batching import Fallback, ServingKey, serve, serving_keys
+from graphflow.integrations.hf.batching.keys import VARLEN, key_of
+from tests.serving_models import (
+    WINDOW,
+    build,
+    fill_cache,
+    hf_generate,
+    manager,
+    prompts,
+    run,
+    shared,
+)
+
+NEW = 6
+PROMPTS = prompts()  # 5, 11, 19, 3 and 14 tokens: most longer than the window (8)
+assert sum(map(len, PROMPTS)) > 32  # more than one batch holds: the first prefill is chunked
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_gc():
+    """The engine's batch processor runs ``gc.collect()`` when it is freed: a quarter of a
+    second each with torch and transformers loaded, unless what is loaded is frozen."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+#: Models whose caches differ in kind: full attention only, sliding only, both.
+KINDS = ("llama", "mistral", "qwen2")
+
+
+@st.composite
+def engine_settings(draw):
+    # Half the caches above 1024 pages (to 2560): only there does the padding of the longest
+    # sequences (a power of two, at least 1024, at most the pages) have a choice.
+    block_size, num_blocks = draw(st.one_of(st.tuples(st.sampled_from([8, 16, 32, 64]), st.integers(2, 16)),
+                                            st.tuples(st.just(64), st.integers(17, 40))))
+    pages = block_size * num_blocks
+    max_batch_tokens = draw(st.integers(1, 48))
+    requests = draw(st.integers(1, min(6, max_batch_tokens)))
+    q_interval = draw(st.one_of(st.just(0), st.integers(max(1, max_batch_tokens // 8), max_batch_tokens + 8)))
+    kv_interval = draw(st.one_of(st.just(0), st.integers(max(1, pages // 12), pages + 40)))
+    return dict(block_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                max_requests_per_batch=requests, q_padding_interval_size=q_interval,
+                kv_padding_interval_size=kv_interval)
+
+
+def _batch(processor, wanted, longest=None):
+    """Requests as the scheduler admits them, each with its query tokens and its past:
+    ``wanted`` gives each request's query tokens and its past as a share of the room
+    left. Within the token, request, KV-read, cache (and ``longest``) budgets; a request
+    that does not fit is left out, as the scheduler leaves it waiting. Their blocks are
+    allocated in the cache; the caller frees them. Returns [(FutureRequestState, query, past)]."""
+    from transformers.generation.continuous_batching.requests import (
+        FutureRequestState,
+        RequestState,
+        RequestStatus,
+    )
+
+    cache = processor.cache
+    token_budget, kv_budget = cache.max_batch_tokens, cache.num_pages
+    sliding_only = not cache.num_full_attention_groups
+    groups = cache.num_full_attention_groups + cache.num_sliding_attention_groups  # they share the blocks
+    chosen = []
+    for index, (query, share) in enumerate(wanted[: processor.model_runner.cb_config.max_requests_per_batch]):
+        room = cache.get_num_free_blocks() * cache.block_size // groups
+        query = min(query, token_budget, room, longest or room)
+        past = int(share * (min(room, longest or room) - query))
+        read = min(past, WINDOW) if sliding_only else past  # the scheduler's read_cache_needed
+        if query <= 0 or read > kv_budget:
+            continue
+        state = RequestState(request_id=f"r{index}", initial_tokens=[1] * (past + query), max_new_tokens=1)
+        state._status = RequestStatus.PREFILLING
+        state.tokens_to_process = [1] * query
+        state.position_offset = past
+        if cache.allocate_blocks(math.ceil((past + query) / cache.block_size), state.request_id, 0) is None:
+            continue
+        chosen.append((FutureRequestState(state, has_new_token=True, complete_blocks=0, query_length=query),
+                       query, past))
+        token_budget -= query
+        kv_budget -= read
+    return chosen
+
+
+def _independent_key(processor, batch) -> ServingKey:
+    """The key of ``batch`` from the engine's own padding functions, computed here."""
+    cache, config = processor.cache, processor.model_runner.cb_config
+    sliding_only = not cache.num_full_attention_groups
+    query = sum(q for _, q, _ in batch)
+    read = sum(min(p, WINDOW) if sliding_only else p for _, _, p in batch)
+    seqlens = []
+    if cache.num_full_attention_groups:
+        seqlens.append(max(q + p for _, q, p in batch))
+    if cache.num_sliding_attention_groups:
+        seqlens.append(max(q + min(p, WINDOW - 1) for _, q, p in batch))
+    return ServingKey(VARLEN, pad_to_interval(query, config.q_padding_interval_size, cache.max_batch_tokens),
+                      pad_to_interval(read, config.kv_padding_interval_size, cache.num_pages),
+                      tuple(pad_to_pow2(n, cache.num_pages, 1024) for n in seqlens))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(KINDS), engine=engine_settings(),
+       batches=st.lists(st.lists(st.tuples(st.integers(1, 48), st.floats(0, 1)), min_size=1, max_size=6),
+                        min_size=1, max_size=4),
+       fractions=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=12),
+       longest=st.one_of(st.none(), st.integers(1, 3000)))
+def test_every_key_a_batch_can_have_is_planned(kind, engine, batches, fractions, longest):
+    """``longest``: the most tokens a request holds on the server (``serve(longest=...)``),
+    when known; the requests then hold no more."""
+    model, _ = shared(kind)
+    processor = manager(model, 1, **engine)._create_batch_processor()
+    cache, io = processor.cache, processor.inputs_and_outputs
+    keys = serving_keys(processor, longest=longest)
+    assert keys and len(set(keys)) == len(keys)
+    assert list(keys) == sorted(keys, reverse=True)  # largest first
+    planned = set(keys)
+
+    # Sizes alone: any query count, KV read and longest sequence the budgets allow.
+    for fq, fk in fractions:
+        room = min(cache.num_pages, longest or cache.num_pages)  # its blocks hold its past and its query
+        query = max(1, round(fq * min(cache.max_batch_tokens, room)))
+        read = round(fk * (room - query))
+        batch = [(None, query, read)]  # one request: the longest sequence is the whole batch
+        assert _independent_key(processor, batch) in planned, (query, read)
+
+    # Real batches: the engine builds them, pads them as graphflow serves them
+    # (``use_cuda_graph_varlen``: the longest sequences padded), and keys them itself.
+    io.use_cuda_graph_varlen = True
+    for wanted in batches:
+        batch = _batch(processor, wanted, longest)
+        try:
+            if not batch:
+                continue
+            expected = _independent_key(processor, batch)
+            io.prepare_batch_tensors([f for f, _, _ in batch], processor.logit_processor, False, expected.q,
+                                     expected.kv, use_padding=True)
+            io.get_model_kwargs(use_padding=True)
+            got = key_of(io)
+            assert got.engine_key == io._get_graph_key()
+            assert got == expected
+            assert got in planned, [(q, p) for _, q, p in batch]
+            event(f"{kind}: a real batch of {min(len(batch), 3)}{'+' if len(batch) > 3 else ''} request(s)")
+            if any(n < cache.num_pages for n in got.seqlens):
+                event("a longest sequence padded below the pages")
+        finally:
+            for future, _, _ in batch:
+                cache.free_blocks(future.state.request_id)
+
+
+class KeyMissing(AssertionError):
+    """The planned-key check itself failed (not the set-up before it)."""
+
+
+def test_a_batch_reading_shared_prefix_blocks_has_a_planned_key():
+    """Request A (24 tokens, 3 full blocks) decodes while B (A's 24 tokens and 8 more)
+    joins: B finds A's blocks by prefix sharing, so the batch has 9 query tokens and reads
+    48 KV tokens, 57 > 48 pages. Its key, varlen(q=16, kv=48), is missing from the plan:
+    that step ran eagerly as "key never captured"."""
+    model, _ = shared("llama")
+    mgr = manager(model, 4, block_size=8, num_blocks=6, max_batch_tokens=32, max_requests_per_batch=4,
+                  q_padding_interval_size=8, kv_padding_interval_size=8)
+    serving = serve(mgr, keys=[])  # the plan is read in full; nothing captured: quick
+    processor = mgr.batch_processor
+    assert processor.cache.use_prefix_sharing
+    full_plan = set(serving_keys(processor))
+    try:
+        mgr.current_batch = 0
+        shared_prompt = list(range(10, 34))
+        mgr.add_request(shared_prompt, request_id="A", max_new_tokens=4)
+        mgr._generation_loop_body(processor, bootstrapping=False)  # A's prefill: its blocks become shareable
+        mgr.add_request(shared_prompt + list(range(40, 48)), request_id="B", max_new_tokens=1)
+        mgr._generation_loop_body(processor, bootstrapping=False)  # A decodes, B prefills beside it
+        io = processor.inputs_and_outputs
+        assert sorted(f.state.request_id for f in io.requests_in_batch) == ["A", "B"]
+        assert (io.total_seqlen_q, key_of(io).kv) == (9, 48)
+        if key_of(io) not in full_plan:
+            raise KeyMissing(f"{key_of(io)} is not in the plan")
+    finally:
+        serving.close()
+
+
+# -- tokens --------------------------------------------------------------------------------
+
+
+@functools.cache
+def _engine_alone(name: str):
+    return run(shared(name)[0], PROMPTS, NEW)
+
+
+@functools.cache
+def _reference(name: str):
+    return hf_generate(shared(name)[1], PROMPTS, NEW)
+
+
+def _check_tokens(name: str):
+    model, _ = shared(name)
+    want = _reference(name)
+    assert all(len(t) == NEW for t in want) and len({tuple(t) for t in want}) == len(want)
+    assert _engine_alone(name).tokens == want, "the engine itself differs from generate"
+    foreground = run(model, PROMPTS, NEW, "fg")
+    lazy = run(model, PROMPTS, NEW, "lazy")
+    assert foreground.tokens == want
+    assert lazy.tokens == want
+    summary = foreground.serving.coverage.as_dict()
+    assert summary["graph_steps"] == foreground.steps > 0
+    assert lazy.serving.coverage.as_dict()["steps"] == lazy.steps
+
+
+def test_tokens_are_the_engines_and_generates_llama():
+    _check_tokens("llama")
+
+
+@pytest.mark.parametrize("name", [
+    "mistral",
+    "qwen2",
+    pytest.param("gemma2", marks=pytest.mark.slow),
+    pytest.param("gemma3", marks=pytest.mark.slow),
+])
+def test_tokens_are_the_engines_and_generates_sliding(name):
+    """The engine runs all four (sliding-only Mistral; Qwen2, Gemma-2 and Gemma-3 hybrid,
+    full and sliding layers): graphflow serves them with the same tokens."""
+    model, _ = shared(name)
+    assert max(map(len, PROMPTS)) > WINDOW
+    layer_types = serve_plan_layer_types(model)
+    assert "sliding_attention" in layer_types
+    _check_tokens(name)
+
+
+def serve_plan_layer_types(model) -> list[str]:
+    mgr = manager(model, 1)
+    serving = serve(mgr, keys=[])
+    try:
+        return serving.plan.settings["layer_types"]
+    finally:
+        serving.close()
+
+
+def test_the_window_matters_for_these_prompts():
+    """Without its window Mistral gives other tokens: the sliding tests test a window."""
+    _, reference = build("mistral")
+    reference.config.sliding_window = None
+    assert hf_generate(reference, PROMPTS, NEW) != _reference("mistral")
+
+
+# -- coverage ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _foreground_run():
+    """Llama in foreground, the requests queued before the start: the same batches (and
+    keys) every run, so the failure tests below can aim at a key this workload uses."""
+    return run(shared("llama")[0], PROMPTS, NEW, "fg", queue_first=True)
+
+
+def test_foreground_coverage_counts_every_step(caplog):
+    result = _foreground_run()
+    coverage = result.serving.coverage
+    summary = coverage.as_dict()
+    assert result.tokens == _reference("llama")
+    assert summary["steps"] == result.steps == len(result.keys) > 1
+    assert summary["graph_steps"] + summary["eager_steps"] == result.steps
+    assert summary["graph_steps"] == result.steps and summary["eager_steps"] == 0
+    assert summary["fallback_rate"] == 0.0
+    for entry in summary["keys"].values():
+        assert str(Fallback.NO_GRAPH_YET) not in entry["eager_steps"]
+    steps_per_key = collections.Counter(result.keys)
+    assert len(steps_per_key) > 1
+    for key, n in steps_per_key.items():
+        assert summary["keys"][str(key)]["graph_steps"] == n
+        assert summary["keys"][str(key)]["state"] == "live"
+    tokens_per_key = {str(k): v["tokens"] for k, v in summary["keys"].items() if v["graph_steps"]}
+    assert sum(tokens_per_key.values()) == sum(map(len, PROMPTS)) + len(PROMPTS) * (NEW - 1)
+    assert summary["captured"] == len(result.serving.plan.keys)
+    unused = {str(k) for k in result.serving.plan.keys} - {str(k) for k in steps_per_key}
+    assert set(summary["unused"]) == unused and unused
+    warnings = coverage.warnings()
+    assert len(warnings) == 1 and f"{len(unused)} captured graph(s) never served a step" in warnings[0]
+    report = result.serving.report()
+    assert coverage.table() in report and f"warning: {warnings[0]}" in report
+    assert f"{result.steps} of {result.steps} steps on graphs" in report
+
+
+def test_lazy_coverage_first_steps_have_no_graph_yet():
+    model, _ = shared("llama")
+    result = run(model, PROMPTS, NEW, "lazy", queue_first=True, settle=True)
+    assert result.tokens == _reference("llama")
+    summary = result.serving.coverage.as_dict()
+    assert summary["steps"] == result.steps
+    assert summary["graph_steps"] + summary["eager_steps"] == result.steps
+    assert summary["graph_steps"] > 0
+    # The first step ran before any capture: eagerly, "no graph yet". A key's later steps
+    # ran on its graph (each step waited for its key's capture); a key the thread captured
+    # (from the rest of the plan) before a step asked for it has no eager step at all.
+    first = summary["keys"][str(result.keys[0])]
+    assert first["eager_steps"] == {str(Fallback.NO_GRAPH_YET): 1}
+    steps_per_key = collections.Counter(result.keys)
+    assert len(steps_per_key) > 1
+    for key, n in steps_per_key.items():
+        entry = summary["keys"][str(key)]
+        eager = entry["eager_steps"].get(str(Fallback.NO_GRAPH_YET), 0)
+        assert set(entry["eager_steps"]) <= {str(Fallback.NO_GRAPH_YET)} and eager <= 1, (key, entry)
+        assert entry["graph_steps"] == n - eager
+        assert entry["state"] == ("live" if entry["graph_steps"] else "captured")
+    assert 1 <= summary["eager_steps"] <= len(steps_per_key)
+    assert all(e["state"] in ("live", "captured") for e in summary["keys"].values())
+    assert any("no graph yet" in w for w in result.serving.coverage.warnings())
+
+
+def test_a_key_outside_the_plan_is_served_eagerly_as_never_captured():
+    everything = _foreground_run()
+    busiest, hits = collections.Counter(everything.keys).most_common(1)[0]
+    assert hits > 1
+    subset = [k for k in everything.serving.plan.keys if k != busiest]
+    result = run(shared("llama")[0], PROMPTS, NEW, "fg", queue_first=True, serve_kwargs=dict(keys=subset))
+    assert result.keys == everything.keys
+    assert result.tokens == everything.tokens == _reference("llama")
+    coverage = result.serving.coverage
+    summary = coverage.as_dict()
+    entry = summary["keys"][str(busiest)]
+    assert entry["state"] == "unplanned" and entry["graph_steps"] == 0
+    assert entry["eager_steps"] == {str(Fallback.NOT_PLANNED): hits}
+    assert summary["eager_steps"] == hits and summary["graph_steps"] == result.steps - hits
+    assert busiest not in result.serving.plan.keys and len(result.serving.plan.keys) == len(subset)
+    warnings = coverage.warnings()
+    rate = [w for w in warnings if "ran eagerly" in w]
+    assert rate and f"{hits} of {result.steps} steps ran eagerly" in rate[0]
+    assert f"{hits} key never captured" in rate[0]
+    assert any("never served a step" in w for w in warnings)
+    report = result.serving.report()
+    assert coverage.table() in report and str(busiest) in coverage.table()
+    assert all(f"warning: {w}" in report for w in warnings)
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def capture_flags(monkeypatch):
+    """``flags.capturing`` is set while graphflow's backend records a graph,
+    ``flags.replaying`` while one of its graphs replays."""
+    flags = threading.local()
+    flags.capturing = flags.replaying = False
+    state = {"capturing": 0, "replaying": 0}  # counts, across threads
+    original = CpuBackend.capture
+
+    def capture(self, *args, **kwargs):
+        state["capturing"] += 1
+        try:
+            graph = original(self, *args, **kwargs)
+        finally:
+            state["capturing"] -= 1
+        replay = graph.replay
+
+        def flagged():
+            state["replaying"] += 1
+            try:
+                replay()
+            finally:
+                state["replaying"] -= 1
+
+        graph.replay = flagged
+        return graph
+
+    monkeypatch.setattr(CpuBackend, "capture", capture)
+    return state
+
+
+def _is_key(key: ServingKey, hidden, kwargs) -> bool:
+    mask = kwargs.get("attention_mask")
+    return hidden.shape[1] == key.q and mask is not None and mask.shape[-1] == key.q + key.kv
+
+
+def _wrap_layer(layer, action):
+    forward = layer.forward
+
+    def wrapped(hidden_states, *args, **kwargs):
+        out = forward(hidden_states, *args, **kwargs)
+        return action(hidden_states, kwargs, out)
+
+    layer.forward = wrapped
+
+
+def _raise_in_capture_at(model, key, flags):
+    def action(hidden, kwargs, out):
+        if flags["capturing"] and _is_key(key, hidden, kwargs):
+            raise _Injected(f"injected at {key}")
+        return out
+
+    _wrap_layer(model.model.layers[0], action)
+
+
+def _differ_in_replay_at(model, key, flags):
+    """The last layer's output negated in a replay of ``key`` only: the logits are negated,
+    the greedy token becomes the least likely one."""
+    def action(hidden, kwargs, out):
+        if flags["replaying"] and _is_key(key, hidden, kwargs):
+            return tuple(-o if i == 0 else o for i, o in enumerate(out)) if isinstance(out, tuple) else -out
+        return out
+
+    _wrap_layer(model.model.layers[-1], action)
+
+
+def _middle_key(min_hits: int = 1) -> tuple[ServingKey, int]:
+    """A key the workload uses, neither the first nor the last of the plan, and its steps."""
+    everything = _foreground_run()
+    keys = everything.serving.plan.keys
+    hits = collections.Counter(everything.keys)
+    middle = [(n, k) for k, n in hits.items() if k in keys[1:-1] and n >= min_hits]
+    assert middle, hits
+    n, key = max(middle)
+    return key, n
+
+
+def test_a_key_failing_its_foreground_capture_is_rolled_back_alone(capture_flags, caplog):
+    key, hits = _middle_key()
+    model, _ = build("llama")
+    _raise_in_capture_at(model, key, capture_flags)
+    with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
+        result = run(model, PROMPTS, NEW, "fg", queue_first=True)
+    assert result.tokens == _foreground_run().tokens == _engine_alone("llama").tokens
+    summary = result.serving.coverage.as_dict()
+    entry = summary["keys"][str(key)]
+    assert entry["state"] == "failed"
+    assert entry["failure"] == f"_Injected: injected at {key}"
+    assert entry["eager_steps"] == {str(Fallback.FAILED): hits} and entry["graph_steps"] == 0
+    others = [k for k in result.serving.plan.keys if k != key]
+    assert all(summary["keys"][str(k)]["state"] == "live" for k in others)
+    assert summary["captured"] == len(others)
+    assert summary["graph_steps"] == result.steps - hits
+    warned = [r for r in caplog.records if r.name == "graphflow.serving" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and str(key) in warned[0].getMessage() and "injected" in warned[0].getMessage()
+    assert f"failed: _Injected: injected at {key}" in result.serving.coverage.table()
+
+
+def test_a_key_whose_replay_differs_fails_foreground_verification(capture_flags, caplog):
+    """The cache zeroed first: verification fills it with random values of its own
+    (the test below holds NaN there)."""
+    key, hits = _middle_key()
+    model, _ = build("llama")
+    _differ_in_replay_at(model, key, capture_flags)
+    with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
+        result = run(model, PROMPTS, NEW, "fg", queue_first=True, before_serve=fill_cache(0.0))
+    assert result.tokens == _engine_alone("llama").tokens
+    summary = result.serving.coverage.as_dict()
+    entry = summary["keys"][str(key)]
+    assert entry["state"] == "failed" and "differ from the engine's eager step" in entry["failure"]
+    assert entry["eager_steps"] == {str(Fallback.FAILED): hits}
+    assert all(summary["keys"][str(k)]["state"] == "live" for k in result.serving.plan.keys if k != key)
+    assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+class VerifyMissed(AssertionError):
+    """The verification let a replay that differs go live."""
+
+
+def test_foreground_verification_catches_a_differing_replay_whatever_the_cache_held(capture_flags):
+    key, _ = _middle_key()
+    model, _ = build("llama")
+    nan = fill_cache(float("nan"))
+    # The engine itself never reads a slot no request wrote: NaN there changes none of its tokens.
+    assert run(model, PROMPTS, NEW, queue_first=True, before_serve=nan).tokens == _engine_alone("llama").tokens
+    _differ_in_replay_at(model, key, capture_flags)
+    result = run(model, PROMPTS, NEW, "fg", queue_first=True, before_serve=nan)
+    entry = result.serving.coverage.as_dict()["keys"][str(key)]
+    if entry["state"] != "failed" or result.tokens != _engine_alone("llama").tokens:
+        raise VerifyMissed(f"{key} is {entry['state']} and served other tokens")
+
+
+def test_the_replay_perturbation_does_change_tokens(capture_flags):
+    """The perturbation of the test above is real: with verification off, the key goes live
+    and its steps give other tokens."""
+    key, _ = _middle_key()
+    model, _ = build("llama")
+    _differ_in_replay_at(model, key, capture_flags)
+    result = run(model, PROMPTS, NEW, "fg", queue_first=True, serve_kwargs=dict(verify=False))
+    assert result.serving.coverage.as_dict()["keys"][str(key)]["state"] == "live"
+    assert result.tokens != _engine_alone("llama").tokens
+
+
+def test_a_key_failing_its_lazy_capture_is_served_eagerly(capture_flags, caplog):
+    key, hits = _middle_key(min_hits=2)
+    model, _ = build("llama")
+    _raise_in_capture_at(model, key, capture_flags)
+    with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
+        result = run(model, PROMPTS, NEW, "lazy", queue_first=True, settle=True)
+    assert result.tokens == _engine_alone("llama").tokens
+    summary = result.serving.coverage.as_dict()
+    entry = summary["keys"][str(key)]
+    assert entry["state"] == "failed" and entry["failure"] == f"_Injected: injected at {key}"
+    # Its first step had no graph yet; the capture it asked for failed; the rest: "capture failed".
+    assert entry["eager_steps"] == {str(Fallback.NO_GRAPH_YET): 1, str(Fallback.FAILED): hits - 1}
+    assert summary["steps"] == result.steps
+    assert all(e["state"] in ("live", "captured") for k, e in summary["keys"].items() if k != str(key))
+    assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_a_lazy_graph_whose_first_replay_differs_serves_the_eager_tokens(capture_flags, caplog):
+    key, hits = _middle_key(min_hits=2)
+    model, _ = build("llama")
+    _differ_in_replay_at(model, key, capture_flags)
+    with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
+        result = run(model, PROMPTS, NEW, "lazy", queue_first=True, settle=True)
+    assert result.tokens == _engine_alone("llama").tokens
+    entry = result.serving.coverage.as_dict()["keys"][str(key)]
+    assert entry["state"] == "failed" and "its replay gave tokens" in entry["failure"]
+    # First step: no graph yet; second: checked against the eager step, which it serves; then eager.
+    assert entry["eager_steps"] == {str(Fallback.NO_GRAPH_YET): 1, str(Fallback.FAILED): hits - 1}
+    assert entry["graph_steps"] == 0
+    assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def _engine_settings(processor):
+    runner, io = processor.model_runner, processor.inputs_and_outputs
+    return (runner.pad_inputs, runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode, io.use_cuda_graph_varlen)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_close_gives_the_engine_back(lazy):
+    model, _ = shared("llama")
+    mgr = manager(model, NEW)
+    processor = mgr.batch_processor = mgr._create_batch_processor()
+    runner = processor.model_runner
+    before = _engine_settings(processor)
+    serving = serve(mgr, lazy=lazy)
+    assert {"compute_batch"} <= set(vars(runner))
+    assert {"prepare_next_batch", "update_batch"} <= set(vars(processor))
+    assert _engine_settings(processor) == (True, False, False, True)
+    serving.close()  # lazy: while the thread may still be capturing
+    assert "compute_batch" not in vars(runner)
+    assert not {"prepare_next_batch", "update_batch"} & set(vars(processor))
+    assert runner.compute_batch.__func__ is ModelRunner.compute_batch
+    assert type(processor).prepare_next_batch is processor.prepare_next_batch.__func__
+    assert type(processor).update_batch is processor.update_batch.__func__
+    assert _engine_settings(processor) == before
+    assert serving._thread is None or not serving._thread.is_alive()
+    # The engine serves alone again, with its own tokens.
+    mgr.start()
+    mgr.add_requests(PROMPTS, max_new_tokens=NEW)
+    results = {}
+    for _ in PROMPTS:
+        result = mgr.get_result(timeout=60)
+        results[result.request_id] = result.generated_tokens
+    mgr.stop(block=True, timeout=60)
+    assert [results[f"req_{i}"] for i in range(len(PROMPTS))] == _reference("llama")
+
+
+def test_async_batching_is_refused():
+    from transformers.generation.continuous_batching.input_outputs import (
+        ContinuousBatchingAsyncIOs,
+    )
+
+    model, _ = shared("llama")
+    # The engine builds async batching only on CUDA:
+    with pytest.raises(RuntimeError, match="requires CUDA"):
+        manager(model, NEW, use_async_batching=True)._create_batch_processor()
+    # so its IOs stand in, unbuilt, on a real processor.
+    mgr = manager(model, NEW)
+    processor = mgr.batch_processor = mgr._create_batch_processor()
+    real_io = processor.inputs_and_outputs
+    before = _engine_settings(processor)
+    processor.inputs_and_outputs = ContinuousBatchingAsyncIOs.__new__(ContinuousBatchingAsyncIOs)
+    try:
+        with pytest.raises(PlanError, match="use_async_batching") as raised:
+            serve(mgr)
+        assert raised.value.element == "use_async_batching"
+        assert "compute_batch" not in vars(processor.model_runner)
+        assert not {"prepare_next_batch", "update_batch"} & set(vars(processor))
+    finally:
+        processor.inputs_and_outputs = real_io
+    assert _engine_settings(processor) == before
