@@ -15,7 +15,9 @@ same for every row), greedy. For each row a fresh manager over the same model:
   verified first;
 * **graphflow lazy**: ``serve(manager, lazy=True)``: serving at once, keys captured beside it.
 
-Columns: tokens identical to the eager row (y/n), generated tokens per second over the
+Columns: tokens identical to the eager row (y/n) and to the engine's own graphs (``=own``:
+both pad every batch alike, so both run the same kernels on the same batches; the
+unpadded eager row may differ from both in bf16), generated tokens per second over the
 serving time, time to first token p50 and p99 (from ``add_requests``), the median step,
 the worst step while graphs were being captured (engine graphs: a step that captured
 inline; lazy: a step while the capture thread was alive; foreground: capture is over
@@ -162,14 +164,15 @@ def table(results: list[dict], requests: int) -> str:
     eager = next(r for r in results if r["row"] == "engine eager")
     own = next((r for r in results if r["row"] == "engine graphs"), None)
     lines = [f"{requests} requests",
-             f"{'row':22} {'same':>4} {'tok/s':>8} {'vs own':>7} {'ttft p50':>9} {'ttft p99':>9} {'step':>8} "
+             f"{'row':22} {'same':>4} {'=own':>4} {'tok/s':>8} {'vs own':>7} {'ttft p50':>9} {'ttft p99':>9} {'step':>8} "
              f"{'worst capturing':>15} {'vs eager step':>13} {'ready s':>8} {'keys':>9} {'graph MiB':>9}"]
     for r in results:
         same = "y" if r["tokens"] == eager["tokens"] else "n"
+        as_own = "-" if own is None else "y" if r["tokens"] == own["tokens"] else "n"
         worst = r["worst_step_capturing_s"]
         keys = f"{r.get('keys_captured', '-')}" + (f"/{r['keys_planned']}" if "keys_planned" in r else "")
         lines.append(
-            f"{r['row']:22} {same:>4} {r['tokens_per_s']:8.0f} "
+            f"{r['row']:22} {same:>4} {as_own:>4} {r['tokens_per_s']:8.0f} "
             f"{(r['tokens_per_s'] / own['tokens_per_s']) if own else float('nan'):6.2f}x "
             f"{_ms(r['ttft_p50_s']):>9} {_ms(r['ttft_p99_s']):>9} {_ms(r['median_step_s']):>8} "
             f"{_ms(worst):>15} {(worst / eager['median_step_s']) if worst else float('nan'):12.2f}x "

@@ -617,3 +617,17 @@ def test_async_batching_is_refused():
     finally:
         processor.inputs_and_outputs = real_io
     assert _engine_settings(processor) == before
+
+
+def test_graphflow_show_serving_prints_the_plan_of_the_example(capsys):
+    """`graphflow show --serving` on the example's manager: its keys and the engine tensors
+    they adopt, before any capture; a factory that is no manager is one line, exit 2."""
+    from graphflow.cli import main
+
+    assert main(["show", "--serving", "examples.hf_serving.serving:manager", "--longest", "124"]) == 0
+    out = capsys.readouterr().out
+    assert "serving plan llama-serving: 8 FULL graphs" in out
+    assert "varlen(q=128, kv=2048, seqlen_k=1024)" in out and "<- cache.key_cache[0]" in out
+    assert main(["show", "--serving", "examples.hf_serving.serving:model"]) == 2
+    err = capsys.readouterr().err
+    assert "not a ContinuousBatchingManager" in err and "Traceback" not in err

@@ -29,7 +29,7 @@ def eager(runner: Runner, batch: int, x: torch.Tensor, full: bool) -> torch.Tens
 def test_steps_served_while_the_thread_captures_equal_the_models_own_step(full):
     plan = toy_plan(3, full=full, modes=(Mode.FULL,) if full else (Mode.PIECEWISE,), sizes=SIZES)
     model = build_toy(3, device="cuda")
-    engine = run_pipeline(plan, RunOptions(backend="cuda", lazy=True), model=model)
+    engine = run_pipeline(plan, RunOptions(backend="cuda", lazy=True, verify="all"), model=model)
     try:
         runner = Runner(engine)
         generator = torch.Generator("cuda").manual_seed(0)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module", params=["dsv4_mini_piecewise.yaml", "dsv4_mini_full.yaml"])
 def engine(request):
-    engine = run_pipeline(load_plan(PLANS / request.param), RunOptions(backend="cuda"))
+    engine = run_pipeline(load_plan(PLANS / request.param), RunOptions(backend="cuda", verify="all"))
     yield engine
     engine.close()
 

@@ -112,7 +112,7 @@ class TestReplayEqualsEager:
                 if event.phase is Phase.WARMUP and event.kind is EventKind.PHASE_END:
                     seen.setdefault("warmed", []).append(engine_buffers["cache"].clone())
 
-        with run_pipeline(plan, RunOptions(backend="cuda", detectors=False), model=model,
+        with run_pipeline(plan, RunOptions(backend="cuda", detectors=False, verify="all"), model=model,
                           listeners=[Snapshot()]) as engine:
             assert all(r.bit_exact for r in engine.report.verify) and len(engine.report.verify) == 2
             assert "cache" in engine.report.verify[0].buffers
@@ -124,7 +124,7 @@ class TestReplayEqualsEager:
     @pytest.mark.parametrize("full", [False, True])
     def test_bit_exact(self, full):
         plan = toy_plan(3, full=full, modes=(P, F) if full else (P,))
-        with run_pipeline(plan, RunOptions(backend="cuda")) as engine:
+        with run_pipeline(plan, RunOptions(backend="cuda", verify="all")) as engine:
             report = engine.report
             assert report.captures_graphs and report.backend == "cuda"
             assert all(r.bit_exact for r in report.verify) and len(report.verify) == len(report.descriptors)
@@ -156,7 +156,7 @@ class TestReplayEqualsEager:
         empty_cache = torch.cuda.empty_cache
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), empty_cache())[1])
         backend = TrackingBackend()
-        with run_pipeline(plan, RunOptions(backend="cuda"), backend=backend) as engine:
+        with run_pipeline(plan, RunOptions(backend="cuda", verify="all"), backend=backend) as engine:
             assert len(backend.graphs) == 8 and len(emptied) == (2 if short else 1)
             assert all(r.bit_exact for r in engine.report.verify) and len(engine.report.verify) == 2
             runner = Runner(engine)
@@ -191,7 +191,7 @@ class TestReplayEqualsEager:
                 if event.kind is EventKind.DESCRIPTOR_BEGIN and event.phase in (Phase.CAPTURE, Phase.VERIFY):
                     begun.append((event.phase, event.descriptor))
 
-        with run_pipeline(plan, RunOptions(backend="cuda"), backend=backend, listeners=[Order()]) as engine:
+        with run_pipeline(plan, RunOptions(backend="cuda", verify="all"), backend=backend, listeners=[Order()]) as engine:
             # verify one behind: a descriptor's graphs instantiate beside the next one's warmup and capture
             assert begun.index((Phase.VERIFY, Descriptor(P, 4))) > begun.index((Phase.CAPTURE, Descriptor(P, 2)))
             assert backend.graphs and len(threads) == (len(backend.graphs) if large else 0)

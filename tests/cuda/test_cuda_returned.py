@@ -28,7 +28,7 @@ def inside(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
 def test_the_runner_returns_the_graphs_own_output_and_each_size_equals_the_model(mode, detectors):
     model = MLP().eval().cuda()
     plan = plan_of(HEAD, sizes=SIZES, modes=(mode,))
-    with run_pipeline(plan, RunOptions(backend="cuda", detectors=detectors), model=model) as engine:
+    with run_pipeline(plan, RunOptions(backend="cuda", detectors=detectors, verify="all"), model=model) as engine:
         assert all(v.bit_exact for v in engine.report.verify) and len(engine.report.verify) == len(SIZES)
         runner = Runner(engine)
         generator = torch.Generator("cuda").manual_seed(0)

@@ -205,7 +205,7 @@ class TestRollback:
 class TestDetectors:
     def test_the_joined_side_stream_is_not_flagged(self):
         model = Branches()
-        with run_pipeline(branches_plan((P, F)), RunOptions(backend="cuda", detectors=True), model=model, listeners=[model]) as engine:
+        with run_pipeline(branches_plan((P, F)), RunOptions(backend="cuda", detectors=True, verify="all"), model=model, listeners=[model]) as engine:
             assert len(engine.report.verify) == 4
 
     def test_a_stream_outside_the_capture_is_still_flagged(self):

@@ -90,6 +90,7 @@ class Serving:
         # Held by a step, and by a capture that runs the model (the CPU backend's).
         self._steps = threading.RLock()
         self._closing = False
+        self._stepped = threading.Event()  # the engine took a step: lazy capture may begin
         self._thread: threading.Thread | None = None
         self._original = processor.model_runner.compute_batch
         self._prepare, self._update = processor.prepare_next_batch, processor.update_batch
@@ -116,6 +117,7 @@ class Serving:
         io = self.processor.inputs_and_outputs
         key = key_of(io)
         tokens = io.total_seqlen_q
+        self._stepped.set()
         with self._steps:
             held = self._graphs.get(key)
             if held is not None and held.checked:
@@ -234,8 +236,15 @@ class Serving:
                 cache.free_blocks(state.state.request_id)
 
     def _capture_loop(self) -> None:
-        """Lazy: keys in order of demand, then the rest of the plan, until all are done."""
+        """Lazy: keys in order of demand, then the rest of the plan, until all are done.
+
+        It starts once the engine has taken its first step: what the engine does as it
+        starts (resetting its batch processor, its first allocations on its stream, its
+        kernels' first launches) is then done, and none of it runs beside a capture."""
         try:
+            while not self._stepped.wait(0.05):
+                if self._closing:
+                    return
             _warm_stream(self._stream, self.processor.model_runner, self._device())
             while True:
                 with self._wake:
@@ -411,7 +420,9 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
             plan = attrs.evolve(plan, keys=tuple(k for k in plan.keys if k in wanted))
         chosen = make_backend(backend)
         if lazy:
-            chosen.capture_error_mode = "thread_local"  # the engine serves on its own thread meanwhile
+            # The engine serves on its own thread meanwhile, and what it does there (host
+            # copies, syncs of its stream, allocations) must not end a capture on this one.
+            chosen.capture_error_mode = "relaxed"
         device = processor.inputs_and_outputs.device
         stream = chosen.new_stream(device)
         stack.push("give back the capture stream", functools.partial(chosen.release_stream, stream))
