@@ -21,7 +21,7 @@ import itertools
 
 import attrs
 
-__all__ = ["DECODE", "VARLEN", "ServingKey", "key_of", "least_sizes", "serving_keys"]
+__all__ = ["DECODE", "VARLEN", "ServingKey", "key_of", "serving_keys"]
 
 #: The engine's two forward paths: prefill and mixed batches, and decode-only batches.
 VARLEN = "varlen"
@@ -95,14 +95,6 @@ def serving_keys(processor, longest: int | None = None) -> tuple[ServingKey, ...
         most = config.max_requests_per_batch
         keys.extend(ServingKey(DECODE, n) for n in sorted({pad_to_pow2(n, most) for n in _powers_up_to(most)}))
     return tuple(sorted(set(keys), reverse=True))
-
-
-def least_sizes(processor, key: ServingKey) -> tuple[int, int]:
-    """The fewest query and KV tokens a batch of ``key`` has (the sizes that pad to it)."""
-    for (q, q_least), (kv, kv_least) in itertools.product(*_sizes(processor)):
-        if (q, kv) == (key.q, key.kv):
-            return q_least, kv_least
-    raise ValueError(f"{key} is not a key of this engine")
 
 
 def _sizes(processor) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -10,8 +10,9 @@ takes over only the step's forward (``ModelRunner.compute_batch``):
   verify, or undone): a key that fails is rolled back alone, logged with why, and served
   eagerly; the others serve from their graphs.
 * **lazy**: serving starts at once. A step whose key has no graph yet runs the engine's
-  eager step, and a thread captures keys beside it, the ones steps asked for first (most
-  asked first), then the rest of the plan, largest first. No step waits for a capture: a
+  eager step, and from the engine's first step on a thread captures keys beside it, the
+  ones steps asked for first (most asked first), then the rest of the plan, largest first
+  (a plan of more than ``AHEAD_MOST`` keys keeps to those asked for). No step waits for a capture: a
   CUDA capture records without running anything, so it can proceed while the engine
   serves from the same static tensors. The first step served on a new graph runs the
   engine's eager step too and compares the tokens: the graph goes live only if they are
@@ -245,7 +246,7 @@ class Serving:
             while not self._stepped.wait(0.05):
                 if self._closing:
                     return
-            _warm_stream(self._stream, self.processor.model_runner, self._device())
+            _warm_stream(self._stream, self._device())
             while True:
                 with self._wake:
                     key = self._next()
@@ -498,7 +499,7 @@ def _warmup_batch(processor, key: ServingKey) -> list:
         kv //= 2
 
 
-def _warm_stream(stream, runner, device: torch.device) -> None:
+def _warm_stream(stream, device: torch.device) -> None:
     """One matmul on the capture stream before its first capture: cuBLAS makes the
     stream's handle and workspace at its first call, which must not be inside a capture."""
     if device.type != "cuda":
