@@ -12,9 +12,10 @@ takes over only the step's forward (``ModelRunner.compute_batch``):
 * **lazy**: serving starts at once. A step whose key has no graph yet runs the engine's
   eager step, and from the engine's first step on a thread captures keys beside it, the
   ones steps asked for first (most asked first), then the rest of the plan, largest first
-  (a plan of more than ``AHEAD_MOST`` keys keeps to those asked for). No step waits for a capture: a
-  CUDA capture records without running anything, so it can proceed while the engine
-  serves from the same static tensors. The first step served on a new graph runs the
+  (a plan of more than ``AHEAD_MOST`` keys keeps to those asked for). A capture records
+  between two of the engine's steps (the engine's calls that touch the static tensors and
+  the allocator wait for a recording in progress, one key's, never for a whole plan);
+  the graph is instantiated beside the steps. The first step served on a new graph runs the
   engine's eager step too and compares the tokens: the graph goes live only if they are
   identical, and the step serves the eager tokens either way.
 
@@ -88,7 +89,7 @@ class Serving:
         self._ahead = len(plan.keys) <= AHEAD_MOST
         self._tries: dict[ServingKey, int] = {}
         self._wake = threading.Condition()
-        # Held by a step, and by a capture that runs the model (the CPU backend's).
+        # Held by the engine's steps and by a lazy capture's recording: never both at once.
         self._steps = threading.RLock()
         self._closing = False
         self._stepped = threading.Event()  # the engine took a step: lazy capture may begin
@@ -103,12 +104,12 @@ class Serving:
     # -- the engine's step ----------------------------------------------------------------
 
     def prepare_next_batch(self) -> bool:
-        """The engine's own, never beside a capture that runs the model (the CPU backend's)."""
+        """The engine's own (it fills the static tensors), never beside a capture's recording."""
         with self._steps:
             return self._prepare()
 
     def update_batch(self) -> None:
-        """The engine's own (it reads the step's tokens), never beside such a capture either."""
+        """The engine's own (it reads the step's tokens), never beside a capture's recording."""
         with self._steps:
             self._update()
 
@@ -273,14 +274,15 @@ class Serving:
     def _capture_lazy(self, key: ServingKey) -> None:
         call = self._call(key)
         try:
-            if self._backend.captures_graphs:
+            # Recorded between the engine's steps, never beside one: torch's caching
+            # allocator is one per device, and a step's allocations and frees while another
+            # thread captures can break that capture (on the H200 every lazy capture beside
+            # the engine's steps was invalidated). The CPU backend's capture runs the step,
+            # and leaves every tensor the step writes as it found it.
+            with self._steps, contextlib.nullcontext() if self._backend.captures_graphs else _restored(
+                    self.processor):
                 graph = self._captured(call)
-                graph.ready()
-            else:
-                # The CPU backend's capture runs the step: not beside the engine's, and
-                # leaving every tensor the step writes as it found it.
-                with self._steps, _restored(self.processor):
-                    graph = self._captured(call)
+            graph.ready()  # instantiation: beside the steps
         except Exception as exc:  # noqa: BLE001 - the key serves eagerly, with why
             tries = self._tries[key] = self._tries.get(key, 0) + 1
             if tries < LAZY_TRIES:
@@ -421,9 +423,9 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
             plan = attrs.evolve(plan, keys=tuple(k for k in plan.keys if k in wanted))
         chosen = make_backend(backend)
         if lazy:
-            # The engine serves on its own thread meanwhile, and what it does there (host
-            # copies, syncs of its stream, allocations) must not end a capture on this one.
-            chosen.capture_error_mode = "relaxed"
+            # The engine serves on its own thread between the captures: its calls there
+            # (syncs of its own stream) are not this capture's to refuse.
+            chosen.capture_error_mode = "thread_local"
         device = processor.inputs_and_outputs.device
         stream = chosen.new_stream(device)
         stack.push("give back the capture stream", functools.partial(chosen.release_stream, stream))
