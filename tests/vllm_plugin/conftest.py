@@ -88,3 +88,27 @@ def plugin_log(caplog, vllm_output):
     """caplog under vLLM's logging: pytest hands its handler to the loggers that do not
     propagate (vLLM's, and so the plugin's, a child of it) when the test starts."""
     return caplog
+
+
+@pytest.fixture
+def runner(vllm_world, cpu_cuda):
+    """A V1 model runner of vLLM's own class, on the stand-in model (``harness``)."""
+    import harness
+    from vllm.config import set_current_vllm_config
+
+    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
+    with set_current_vllm_config(config):
+        yield harness.standin_runner_cls()(config, model=harness.TinyMoE())
+
+
+@pytest.fixture
+def runner_v2(vllm_world, cpu_cuda):
+    """A V2 runner (its config reconfigures vLLM's logging: made before ``plugin_log``)."""
+    import harness
+    from vllm.compilation import monitor
+    from vllm.config import set_current_vllm_config
+
+    monitor.set_cudagraph_capturing_enabled(True)  # as in a fresh process: V2 never turns it on itself
+    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
+    with set_current_vllm_config(config):
+        yield harness.standin_v2_runner_cls()(config, model=harness.TinyMoE())

@@ -22,15 +22,6 @@ ORDER = [("PIECEWISE", 8), ("PIECEWISE", 4), ("PIECEWISE", 2), ("PIECEWISE", 1),
          ("FULL", 4), ("FULL", 2), ("FULL", 1)]
 
 
-@pytest.fixture
-def runner(vllm_world, cpu_cuda):
-    from vllm.config import set_current_vllm_config
-
-    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
-    with set_current_vllm_config(config):
-        yield harness.standin_runner_cls()(config, model=harness.TinyMoE())
-
-
 def state(runner):
     """What a capture leaves behind that serving would use."""
     from vllm.compilation import monitor
@@ -129,17 +120,6 @@ def test_a_keyboard_interrupt_rolls_back_and_stays_an_interrupt(runner, plugin):
     with pytest.raises(KeyboardInterrupt):
         runner.capture_model()
     assert state(runner)["keys"] == 0 and state(runner)["flag"] is False
-
-
-@pytest.fixture
-def runner_v2(vllm_world, cpu_cuda):
-    from vllm.compilation import monitor
-    from vllm.config import set_current_vllm_config
-
-    monitor.set_cudagraph_capturing_enabled(True)  # as in a fresh process: V2 never turns it on itself
-    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
-    with set_current_vllm_config(config):
-        yield harness.standin_v2_runner_cls()(config, model=harness.TinyMoE())
 
 
 def test_v2_alone_keeps_the_graphs_captured_before_a_failure(runner_v2):

@@ -8,7 +8,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import harness  # noqa: E402
 
 from graphflow.errors import CaptureError  # noqa: E402
 from graphflow.integrations.vllm import plugin as module  # noqa: E402
@@ -113,18 +112,6 @@ def test_lines_go_through_vllms_handler_with_time_and_rank(vllm_world, vllm_outp
     assert re.search(r" INFO .* graphflow\[rank 0\]: added GRAPHFLOW_ to VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", ray)
     assert re.search(r" INFO \d\d-\d\d \d\d:\d\d:\d\d \[\S*plugin\.py:\d+\] graphflow\[rank 0\]: "
                      r"vLLM plugin enabled on vLLM 0\.33\.\d", line), line
-
-
-@pytest.fixture
-def runner_v2(vllm_world, cpu_cuda):
-    """A V2 runner (its config reconfigures vLLM's logging: made before ``plugin_log``)."""
-    from vllm.compilation import monitor
-    from vllm.config import set_current_vllm_config
-
-    monitor.set_cudagraph_capturing_enabled(True)  # as in a fresh process: V2 never turns it on itself
-    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
-    with set_current_vllm_config(config):
-        yield harness.standin_v2_runner_cls()(config, model=harness.TinyMoE())
 
 
 def test_a_failure_in_raise_mode_is_logged_with_v2s_flag_as_it_was(runner_v2, plugin, plugin_log):

@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import harness  # noqa: E402
 
 from graphflow.integrations.vllm import plugin as module  # noqa: E402
 from graphflow.integrations.vllm.logs import LOGGER  # noqa: E402
@@ -19,26 +18,6 @@ from graphflow.dist.trace import INCOMPLETE, Tracer, TraceWriteWarning, read_tra
 from tests.disk_full import Failing  # noqa: E402
 
 FULL_DISK = "/dev/full"
-
-
-@pytest.fixture
-def runner(vllm_world, cpu_cuda):
-    from vllm.config import set_current_vllm_config
-
-    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
-    with set_current_vllm_config(config):
-        yield harness.standin_runner_cls()(config, model=harness.TinyMoE())
-
-
-@pytest.fixture
-def runner_v2(vllm_world, cpu_cuda):
-    from vllm.compilation import monitor
-    from vllm.config import set_current_vllm_config
-
-    monitor.set_cudagraph_capturing_enabled(True)  # as in a fresh process: V2 never turns it on itself
-    config = harness.engine_config(max_num_seqs=4, max_num_batched_tokens=64)
-    with set_current_vllm_config(config):
-        yield harness.standin_v2_runner_cls()(config, model=harness.TinyMoE())
 
 
 def test_v1_a_trace_that_fills_the_disk_keeps_every_graph_and_says_it_is_incomplete(

@@ -140,12 +140,16 @@ class Serving:
                 self._wake.notify()
 
     def _replay(self, held: _Graph) -> None:
+        self._on_compute_stream(held.graph.replay)
+
+    def _on_compute_stream(self, call) -> None:
+        """``call`` on the engine's compute stream, where its steps run (none on the CPU)."""
         stream = self.processor.inputs_and_outputs.compute_stream
         if stream is None:
-            held.graph.replay()
+            call()
             return
         with torch.cuda.stream(stream):
-            held.graph.replay()
+            call()
 
     def _check(self, held: _Graph, model, batch_data: dict) -> Fallback | None:
         """A new graph's first step: the engine's eager step, then the replay on the same
@@ -210,13 +214,10 @@ class Serving:
             io.prepare_batch_tensors(states, processor.logit_processor, decode, key.q, key.kv, use_padding=True)
             call = self._call(key)
             device = self._device()
-            if first and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-                self._eager(call)
-                self.memory["estimated_pool_bytes"] = torch.cuda.max_memory_allocated(device) - before
-            else:
-                self._eager(call)
+            before = self._backend.reset_peak_memory(device) if first else None
+            self._eager(call)
+            if before is not None:
+                self.memory["estimated_pool_bytes"] = self._backend.peak_memory(device) - before
             graph = self._captured(call)
             held = _Graph(key, graph, checked=False)
             graph.ready()
@@ -325,9 +326,9 @@ class Serving:
         return functools.partial(forward, model, batch_data, *io.get_cb_kwargs())
 
     def _eager(self, call) -> None:
-        stream = self.processor.inputs_and_outputs.compute_stream
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            call()
+        """``call`` on the engine's compute stream, without autograd (as the engine's steps run)."""
+        with torch.no_grad():
+            self._on_compute_stream(call)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
