@@ -631,3 +631,25 @@ def test_graphflow_show_serving_prints_the_plan_of_the_example(capsys):
     assert main(["show", "--serving", "examples.hf_serving.serving:model"]) == 2
     err = capsys.readouterr().err
     assert "not a ContinuousBatchingManager" in err and "Traceback" not in err
+
+
+def test_bad_serving_input_is_one_line_and_exit_2(capsys):
+    """A factory reference without its colon and a longest request under one token."""
+    from graphflow.cli import main
+
+    assert main(["show", "--serving", "examples_hf_serving"]) == 2
+    assert main(["show", "--serving", "examples.hf_serving.serving:manager", "--longest", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["graphflow: --serving examples_hf_serving: model 'examples_hf_serving' must be "
+                   "'package.module:factory'",
+                   "graphflow: --longest 0: the most tokens one request holds, at least 1"]
+
+
+def test_serve_refuses_a_longest_request_under_one_token():
+    model, _ = shared("llama")
+    mgr = manager(model, 4, block_size=8, num_blocks=6, max_batch_tokens=32, max_requests_per_batch=4,
+                  q_padding_interval_size=8, kv_padding_interval_size=8)
+    with pytest.raises(PlanError) as caught:
+        serve(mgr, longest=0)
+    assert caught.value.element == "longest"
+    assert "compute_batch" not in vars(mgr.batch_processor.model_runner)  # nothing attached

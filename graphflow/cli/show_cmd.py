@@ -101,9 +101,16 @@ def _serving(args: argparse.Namespace) -> int:
     if args.plan or args.module:
         raise CommandError("--serving shows the plan of a serving engine: give it instead of PLAN or --module")
     from graphflow.engine.model.binding import import_factory
+    from graphflow.errors import PlanError
     from graphflow.integrations.hf.batching import serving_plan
 
-    manager = import_factory(args.serving)()
+    if args.longest is not None and args.longest < 1:
+        raise CommandError(f"--longest {args.longest}: the most tokens one request holds, at least 1")
+    try:
+        factory = import_factory(args.serving)
+    except PlanError as err:
+        raise CommandError(f"--serving {args.serving}: {err.message}") from err
+    manager = factory()
     if not hasattr(manager, "batch_processor"):
         raise CommandError(f"--serving {args.serving} returned {type(manager).__name__}, not a "
                            "ContinuousBatchingManager (model.init_continuous_batching(...))")

@@ -415,6 +415,8 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
     if longest is None:
         # No request holds more tokens than the model has positions.
         longest = getattr(processor.config, "max_position_embeddings", None)
+    elif longest < 1:
+        raise PlanError(f"longest={longest}: the most tokens one request holds, at least 1", element="longest")
     stack = UndoStack()
     try:
         _pad_as_graphs(processor, stack)
