@@ -22,12 +22,12 @@ In one process, on one model (the weights built once and shared), for each plan 
 * **bare, at once** and **default, at once** (``--runs`` only): the same with every graph
   instantiated as its capture ends (``CudaBackend(instantiate_async=False)``), as
   ``torch.cuda.graph`` does, instead of the large ones on graphflow's worker thread;
-* **graphflow lazy** (FULL only): ``RunOptions(lazy=True)``: the time until the first step
+* **graphflow lazy**: ``RunOptions(lazy=True)``: the time until the first step
   is served, until every descriptor is live while steps are served back to back, and
   whether the steps checked meanwhile (each descriptor's first, and one in
   ``CHECK_EVERY``, while the checks have taken under ``CHECK_SHARE`` of the time) were
   bit-exact to the plan's eager step on the same (padded) inputs;
-* **graphflow lazy-idle** (FULL only): the same with no step served, the capture thread
+* **graphflow lazy-idle**: the same with no step served, the capture thread
   alone: what lazy capture costs by itself, apart from what serving beside it costs.
 
 The hand, bare and default rows run ``--rounds`` times (4 by default), every other
@@ -282,8 +282,7 @@ def main() -> int:
                         help="which rows: hand (the loop every ratio is to), bare, default; default-verify-all "
                              "(every descriptor verified); bare-at-once and "
                              "default-at-once (every graph instantiated as its capture ends, as torch.cuda.graph "
-                             "does); lazy (serving steps back to back) and lazy-idle (the capture thread alone), "
-                             "FULL only")
+                             "does); lazy (serving steps back to back) and lazy-idle (the capture thread alone)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="run the hand, bare and default rows this many times, every other round in reverse "
                              "order (even: every row's mean place in the run is the same); ratios are paired over "
@@ -342,7 +341,7 @@ def main() -> int:
         _rounds(rows, chosen_rows, args.rounds, lambda what: done(f"{name} {what}"))
         done(f"{name} rounds")  # the rows are made from every round, once all have run
         for key, serve in (("lazy", True), ("lazy-idle", False)):
-            if name == "FULL" and key in runs:
+            if key in runs:
                 model_built = time.perf_counter()
                 guard(entry, key, lambda: lazy_run(plan, model, RunOptions(backend=backend, lazy=True), model_built,
                                                    args.lazy_timeout_s, serve=serve))

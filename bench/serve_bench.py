@@ -9,22 +9,26 @@ One random Llama (``--layers`` x ``--hidden``, bf16, nothing downloaded), attent
 same for every row), greedy. For each row a fresh manager over the same model:
 
 * **engine eager**: ``use_cuda_graph=False``, padding off: the reference tokens;
+* **engine eager padded**: the same with the padding the graphs need turned on: the
+  engine's eager steps on the very batches every graph row replays (bf16 kernels sum in
+  another order at another size, so padding alone can change a random model's tokens);
 * **engine graphs**: ``use_cuda_graph=True`` after ``manager.warmup()`` (what it pre-captures);
   every other key is captured inline the first time a step asks for it;
 * **graphflow foreground**: ``serve(manager)`` before ``start()``: every key captured and
   verified first;
 * **graphflow lazy**: ``serve(manager, lazy=True)``: serving at once, keys captured beside it.
 
-Columns: tokens identical to the eager row (y/n) and to the engine's own graphs (``=own``:
-both pad every batch alike, so both run the same kernels on the same batches; the
-unpadded eager row may differ from both in bf16), generated tokens per second over the
+Columns: tokens identical to the eager row (y/n), to the padded eager row (``=pad``: the
+exact reference of every graph row) and to the engine's own graphs (``=own``), generated tokens per second over the
 serving time, time to first token p50 and p99 (from ``add_requests``), the median step,
 the worst step while graphs were being captured (engine graphs: a step that captured
 inline; lazy: a step while the capture thread was alive; foreground: capture is over
 before serving, so its worst step), the time until every key was ready (engine graphs:
 its warmup; foreground: its capture; lazy: from ``serve`` until every key was live or
-failed), and the graph memory (reserved bytes after the run over those once the manager's
-cache and tensors were built). Targets (issue): identical tokens in every row; graphflow's
+failed), the graph memory (reserved bytes after the run over those once the manager's
+cache and tensors were built), and for lazy how many times its recordings paused for a
+step and how many keys were recorded again whole after a failed capture.
+Targets (issue): identical tokens in every row; graphflow's
 tokens/s at or above the engine's own graphs; lazy's worst step while capturing under 2x
 the eager row's median step; everything live sooner than the engine's own warmup.
 """
@@ -44,7 +48,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from graphflow.integrations.hf.batching import serve  # noqa: E402
 
-ROWS = ("engine eager", "engine graphs", "graphflow foreground", "graphflow lazy")
+ROWS = ("engine eager", "engine eager padded", "engine graphs", "graphflow foreground", "graphflow lazy")
 
 
 def build_model(layers: int, hidden: int, vocab: int, device: str):
@@ -81,6 +85,8 @@ def run_row(row: str, model, prompts, news, settings: dict, longest: int) -> dic
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
     manager.batch_processor = manager._create_batch_processor()
     processor = manager.batch_processor
+    if row == "engine eager padded":
+        processor.model_runner.pad_inputs = processor.inputs_and_outputs.use_cuda_graph_varlen = True
     _sync(cuda)
     reserved_built = torch.cuda.memory_reserved() if cuda else 0
     serving = None
@@ -138,6 +144,8 @@ def run_row(row: str, model, prompts, news, settings: dict, longest: int) -> dic
                       graph_steps=summary["graph_steps"], eager_steps=summary["eager_steps"],
                       unused_keys=len(summary["unused"]), pool_bytes=serving.memory.get("pool_bytes"),
                       estimated_pool_bytes=serving.memory.get("estimated_pool_bytes"), report=serving.report())
+        if serving.lazy:
+            result.update(recording_pauses=serving.turns.pauses, retried_keys=serving.retried)
         serving.close()
     processor.__dict__.pop("_generation_step", None)
     model.destroy_cached_continuous_batching_manager()
@@ -163,21 +171,24 @@ def _quantile(values: list[float], q: float) -> float | None:
 def table(results: list[dict], requests: int) -> str:
     eager = next(r for r in results if r["row"] == "engine eager")
     own = next((r for r in results if r["row"] == "engine graphs"), None)
-    lines = [f"{requests} requests",
-             f"{'row':22} {'same':>4} {'=own':>4} {'tok/s':>8} {'vs own':>7} {'ttft p50':>9} {'ttft p99':>9} {'step':>8} "
+    padded = next((r for r in results if r["row"] == "engine eager padded"), None)
+    lines = [f"{requests} requests; the eager row's worst step {_ms(eager['worst_step_s'])}",
+             f"{'row':22} {'same':>4} {'=pad':>4} {'=own':>4} {'tok/s':>8} {'vs own':>7} {'ttft p50':>9} {'ttft p99':>9} {'step':>8} "
              f"{'worst capturing':>15} {'vs eager step':>13} {'ready s':>8} {'keys':>9} {'graph MiB':>9}"]
     for r in results:
         same = "y" if r["tokens"] == eager["tokens"] else "n"
         as_own = "-" if own is None else "y" if r["tokens"] == own["tokens"] else "n"
+        as_padded = "-" if padded is None else "y" if r["tokens"] == padded["tokens"] else "n"
         worst = r["worst_step_capturing_s"]
         keys = f"{r.get('keys_captured', '-')}" + (f"/{r['keys_planned']}" if "keys_planned" in r else "")
         lines.append(
-            f"{r['row']:22} {same:>4} {as_own:>4} {r['tokens_per_s']:8.0f} "
+            f"{r['row']:22} {same:>4} {as_padded:>4} {as_own:>4} {r['tokens_per_s']:8.0f} "
             f"{(r['tokens_per_s'] / own['tokens_per_s']) if own else float('nan'):6.2f}x "
             f"{_ms(r['ttft_p50_s']):>9} {_ms(r['ttft_p99_s']):>9} {_ms(r['median_step_s']):>8} "
             f"{_ms(worst):>15} {(worst / eager['median_step_s']) if worst else float('nan'):12.2f}x "
             f"{r['ready_s'] if r['ready_s'] is not None else float('nan'):8.2f} {keys:>9} "
-            f"{(r['graph_memory_bytes'] or 0) / 2**20:9.1f}")
+            f"{(r['graph_memory_bytes'] or 0) / 2**20:9.1f}"
+            + (f"  pauses {r['recording_pauses']}, retried {r['retried_keys']}" if "recording_pauses" in r else ""))
     return "\n".join(lines)
 
 
@@ -229,8 +240,9 @@ def main() -> int:
         tables.append(table(results, requests))
         print(tables[-1], flush=True)
         eager = results[0]["tokens"]
+        padded = next((r["tokens"] for r in results if r["row"] == "engine eager padded"), None)
         everything["workloads"][requests] = [{k: v for k, v in r.items() if k != "tokens"} | {
-            "identical": r["tokens"] == eager} for r in results]
+            "identical": r["tokens"] == eager, "identical_padded": r["tokens"] == padded} for r in results]
     text = (f"# bench/serve_bench.py on {everything['device']}, torch {everything['torch']}, "
             f"{everything['model']}, paged|sdpa, bf16\n" + "\n\n".join(tables) + "\n")
     (out / "serve.txt").write_text(text)

@@ -44,6 +44,7 @@ import attrs
 import torch
 
 from graphflow.engine import Engine
+from graphflow.events import Phase
 from graphflow.plan import PAD_KEEP, BufferRole, Descriptor, Mode, dim_symbols
 
 __all__ = ["FallbackReason", "Runner", "StepTiming", "time_steps"]
@@ -294,26 +295,41 @@ def time_steps(engine: Engine, steps: int, only: Iterable[Descriptor] | None = N
     """Each committed descriptor's step (or those of ``only``: timing all 67 of a large
     plan takes minutes, a sample of them seconds) timed ``steps`` times eagerly (the model as
     written, segment by segment, ``Engine.eager_calls``) and ``steps`` times replayed
-    (its step program), on the static buffers, after one untimed run of each: the first
-    run fills caches and builds lazy modules, which no later step pays. The backend's
-    clock times them: CUDA events on a GPU, so a replay counts what the device does,
-    not how quickly Python returns. Empty when ``steps`` is 0.
+    (its step program), on the static buffers. Each median is of the ``steps`` timed
+    runs, eager and replayed alike.
+
+    A step's first run pays what no later run does (caches filled, lazy modules built, a
+    graph's first launch uploading it): the timed runs come after one such run of each.
+    The pipeline's own runs count: a descriptor warmed up (not ``capture.warmup: auto``'s
+    skipped ones) ran its eager step, one verified ran its replay, so only a step the
+    pipeline never ran gets an untimed run here (``graphflow run``'s defaults time the
+    smallest, median and largest size, which verify's sample usually holds).
+
+    The backend's clock times them (``Backend.time_runs``): CUDA events on a GPU, so a
+    replay counts what the device does, not how quickly Python returns; the eager runs,
+    then the replays, back to back, with one synchronize before and one after per
+    descriptor. Empty when ``steps`` is 0.
 
     The steps write the static buffers and run the model: call it between steps, and on
     a lazy engine once its capture thread is done, never beside ``Runner.run``."""
     if steps <= 0 or not engine.programs:
         return {}
     first = next(iter(engine.buffers.tensors.values()), None)
-    timer = engine.backend.timer(first.device if first is not None else None)
+    device = first.device if first is not None else None
+    report = engine.report
+    warmed = {t.descriptor for t in report.times if t.phase is Phase.WARMUP and not t.skipped}
+    replayed = {r.descriptor for r in report.verify}
     timings = {}
     with torch.no_grad():
         for descriptor in engine.programs if only is None else only:
             program = engine.programs[descriptor]
             eager, replay = _in_order(engine.eager_calls(descriptor.size)), _in_order(program)
-            eager()
-            replay()
-            timings[descriptor] = StepTiming(descriptor, statistics.median(timer(eager, steps)),
-                                             statistics.median(timer(replay, steps)))
+            if descriptor not in warmed:
+                eager()
+            if descriptor not in replayed:
+                replay()
+            eager_s, replay_s = engine.backend.time_runs(device, (eager, replay), steps)
+            timings[descriptor] = StepTiming(descriptor, statistics.median(eager_s), statistics.median(replay_s))
     return timings
 
 

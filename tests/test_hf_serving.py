@@ -27,6 +27,7 @@ import math
 import threading
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -653,3 +654,38 @@ def test_serve_refuses_a_longest_request_under_one_token():
         serve(mgr, longest=0)
     assert caught.value.element == "longest"
     assert "compute_batch" not in vars(mgr.batch_processor.model_runner)  # nothing attached
+
+
+def test_a_warm_run_on_the_scratch_ios_writes_nothing_the_engine_uses():
+    """Lazy capture warms each key on this thread before capturing it, beside the engine's
+    steps: on IO tensors of its own, whose indices reach only the cache's write-only trash
+    block. The live IOs and every other cache slot are as they were."""
+    from graphflow.integrations.hf.batching.plan import batch_processor
+    from graphflow.integrations.hf.batching.serving import _scratch_io
+
+    model = shared("llama")[0]
+    mgr = manager(model, NEW)
+    processor = batch_processor(mgr)
+    serving = serve(mgr, lazy=True, backend="cpu")
+    try:
+        io, cache = processor.inputs_and_outputs, processor.cache
+        live = [io._bulk_input_tensor, io.output_ids, io.write_index_storage, io.read_index_storage,
+                *(io.attention_mask or {}).values()]
+        layers = [*cache.key_cache, *cache.value_cache]
+        for tensor in layers:
+            tensor.normal_()
+        before_live, before_cache = [t.clone() for t in live], [t.clone() for t in layers]
+        scratch = _scratch_io(processor)
+        trash = slice(cache.write_trash_index, cache.write_trash_index + cache.block_size)
+        key = next(k for k in serving.plan.keys if k.path == VARLEN)
+        serving._call(key, scratch)()
+        assert all(torch.equal(a, b) for a, b in zip(live, before_live))
+        for after, before in zip(layers, before_cache):
+            assert torch.equal(after[: trash.start], before[: trash.start])
+            assert torch.equal(after[trash.stop:], before[trash.stop:])
+        assert any(not torch.equal(a[trash], b[trash]) for a, b in zip(layers, before_cache))  # it did run
+        serving._call(key)()  # the same call on the live IOs does write them: the check can fail
+        assert not all(torch.equal(a, b) for a, b in zip(live, before_live))
+    finally:
+        serving.close()
+        model.destroy_cached_continuous_batching_manager()

@@ -48,7 +48,10 @@ class TestSuccess:
         assert [row[2:] for row in rows if row[2] != "-"] == [
             row[2:4] + ["no graph: the CPU backend replays the calls"] for row in (rows[0], rows[1], rows[3])]
         assert rows[2][2:] == ["-", "-"]
-        assert re.fullmatch(r"capture \d+\.\d\d s; total \d+\.\d\d s, reading the plan and timing included", lines[-2])
+        # Where the time outside capture went: before it (the plan, torch, the backend) and timing after it.
+        assert re.fullmatch(r"capture \d+\.\d\d s; total \d+\.\d\d s, reading the plan and timing included: "
+                            r"before capture \d+\.\d\d s \(the plan \d+\.\d\d s, loading torch \d+\.\d\d s, "
+                            r"the backend \d+\.\d\d s\), timing \d+\.\d\d s", lines[-2])
         assert lines[-1].startswith("ok: toy-piecewise: 4 descriptors, no graph captured (CPU backend: regions "
                                     "replayed eagerly), in ")
         assert lines[-1].endswith(" s on cpu; verify 4/4 bit-exact against the eager step")
@@ -68,6 +71,12 @@ class TestSuccess:
         # The sample: the smallest, median and largest size of each mode.
         assert [(d["mode"], d["size"]) for d in doc["descriptors"] if d["eager_ms"] and d["graph_ms"]] == [
             ("PIECEWISE", 8), ("PIECEWISE", 4), ("PIECEWISE", 1), ("FULL", 8), ("FULL", 4), ("FULL", 1)]
+        # The total's time outside capture, said: before it and timing after it, each within the total.
+        setup = doc["setup"]
+        assert set(setup) == {"plan_s", "torch_s", "backend_s"} and all(v >= 0 for v in setup.values())
+        assert sum(setup.values()) <= doc["setup_s"]
+        assert doc["timing_s"] > 0
+        assert doc["setup_s"] + doc["capture_s"] + doc["timing_s"] <= doc["total_s"]
 
     def test_json_progress_lines_on_stderr(self, capsys):
         status, out, err = run(capsys, "plans/toy_full.yaml", "--json", "--steps", "1", "--no-detectors")

@@ -132,8 +132,17 @@ def time_steps(engine, steps: int | None, *, time_all: bool = False, progress=No
     return timings
 
 
-def report_document(path: str, engine, timings: dict, captured_s: float, total_s: float) -> dict:
-    """The report as plain data: what ``--json`` prints and the text report draws."""
+def report_document(path: str, engine, timings: dict, captured_s: float, total_s: float, *,
+                    setup_s: float | None = None, timing_s: float | None = None, plan_s: float | None = None,
+                    torch_s: float | None = None, backend_s: float | None = None) -> dict:
+    """The report as plain data: what ``--json`` prints and the text report draws.
+
+    ``total_s`` is the command from its start to the end of timing, but the interpreter's
+    own start and imports; of what is not ``captured_s``, ``setup_s`` came before capture
+    and ``timing_s`` after it (``time_steps``), so a slow total says where it went. Of
+    ``setup_s``, where known: ``plan_s`` reading and checking the plan, ``torch_s``
+    loading torch and the engine, ``backend_s`` making the backend (on a GPU, CUDA's
+    first call); the rest is the progress display and the session."""
     report = engine.report
     verify = {r.descriptor: r for r in report.verify}
     real = report.captures_graphs
@@ -184,7 +193,8 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
         # Before any capture: the largest descriptors' warmup peaks (None on the CPU backend).
         "pool_forecast_bytes": report.pool_forecast, "warmup_peak_bytes": report.warmup_peak,
         "verified": len(verified), "warmups_skipped": report.warmups_skipped,
-        "capture_s": captured_s, "total_s": total_s,
+        "capture_s": captured_s, "total_s": total_s, "setup_s": setup_s, "timing_s": timing_s,
+        "setup": {"plan_s": plan_s, "torch_s": torch_s, "backend_s": backend_s},
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
         "descriptors": descriptors, "compile": compile_doc, "result": result,
     }
@@ -271,8 +281,22 @@ def print_report(document: dict) -> None:
         line(f"ready {document['ready_s']:.2f} s (serving eagerly), all descriptors live after "
              f"{document['capture_s']:.2f} s")
     line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
-         "included")
+         "included" + _outside_capture(document))
     line(document["result"])
+
+
+def _outside_capture(document: dict) -> str:
+    """Where the total's time outside capture went, when the document says."""
+    parts = []
+    if document.get("setup_s") is not None:
+        setup = document.get("setup") or {}
+        known = [f"{what} {setup[key]:.2f} s" for key, what in
+                 (("plan_s", "the plan"), ("torch_s", "loading torch"), ("backend_s", "the backend"))
+                 if setup.get(key) is not None]
+        parts.append(f"before capture {document['setup_s']:.2f} s" + (f" ({', '.join(known)})" if known else ""))
+    if document.get("timing_s") is not None:
+        parts.append(f"timing {document['timing_s']:.2f} s")
+    return f": {', '.join(parts)}" if parts else ""
 
 
 def _compile_line(segment: dict) -> str:

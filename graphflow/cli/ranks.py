@@ -135,8 +135,11 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
         started = time.perf_counter()
         engine = session.capture()
         captured_s = time.perf_counter() - started
+        timing_began = time.perf_counter()
         timings = time_steps(engine, args.steps, time_all=args.time_all, progress=progress)
-        document = report_document(source, engine, timings, captured_s, time.perf_counter() - began)
+        ended = time.perf_counter()
+        document = report_document(source, engine, timings, captured_s, ended - began,
+                                   setup_s=started - began, timing_s=ended - timing_began)
         summary = rank_summary(engine)
     except GraphflowError as err:
         error = err

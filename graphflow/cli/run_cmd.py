@@ -10,7 +10,8 @@ forecast before capture from the largest descriptors' warmup), warmups skipped, 
 results (of a sample of the descriptors unless ``--verify all``) and, on a GPU, eager versus graph step time (the median of a few steps of each,
 ``graphflow.runtime.time_steps``) of a sample of descriptors, the smallest, median and
 largest of each mode, or of all with ``--time-all``: timing all 67 of a large plan
-takes minutes. The report and the checks around it are ``graphflow.cli.capture_report``,
+takes minutes. The total's time outside capture is said too: before capture (the plan,
+loading torch, the backend) and timing. The report and the checks around it are ``graphflow.cli.capture_report``,
 which each rank of a torchrun job shares. On the CPU backend no graph exists, regions
 are replayed eagerly and a speed-up would be noise, so nothing is timed unless asked
 (``--steps N`` or ``--time-all``), and a timing shown says it is no graph's. Exit 0 on success,
@@ -113,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
         from graphflow.engine.memory import check_plan_on_the_host
 
         check_plan_on_the_host(plan, sizes=parse_sizes(args.sizes), verify=args.verify != "off")
-    options = _options(args)
+    setup = {"plan_s": time.perf_counter() - began}  # where the time before capture goes, for the report
+    mark = time.perf_counter()
+    options = _options(args)  # torch loads here (graphflow.engine)
+    setup["torch_s"] = time.perf_counter() - mark
     if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
         if args.lazy:
             raise CommandError("--lazy serves one process: under torchrun every rank captures in the foreground, "
@@ -125,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     from graphflow.view.progress import ProgressDisplay
     from graphflow.session import Session
 
+    mark = time.perf_counter()
     captures_graphs = check_backend(options)
+    setup["backend_s"] = time.perf_counter() - mark
     if args.trace is not None:
         trace_dir(args.trace)
     progress = None if args.quiet else ProgressDisplay(graphs=captures_graphs, json=args.json)
@@ -153,8 +159,11 @@ def run(args: argparse.Namespace) -> int:
             ready_s = time.perf_counter() - started
             wait_lazy(engine, ready_s, say=not (args.quiet or args.json))
         captured_s = time.perf_counter() - started
+        timing_began = time.perf_counter()
         timings = time_steps(engine, args.steps, time_all=args.time_all, progress=progress)
-        document = report_document(source, engine, timings, captured_s, time.perf_counter() - began)
+        ended = time.perf_counter()
+        document = report_document(source, engine, timings, captured_s, ended - began,
+                                   setup_s=started - began, timing_s=ended - timing_began, **setup)
         document["ready_s"] = ready_s
     except BaseException:
         if progress is not None:

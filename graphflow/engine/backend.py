@@ -202,17 +202,26 @@ class Backend(abc.ABC):
         return None
 
     def timer(self, device: torch.device) -> Callable[[Call, int], list[float]]:
-        """A function timing ``n`` runs of a call, seconds each (wall clock here)."""
+        """A function timing ``n`` runs of a call, seconds each (``time_runs`` of one call)."""
 
         def run(call: Call, n: int) -> list[float]:
+            return self.time_runs(device, (call,), n)[0]
+
+        return run
+
+    def time_runs(self, device: torch.device | None, calls: Sequence[Call], n: int) -> tuple[list[float], ...]:
+        """``n`` runs of each call in turn (every run of the first, then of the next), one
+        list of seconds per call; wall clock here. The CUDA backend times them with events
+        and synchronizes the device once before the first run and once after the last."""
+        timed = []
+        for call in calls:
             times = []
             for _ in range(n):
                 start = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - start)
-            return times
-
-        return run
+            timed.append(times)
+        return tuple(timed)
 
 
 class _EagerGraph(Graph):
@@ -688,21 +697,23 @@ class CudaBackend(Backend):
             return None
         return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) == tuple(pool))
 
-    def timer(self, device: torch.device) -> Callable[[Call, int], list[float]]:
-        if device.type == "cpu":
-            return super().timer(device)
-
-        def run(call: Call, n: int) -> list[float]:
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-            torch.cuda.synchronize(device)
-            for start, stop in events:
+    def time_runs(self, device: torch.device | None, calls: Sequence[Call], n: int) -> tuple[list[float], ...]:
+        """Each run between two CUDA events, so that a replay counts what the device does,
+        not how quickly Python returns. One synchronize before the first run (nothing
+        queued earlier may hide the first call's launches) and one after the last, which
+        reads every event: the calls are timed back to back, with none between them."""
+        if device is None or device.type == "cpu":
+            return super().time_runs(device, calls, n)
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+                  for _ in calls]
+        torch.cuda.synchronize(device)
+        for call, pairs in zip(calls, events):
+            for start, stop in pairs:
                 start.record()
                 call()
                 stop.record()
-            torch.cuda.synchronize(device)
-            return [start.elapsed_time(stop) / 1000.0 for start, stop in events]
-
-        return run
+        torch.cuda.synchronize(device)
+        return tuple([start.elapsed_time(stop) / 1000.0 for start, stop in pairs] for pairs in events)
 
 
 class WorkspaceClearedWarning(UserWarning):

@@ -100,6 +100,7 @@ def test_foreground_and_lazy_tokens_match_the_engine(model, prompts):
     assert lazy == eager
     assert lz.wait_captured(120)
     assert lz.coverage.as_dict()["graph_steps"] > 0
+    assert not [k for k, e in lz.coverage.as_dict()["keys"].items() if e["state"] == "failed"], lz.report()
     print(fg.report())
     print(lz.report())
 
@@ -140,12 +141,21 @@ def test_a_failed_middle_key_rolls_back_alone(model, prompts, caplog):
 
 
 def test_close_gives_the_memory_back(model):
-    """Capture every key and close, three times on one engine: graphflow's graphs, pool and
-    stream are given back whole (the engine's own cache and tensors stay, as they were)."""
+    """Capture every key and close, then three times more on one engine: graphflow's
+    graphs, pool and stream are given back whole (the engine's own cache and tensors stay,
+    as they were).
+
+    The count starts after the first cycle: its first captures on the capture stream make
+    the libraries' per-stream state there (cuBLAS and cuDNN workspaces, kept by them for
+    the stream's next use, 33.5 MB once on the H200), which is not graphflow's and is
+    bounded here; every later cycle must give back all it took."""
     generation = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching())
     batch_processor(manager)
+    start = allocated()
+    serve(manager).close()
     before = allocated()
+    assert before - start <= 64 * 2**20, f"{(before - start) / 2**20:.1f} MiB left by the first cycle"
     for _ in range(3):
         serving = serve(manager)
         assert serving.coverage.as_dict()["captured"] == len(serving.plan.keys)
@@ -178,6 +188,9 @@ def test_lazy_serves_while_it_captures(model, prompts):
     no_graph_yet = sum(e["eager_steps"].get(str(Fallback.NO_GRAPH_YET), 0) for e in summary["keys"].values())
     assert any(capturing) and no_graph_yet > 0  # served while capturing, eagerly where no graph was live
     assert summary["steps"] == len(capturing)
+    # Recordings paused for the steps with their captures open, and none of them broke.
+    assert serving.retried == 0, serving.report()
+    print(serving.report())
 
 
 def _plan_keys(manager):

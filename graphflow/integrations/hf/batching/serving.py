@@ -12,11 +12,10 @@ takes over only the step's forward (``ModelRunner.compute_batch``):
 * **lazy**: serving starts at once. A step whose key has no graph yet runs the engine's
   eager step, and from the engine's first step on a thread captures keys beside it, the
   ones steps asked for first (most asked first), then the rest of the plan, largest first
-  (a plan of more than ``AHEAD_MOST`` keys keeps to those asked for). A capture records
-  between two of the engine's steps (the engine's calls that touch the static tensors and
-  the allocator wait for a recording in progress, one key's, never for a whole plan);
-  the graph is instantiated beside the steps. The first step served on a new graph runs the
-  engine's eager step too and compares the tokens: the graph goes live only if they are
+  (a plan of more than ``AHEAD_MOST`` keys keeps to those asked for). A recording gives
+  way to a waiting step at its next module call once it has run ``SLICE_OF_EAGER`` of an
+  eager step (``Turns``): no step waits for a whole capture. The first step served on a new graph runs the engine's
+  eager step too and compares the tokens: the graph goes live only if they are
   identical, and the step serves the eager tokens either way.
 
 Verification is against the engine's own eager step (its ``compute_batch`` without graphs),
@@ -45,6 +44,7 @@ from graphflow.errors import PlanError
 from graphflow.integrations.hf.batching.coverage import Coverage, Fallback
 from graphflow.integrations.hf.batching.keys import DECODE, ServingKey, key_of
 from graphflow.integrations.hf.batching.plan import ServingPlan, batch_processor, serving_plan
+from graphflow.integrations.hf.batching.turns import Turns
 
 __all__ = ["Serving", "serve"]
 
@@ -52,6 +52,11 @@ log = logging.getLogger("graphflow.serving")
 
 #: Lazy capture tries a key this many times before serving it eagerly for good.
 LAZY_TRIES = 3
+#: A lazy recording runs this share of an eager step (the engine's latest, averaged)
+#: before it gives way to a waiting step (``Turns.slice_s``): a step waits that long at
+#: most, so one served beside a capture stays under twice an eager step, and a key's warm
+#: run and recording (about two eager steps of host time) take about three steps.
+SLICE_OF_EAGER = 0.75
 #: Lazy capture takes, after the keys steps asked for, the rest of the plan when it has at
 #: most this many keys; a larger plan (loose padding, a huge cache) keeps to what is asked.
 AHEAD_MOST = 256
@@ -82,6 +87,8 @@ class Serving:
         #: Graphs are captured into the last pool; every pool is released at close.
         self._pools = [pool]
         self._graphs: dict[ServingKey, _Graph] = {}
+        #: Lazy on a GPU: IO tensors of the engine's sizes for warm runs (``_scratch_io``).
+        self._scratch = None
         self._planned = frozenset(plan.keys)
         self._demand: dict[ServingKey, int] = {}
         self._todo = list(plan.keys)
@@ -89,8 +96,13 @@ class Serving:
         self._ahead = len(plan.keys) <= AHEAD_MOST
         self._tries: dict[ServingKey, int] = {}
         self._wake = threading.Condition()
-        # Held by the engine's steps and by a lazy capture's recording: never both at once.
-        self._steps = threading.RLock()
+        #: The engine's steps and lazy recordings take turns on the host.
+        self.turns = Turns()
+        self._eager_s: float | None = None  # the engine's eager steps' host seconds, averaged
+        #: Whether a recording may pause for steps with its capture open: graphs recorded in
+        #: thread-local mode (``serve`` sets it for lazy), and steps that draw no random number.
+        self._pausing = (lazy and backend.captures_graphs and backend.capture_error_mode == "thread_local"
+                         and not processor.model_runner.do_sample)
         self._closing = False
         self._stepped = threading.Event()  # the engine took a step: lazy capture may begin
         self._thread: threading.Thread | None = None
@@ -105,12 +117,12 @@ class Serving:
 
     def prepare_next_batch(self) -> bool:
         """The engine's own (it fills the static tensors), never beside a capture's recording."""
-        with self._steps:
+        with self.turns.step():
             return self._prepare()
 
     def update_batch(self) -> None:
         """The engine's own (it reads the step's tokens), never beside a capture's recording."""
-        with self._steps:
+        with self.turns.step():
             self._update()
 
     def compute_batch(self, model, batch_data: dict) -> None:
@@ -120,7 +132,7 @@ class Serving:
         key = key_of(io)
         tokens = io.total_seqlen_q
         self._stepped.set()
-        with self._steps:
+        with self.turns.step():
             held = self._graphs.get(key)
             if held is not None and held.checked:
                 self._replay(held)
@@ -129,7 +141,11 @@ class Serving:
             if held is not None:
                 self.coverage.served(key, tokens, self._check(held, model, batch_data))
                 return
+            began = time.perf_counter()
             self._original(model, batch_data)
+            self._eager_s = (time.perf_counter() - began if self._eager_s is None else
+                             0.8 * self._eager_s + 0.2 * (time.perf_counter() - began))
+            self.turns.slice_s = SLICE_OF_EAGER * self._eager_s
         entry = self.coverage.entry(key)
         fallback = (Fallback.NOT_PLANNED if key not in self._planned else
                     Fallback.FAILED if entry.state == "failed" else Fallback.NO_GRAPH_YET)
@@ -274,22 +290,24 @@ class Serving:
 
     def _capture_lazy(self, key: ServingKey) -> None:
         call = self._call(key)
+        tries = self._tries.get(key, 0)
+        # A first try gives way to the steps at every module call (see Turns for when
+        # that is safe); a key whose capture failed once records its next tries whole,
+        # between two steps, in case a step's work beside the open capture broke it. The
+        # CPU backend's capture runs the step, and leaves every tensor the step writes as
+        # it found it: never beside a step.
+        pausing = self._pausing and tries == 0
         try:
-            # Recorded between the engine's steps, never beside one: torch's caching
-            # allocator is one per device, and a step's allocations and frees while another
-            # thread captures can break that capture (on the H200 every lazy capture beside
-            # the engine's steps was invalidated). The CPU backend's capture runs the step,
-            # and leaves every tensor the step writes as it found it.
-            with self._steps, contextlib.nullcontext() if self._backend.captures_graphs else _restored(
-                    self.processor):
+            self._warm(key)
+            with self.turns.recording(pausing=pausing), contextlib.nullcontext() if self._backend.captures_graphs \
+                    else _restored(self.processor):
                 graph = self._captured(call)
             graph.ready()  # instantiation: beside the steps
         except Exception as exc:  # noqa: BLE001 - the key serves eagerly, with why
-            tries = self._tries[key] = self._tries.get(key, 0) + 1
+            tries = self._tries[key] = tries + 1
             if tries < LAZY_TRIES:
-                # Another thread may have broken the capture (a device-wide synchronize):
-                # the key goes to the back of the line.
-                log.info("graphflow: capturing %s failed (%s); trying again later", key, _reason(exc))
+                log.info("graphflow: capturing %s failed (%s); trying again later, recorded between two steps",
+                         key, _reason(exc))
                 with self._wake:
                     self._todo.append(key)
                     self._demand.setdefault(key, 0)
@@ -297,22 +315,35 @@ class Serving:
             self._fail(key, _reason(exc))
             return
         held = _Graph(key, graph, checked=not self.verify)
-        with self._steps:
-            self._graphs[key] = held
+        self._graphs[key] = held
         if held.checked:
             self._live(key)
         else:
             self.coverage.entry(key).state = "captured"
         log.debug("captured %s", key)
 
-    def _call(self, key: ServingKey):
-        """The engine's forward for ``key``, on views of its static tensors the key sizes.
+    def _warm(self, key: ServingKey) -> None:
+        """Lazy: the key's step once, eagerly, on this thread and the capture stream, before
+        its capture. Libraries keep per-thread state made at a first call: cuDNN's handle
+        and its attention plans for each shape, made inside a capture, fail the capture
+        (``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`` on the H200, for every
+        lazy capture). The run is on the scratch IOs, beside the steps, giving way to them
+        as a recording does. Decode keys (the flash-only fast path) index the cache
+        through a block table, which has no scratch block: they are not warmed."""
+        if self._scratch is None or key.path == DECODE:
+            return
+        with self.turns.recording(pausing=True), torch.no_grad(), torch.cuda.stream(self._stream):
+            self._call(key, self._scratch)()
+
+    def _call(self, key: ServingKey, io=None):
+        """The engine's forward for ``key``, on views of its static tensors the key sizes
+        (or of ``io``'s, another IO object of the engine's class).
 
         The views come from the engine's own ``get_model_kwargs`` on a shallow copy of its
         IOs set to the key, so the live IOs (which a step may be filling) are not touched.
         """
         processor = self.processor
-        io = copy.copy(processor.inputs_and_outputs)
+        io = copy.copy(io if io is not None else processor.inputs_and_outputs)
         io.use_block_table = key.path == DECODE
         io.num_q_tokens = key.q
         io.max_kv_read = 0 if io.use_block_table else key.kv
@@ -336,8 +367,7 @@ class Serving:
         self.coverage.entry(key).state = "live"
 
     def _fail(self, key: ServingKey, why: str) -> None:
-        with self._steps:
-            held = self._graphs.pop(key, None)
+        held = self._graphs.pop(key, None)
         if held is not None:
             held.graph.destroy()
         entry = self.coverage.entry(key)
@@ -377,10 +407,19 @@ class Serving:
             return not self._thread.is_alive()
         return True
 
+    @property
+    def retried(self) -> int:
+        """Lazy: how many keys' captures failed at least once (each then recorded whole
+        between two steps, until it succeeded or ran out of tries)."""
+        return len(self._tries)
+
     def report(self) -> str:
         """The coverage table, its warnings and the memory, for the end of a run."""
         lines = [self.coverage.table()]
         lines += [f"warning: {w}" for w in self.coverage.warnings()]
+        if self.lazy:
+            lines.append(f"lazy capture: recordings paused {self.turns.pauses} times for the engine's steps; "
+                         f"{self.retried} keys failed a capture and were recorded again whole between two steps")
         estimated, pool = self.memory.get("estimated_pool_bytes"), self.memory.get("pool_bytes")
         lines.append(f"graph memory: pool {_mib(pool)}" + (f", estimated {_mib(estimated)} before capture"
                                                            if estimated is not None else ""))
@@ -426,8 +465,8 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
             plan = attrs.evolve(plan, keys=tuple(k for k in plan.keys if k in wanted))
         chosen = make_backend(backend)
         if lazy:
-            # The engine serves on its own thread between the captures: its calls there
-            # (syncs of its own stream) are not this capture's to refuse.
+            # The engine serves on its own thread while a capture is open (Turns): its
+            # calls there (syncs of its own stream, allocations) are not this capture's to refuse.
             chosen.capture_error_mode = "thread_local"
         device = processor.inputs_and_outputs.device
         stream = chosen.new_stream(device)
@@ -437,6 +476,8 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
         verify = verify and not processor.model_runner.do_sample
         serving = Serving(manager.model, processor, plan, chosen, stream, pool, stack, lazy=lazy, verify=verify)
         stack.push("destroy the graphs", functools.partial(_destroy_all, serving))
+        if lazy and chosen.captures_graphs:
+            serving._scratch = _scratch_io(processor)
         runner = processor.model_runner
         runner.compute_batch = serving.compute_batch
         stack.push("give the engine its own forward back", functools.partial(vars(runner).pop, "compute_batch"))
@@ -502,6 +543,23 @@ def _warmup_batch(processor, key: ServingKey) -> list:
         if states or kv <= 0:
             return states
         kv //= 2
+
+
+def _scratch_io(processor):
+    """The engine's IO tensors once more, of the same sizes, holding no batch: every
+    index points at the cache's trash blocks (padding reads the zeroed one and writes the
+    one nothing reads). A warm run on them writes these tensors and that write-only block,
+    never what the engine's steps use, so it may run beside them. Token ids, positions and
+    masks are zeros, not what the memory held: a token id out of range would fail on the
+    device."""
+    io = processor.inputs_and_outputs
+    scratch = type(io)(cache=processor.cache, config=io.config, continuous_batching_config=processor.cb_config,
+                       device=io.device, model_dtype=io.model_dtype, logit_processor=processor.logit_processor)
+    scratch.input_ids.zero_()
+    scratch.position_ids.zero_()
+    for mask in (scratch.attention_mask or {}).values():
+        mask.zero_()
+    return scratch
 
 
 def _warm_stream(stream, device: torch.device) -> None:

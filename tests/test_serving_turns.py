@@ -1,0 +1,132 @@
+"""Turns: a lazy recording gives way to the engine's steps at module calls (CPU, threads).
+
+The order of events is forced with events, not timing: the recording thread lets a step
+start, waits until that step is waiting for its turn, and then makes its next module call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from graphflow.integrations.hf.batching.turns import Turns
+
+LAYERS = 6
+
+
+class _Recorded(torch.nn.Module):
+    """A stand-in for a forward being recorded: its layers log their calls; after layer
+    ``ask_after`` it asks the step thread to begin and waits until that step waits."""
+
+    def __init__(self, log: list, turns: Turns, go: threading.Event, ask_after: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(LAYERS))
+        self.log, self.turns, self.go, self.ask_after = log, turns, go, ask_after
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            self.log.append(f"r{index}")
+            if index == self.ask_after:
+                self.go.set()
+                while not self.turns._waiting:
+                    threading.Event().wait(0.001)
+        return x
+
+
+def _together(*targets) -> None:
+    threads = [threading.Thread(target=target) for target in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive(), "the step and the recording deadlocked"
+
+
+def _run(pausing: bool) -> tuple[list, Turns]:
+    turns, log, go = Turns(), [], threading.Event()
+    model = _Recorded(log, turns, go, ask_after=1)
+
+    def record() -> None:
+        with turns.recording(pausing=pausing):
+            model(torch.zeros(1))
+
+    def step() -> None:
+        go.wait()
+        with turns.step():
+            torch.nn.Identity()(torch.zeros(1))  # a module call of the step's own: never a pause
+            log.append("step")
+
+    _together(record, step)
+    return log, turns
+
+
+def test_a_pausing_recording_lets_a_waiting_step_in_at_its_next_module_call():
+    log, turns = _run(pausing=True)
+    assert log == ["r0", "r1", "step", *(f"r{i}" for i in range(2, LAYERS))]
+    assert turns.pauses == 1
+
+
+def test_a_whole_recording_makes_the_step_wait_for_its_end():
+    log, turns = _run(pausing=False)
+    assert log == [*(f"r{i}" for i in range(LAYERS)), "step"]
+    assert turns.pauses == 0
+
+
+def test_a_recording_gives_way_only_once_it_has_run_its_slice():
+    """The clock advances one tick per recorded layer: with a slice of three ticks, the
+    step that waits from layer 1 on gets in at the first module call three ticks after
+    the recording began, not before."""
+    ticks = [0]
+    turns, log, go = Turns(slice_s=3, clock=lambda: ticks[0]), [], threading.Event()
+    model = _Recorded(log, turns, go, ask_after=1)
+    for layer in model.layers:
+        layer.register_forward_hook(lambda *_: ticks.__setitem__(0, ticks[0] + 1))
+
+    def record() -> None:
+        with turns.recording(pausing=True):
+            model(torch.zeros(1))
+
+    def step() -> None:
+        go.wait()
+        with turns.step():
+            log.append("step")
+
+    _together(record, step)
+    assert log == ["r0", "r1", "r2", "step", *(f"r{i}" for i in range(3, LAYERS))]
+    assert turns.pauses == 1
+
+
+def test_a_recording_begins_only_after_the_step_in_progress():
+    turns, log = Turns(), []
+    stepping, recorded = threading.Event(), threading.Event()
+
+    def record() -> None:
+        stepping.wait()
+        with turns.recording(pausing=True):
+            log.append("recording")
+        recorded.set()
+
+    thread = threading.Thread(target=record)
+    thread.start()
+    with turns.step():
+        stepping.set()
+        assert not recorded.wait(0.2)
+        log.append("step")
+    thread.join(30)
+    assert log == ["step", "recording"]
+
+
+def test_the_pause_hook_is_gone_after_a_recording():
+    turns = Turns()
+    before = len(torch.nn.modules.module._global_forward_pre_hooks)
+    with turns.recording(pausing=True):
+        assert len(torch.nn.modules.module._global_forward_pre_hooks) == before + 1
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == before
+    with pytest.raises(RuntimeError), turns.recording(pausing=True):
+        raise RuntimeError("a capture that fails")
+    assert len(torch.nn.modules.module._global_forward_pre_hooks) == before
+    with turns.step():
+        pass  # nothing left holding the turn
