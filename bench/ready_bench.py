@@ -47,8 +47,8 @@ process's first capture loads the modules of every kernel it launches and grows 
 allocator, and the row that ran first would pay for that alone.
 
 Each graphflow row also records the capture pool as measured after capture
-(``pool_bytes``), as forecast before any capture from the largest descriptors' warmup
-(``pool_forecast_bytes``, ``PipelineReport.pool_forecast``; None on the CPU) and the
+(``pool_bytes``), as forecast before any capture from a probed run of each mode's first
+descriptor (``pool_forecast_bytes``, ``PipelineReport.pool_forecast``; None on the CPU) and the
 static buffers (``buffer_bytes``), and the table prints forecast over measured.
 
 Prints a table of total / warmup / capture / verify seconds with each row's ratio to the

@@ -10,6 +10,7 @@ per-size work at warmup (``per_size_warmup``); a skipped warmup is said, not sil
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 
@@ -18,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 
 from graphflow.cli import main
-from graphflow.engine import RunOptions, Verify, run_pipeline
+from graphflow.engine import CpuBackend, RunOptions, Verify, run_pipeline
+from graphflow.engine.backend import PoolProbe
 from graphflow.engine.context import SAMPLE_BETWEEN, per_size_warmup, sample
 from graphflow.engine.options import Watch
 from graphflow.events import EventKind, Phase
@@ -190,30 +192,70 @@ class TestPoolForecast:
     def test_the_cpu_backend_cannot_tell_and_says_none(self):
         engine, _ = captured(toy_plan(1, sizes=(1, 2)), detectors=False)
         with engine:
-            assert engine.report.warmup_peak == {} and engine.report.pool_forecast is None
+            assert engine.report.pool_probe == {} and engine.report.pool_forecast is None
 
-    def test_the_first_warmup_of_each_mode_is_measured_on_a_backend_that_can(self):
-        from graphflow.engine import CpuBackend
-
-        class Peaks(CpuBackend):
-            """Allocated grows 100 bytes per read; the peak is 1000 above the last reset."""
-
-            def __init__(self):
-                super().__init__()
-                self.allocated = 0
-
-            def reset_peak_memory(self, device):
-                self.allocated += 100
-                return self.allocated
-
-            def peak_memory(self, device):
-                return self.allocated + 1000
-
+    def test_the_first_descriptor_of_each_mode_runs_its_step_once_more_in_a_probed_pool(self):
+        """The probe opens once per mode, around the last eager step of that mode's first
+        (largest) descriptor, one more than its warm runs; the forecast is the largest."""
+        backend = Probing()
         plan = toy_plan(1, sizes=(1, 2, 4), modes=(P, F), full=True)
-        engine = run_pipeline(plan, RunOptions(detectors=False), backend=Peaks(), model=build_toy(1))
+        engine = run_pipeline(plan, RunOptions(detectors=False), backend=backend, model=build_toy(1))
         with engine:
-            assert engine.report.warmup_peak == {"PIECEWISE": 1000, "FULL": 1000}
-            assert engine.report.pool_forecast == 1000
+            assert backend.probes == 2
+            assert engine.report.pool_probe == {"PIECEWISE": 1000, "FULL": 1001}
+            assert engine.report.pool_forecast == 1001
+
+    def test_the_probed_run_is_one_more_warm_run_and_the_last(self):
+        """With two warm runs asked for, the first descriptor runs three times, the probe
+        around the third and last; the next descriptor runs its two, unprobed."""
+        plan = toy_plan(1, modes=(P,), sizes=(4, 2))
+        plan = attrs.evolve(plan, capture=attrs.evolve(plan.capture, warmup_iters=2))
+        backend, log = Probing(), []
+        backend.log = log
+
+        class Ends:
+            def on_event(self, event):
+                if event.kind is EventKind.PHASE_END and event.phase is Phase.WARMUP:
+                    log.append("warmup end")
+
+        with run_pipeline(plan, RunOptions(detectors=False, verify="all"), backend=backend, model=build_toy(1),
+                          listeners=[Ends()]):
+            pass
+        first, second = "".join(f"{e}|" for e in log).split("warmup end|")[:2]
+        assert first == "run|run|probe|run|probed|"
+        assert second == "run|run|"
+
+
+class Probing(CpuBackend):
+    """A CPU backend that probes pools: a probe reserves 1000 bytes per step run inside it
+    (counted by the step's stream switches), plus 1 per probe before it; ``log`` (when
+    given) records each run and each probe's opening and closing."""
+
+    def __init__(self):
+        super().__init__()
+        self.probes, self.inside, self.steps_inside, self.log = 0, False, 0, None
+
+    def probes_pools(self, device):
+        return True
+
+    @contextlib.contextmanager
+    def pool_probe(self, device):
+        probe, self.inside, self.steps_inside = PoolProbe(), True, 0
+        self._note("probe")
+        yield probe
+        self._note("probed")
+        self.inside = False
+        probe.bytes = 1000 * self.steps_inside + self.probes
+        self.probes += 1
+
+    def on_stream(self, stream):
+        self.steps_inside += self.inside
+        self._note("run")
+        return super().on_stream(stream)
+
+    def _note(self, what):
+        if self.log is not None:
+            self.log.append(what)
 
 
 class TestCommandLine:
@@ -236,7 +278,7 @@ class TestCommandLine:
         document = json.loads(out)
         assert document["verified"] == verified
         assert sum(row["verify"] is not None for row in document["descriptors"]) == verified
-        assert document["pool_forecast_bytes"] is None and document["warmup_peak_bytes"] == {}
+        assert document["pool_forecast_bytes"] is None and document["pool_probe_bytes"] == {}
         # Only what verifies (and the first) warms up; the rest say their warmup was skipped.
         assert document["warmups_skipped"] == len(SIZES) - max(verified, 1)
         for row in document["descriptors"]:

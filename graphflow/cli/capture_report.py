@@ -191,7 +191,7 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
         "graphs": report.graphs if real else 0, "pool_bytes": report.pool_bytes, "buffer_bytes": report.buffer_bytes,
         "pool_estimate": report.pool_estimate,
         # Before any capture: the largest descriptors' warmup peaks (None on the CPU backend).
-        "pool_forecast_bytes": report.pool_forecast, "warmup_peak_bytes": report.warmup_peak,
+        "pool_forecast_bytes": report.pool_forecast, "pool_probe_bytes": report.pool_probe,
         "verified": len(verified), "warmups_skipped": report.warmups_skipped,
         "capture_s": captured_s, "total_s": total_s, "setup_s": setup_s, "timing_s": timing_s,
         "setup": {"plan_s": plan_s, "torch_s": torch_s, "backend_s": backend_s},

@@ -61,12 +61,14 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
+import attrs
 import torch
 
 from graphflow.engine.memory import host_available
 from graphflow.engine.streams import cuda_streams
 
-__all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "WorkspaceClearedWarning", "make_backend",
+__all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "PoolProbe", "WorkspaceClearedWarning",
+           "make_backend",
            "workspace_watch"]
 
 Call = Callable[[], object]
@@ -188,6 +190,18 @@ class Backend(abc.ABC):
         the bytes allocated now, or None when the backend cannot tell."""
         return None
 
+    def probes_pools(self, device: torch.device) -> bool:
+        """Whether ``pool_probe`` measures on ``device``: where it cannot, nothing is run
+        for it."""
+        return False
+
+    @contextlib.contextmanager
+    def pool_probe(self, device: torch.device) -> Iterator[PoolProbe]:
+        """Inside, every allocation this thread makes on ``device`` goes to a pool of its
+        own; on leaving, the probe holds the bytes that pool reserved (None where the
+        backend cannot tell) and the pool is given back."""
+        yield PoolProbe()
+
     def peak_memory(self, device: torch.device) -> int | None:
         """The most bytes allocated on ``device`` since ``reset_peak_memory``, when the
         backend can tell."""
@@ -222,6 +236,13 @@ class Backend(abc.ABC):
                 times.append(time.perf_counter() - start)
             timed.append(times)
         return tuple(timed)
+
+
+@attrs.define
+class PoolProbe:
+    """What ``Backend.pool_probe`` measured: the bytes its pool reserved, once it is left."""
+
+    bytes: int | None = None
 
 
 class _EagerGraph(Graph):
@@ -683,6 +704,22 @@ class CudaBackend(Backend):
 
     def peak_memory(self, device: torch.device) -> int | None:
         return None if device.type == "cpu" else torch.cuda.max_memory_allocated(device)
+
+    def probes_pools(self, device: torch.device) -> bool:
+        return device.type != "cpu"
+
+    @contextlib.contextmanager
+    def pool_probe(self, device: torch.device) -> Iterator[PoolProbe]:
+        probe = PoolProbe()
+        if device.type == "cpu":
+            yield probe
+            return
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool, device=device):
+            yield probe
+        torch.cuda.synchronize(device)
+        probe.bytes = self.pool_bytes(pool.id)
+        # Dropping the pool frees its segments (torch empties a MemPool it destroys).
 
     def free_memory(self, device: torch.device) -> int | None:
         if device.type == "cpu":

@@ -305,7 +305,7 @@ class BackgroundCapture:
                             phases=summarize([*report.phases, *tally.phases]),
                             verify=(*report.verify, *tally.verified), times=(*report.times, *tally.times),
                             pool_bytes=self._alloc.pool_bytes(ctx), pool_estimate=dict(self._captured.pool_estimate),
-                            warmup_peak={**tally.warmup_peak, **report.warmup_peak})
+                            pool_probe={**tally.pool_probe, **report.pool_probe})
 
     def _one(self, ctx: Context, descriptor: Descriptor, hooks: Hooks) -> None:
         run_descriptor(ctx, self._alloc, self._captured, descriptor, ctx.descriptors.index(descriptor) + 1,

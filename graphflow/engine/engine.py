@@ -47,9 +47,10 @@ class PipelineReport:
     ``capture.warmup: auto`` is there, ``skipped``); ``verify`` the descriptors verify
     compared (``RunOptions.verify``: a sample of them by default); ``prewarm`` lists the
     JIT specializations compiled, loaded and launched before capture; ``compile`` what
-    ``torch.compile`` did for each compiled segment during warmup. ``warmup_peak``: per
-    mode, the transient device memory its first (largest) descriptor's warmup took, known
-    before any capture: ``pool_forecast`` beside the measured ``pool_bytes``.
+    ``torch.compile`` did for each compiled segment during warmup. ``pool_probe``: per
+    mode, what a pool of its own reserved for one more run of its first (largest)
+    descriptor's step after its warmup, known before any capture: ``pool_forecast``
+    beside the measured ``pool_bytes``.
     """
 
     backend: str
@@ -67,17 +68,17 @@ class PipelineReport:
     pool_estimate: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.memory)
     #: Per compiled segment, what torch.compile did (graphflow.engine.model.compiled), when the plan compiles any.
     compile: CompileReport | None = None
-    warmup_peak: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.warmup.Warmed)
+    pool_probe: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.warmup.Warmed.pool_probe_bytes)
 
     def phase(self, phase: Phase) -> PhaseResult:
         return next(r for r in self.phases if r.phase is phase)
 
     @property
     def pool_forecast(self) -> int | None:
-        """The capture pool as forecast before any capture: the largest first-descriptor
-        warmup peak of any mode (the modes share the pool, and graphs captured one after
+        """The capture pool as forecast before any capture: the largest pool probe of any
+        mode (the modes share the pool, and graphs captured one after
         another reuse its blocks); None where the backend cannot tell (the CPU's)."""
-        return max(self.warmup_peak.values(), default=None)
+        return max(self.pool_probe.values(), default=None)
 
     @property
     def warmups_skipped(self) -> int:

@@ -96,9 +96,9 @@ class Tally:
     verified: list[VerifyResult] = attrs.field(factory=list)
     #: The JIT registry's ``PrewarmReport``, when the run prewarmed anything.
     prewarm: object | None = None
-    #: Per mode, the first descriptor's warmup peak of transient device memory
-    #: (``Warmed.peak_bytes``): the capture pool forecast before any capture.
-    warmup_peak: dict[str, int] = attrs.field(factory=dict)
+    #: Per mode, what a pool of its own reserved for the first descriptor's step
+    #: (``Warmed.pool_probe_bytes``): the capture pool forecast before any capture.
+    pool_probe: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -175,8 +175,8 @@ def warm(ctx: Context, alloc: Allocation, captured: Captured | None, descriptor:
                        _guarded(hooks, descriptor, functools.partial(warmup, ctx, alloc, descriptor, index)),
                        pool=_pool(hooks, captured))
     tally.times.append(warmed.time)
-    if warmed.peak_bytes is not None:
-        tally.warmup_peak.setdefault(descriptor.mode.value, warmed.peak_bytes)
+    if warmed.pool_probe_bytes is not None:
+        tally.pool_probe.setdefault(descriptor.mode.value, warmed.pool_probe_bytes)
     if captured is None:
         prewarmed = run_phase(ctx, tally.phases, Phase.PREWARM, functools.partial(prewarm, ctx, alloc))
         tally.prewarm = prewarmed if prewarmed is not False else None

@@ -216,7 +216,7 @@ def _finish(ctx: Context, alloc: Allocation, captured: Captured, tally: Tally) -
                        lambda: commit(ctx, alloc, captured, tuple(tally.verified), tuple(tally.times)),
                        pool=lambda _: captured.pool_bytes)
     report = attrs.evolve(report, phases=summarize(tally.phases), prewarm=tally.prewarm,
-                          warmup_peak=dict(tally.warmup_peak))
+                          pool_probe=dict(tally.pool_probe))
     live = background = None
     if ctx.options.lazy:
         live = LiveSwitch(report)

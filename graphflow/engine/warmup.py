@@ -63,12 +63,17 @@ class Warmed:
     time: DescriptorTime
     start: dict[str, torch.Tensor] = attrs.field(factory=dict)
     expected: dict[str, torch.Tensor] = attrs.field(factory=dict)
-    #: The first descriptor of a mode only: the most device memory its warmup took above
-    #: what was allocated before (None elsewhere, and where the backend cannot tell).
-    #: The step's transient tensors are what its graphs keep in the capture pool, and the
-    #: first is the largest, whose pool blocks the smaller ones reuse: a forecast of the
-    #: pool before anything is captured.
-    peak_bytes: int | None = None
+    #: The first descriptor of a mode only: the bytes a pool of its own reserved for one
+    #: more run of its step (``Backend.pool_probe``; None elsewhere, and where the backend
+    #: cannot tell), the capture pool's forecast before anything is captured. A capture
+    #: reserves its pool the same way: fresh segments, the allocator's block sizes and
+    #: rounding, blocks reused as the step frees them. The peak of allocated bytes shows
+    #: none of that (36 MiB against an 82 MiB pool, the 61-layer FULL plan on the H200),
+    #: and over a first run it also counts what is made once and kept (cuBLAS's workspace
+    #: at a stream's first matmul: 101 MiB there in a fresh process); the runs before the
+    #: probed one have made that. The first descriptor is the mode's largest, and the
+    #: smaller ones' graphs reuse its pool blocks.
+    pool_probe_bytes: int | None = None
 
 
 def eager_step(ctx: Context, alloc: Allocation, size: int, fns=None) -> tuple[tuple[Segment, Call], ...]:
@@ -128,7 +133,9 @@ def check_findings(alloc: Allocation, *, cause: BaseException | None = None, fai
 
 def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) -> Warmed:
     """One descriptor: the step eagerly ``warmup_iters`` times on verify's inputs (the
-    run's very first step checked for unwritten outputs, ``graphflow.engine.model.written``)."""
+    run's very first step checked for unwritten outputs, ``graphflow.engine.model.written``).
+    A mode's first descriptor runs once more, in pools of its own (``pool_probe``): that
+    run is the last, the one verify's snapshots and the host-state check surround."""
     runner = watched(ctx, alloc, Phase.WARMUP, capturing=False, descriptor=descriptor)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
     keep = ctx.verifies(descriptor) and ctx.verify_plan.reuses_warmup
@@ -136,42 +143,38 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
     state = functools.partial(host_state.snapshot, alloc.model, alloc.owned.holders)
     start: dict[str, torch.Tensor] = {}
     expected: dict[str, torch.Tensor] = {}
-    devices = tuple(dict.fromkeys(alloc.devices.values())) if ctx.first_of_mode(descriptor) else ()
+    probed = tuple(d for d in dict.fromkeys(alloc.devices.values()) if ctx.backend.probes_pools(d)) \
+        if ctx.first_of_mode(descriptor) else ()
+    probes = []
     with ctx.descriptor(descriptor, index) as block:
-        before = {device: ctx.backend.reset_peak_memory(device) for device in devices}
         views = alloc.buffers.views(descriptor.size)
         fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=bool(ctx.options.verify))
         step = eager_step(ctx, alloc, descriptor.size)
-        iters = ctx.plan.capture.warmup_iters
+        iters = ctx.plan.capture.warmup_iters + bool(probed)
         # Consecutive descriptors take turns when there are two pairs (``Allocation.behind``).
         pair = alloc.snapshots[index % len(alloc.snapshots)] if keep else None
         held = None
         for i in range(iters):
-            if keep and i == iters - 1:
+            last = i == iters - 1
+            if keep and last:
                 start = pair[0].take(views, descriptor.size)
-            held = state() if host and i == iters - 1 else None
+            held = state() if host and last else None
             # The first step also checks that every segment writes what it declares.
             first = index == 1 and i == 0
-            run_eager(ctx.backend, schedule, step, checking(ctx, alloc, descriptor.size, runner) if first else runner)
+            with contextlib.ExitStack() as probing:
+                if probed and last:
+                    probes = [probing.enter_context(ctx.backend.pool_probe(device)) for device in probed]
+                run_eager(ctx.backend, schedule, step,
+                          checking(ctx, alloc, descriptor.size, runner) if first else runner)
         alloc.synchronize(ctx)
-        peak = _peak(ctx, before)
         check_findings(alloc)
         if held is not None:
             host_state.check_unchanged(held, state())
         if keep:
             expected = pair[1].take(views, descriptor.size)
-    return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected, peak)
-
-
-def _peak(ctx: Context, before: dict) -> int | None:
-    """The transient memory the warmup took on its devices: each one's peak since
-    ``before`` (what was allocated then) less that; None when any cannot tell."""
-    if not before or any(b is None for b in before.values()):
-        return None
-    peaks = {device: ctx.backend.peak_memory(device) for device in before}
-    if any(p is None for p in peaks.values()):
-        return None
-    return sum(max(0, peaks[device] - before[device]) for device in before)
+    sizes = [probe.bytes for probe in probes]
+    forecast = None if not sizes or None in sizes else sum(sizes)
+    return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected, forecast)
 
 
 def fill_inputs(plan: Plan, views: dict[str, torch.Tensor], size: int, seed: int, *, strict: bool) -> None:
