@@ -119,6 +119,44 @@ def test_a_recording_begins_only_after_the_step_in_progress():
     assert log == ["step", "recording"]
 
 
+def test_a_recording_is_not_starved_by_steps_that_leave_no_gap():
+    """Two threads step so that one is always in progress (a busy engine's calls, back to
+    back, leave no gap the recording could wait for): a recording that wants to begin
+    goes before the steps asked after it, and begins once the step in progress ends."""
+    turns, log = Turns(), []
+    stop, began = threading.Event(), threading.Event()
+    gates = [threading.Semaphore(1), threading.Semaphore(0)]
+
+    def stepping(me: int) -> None:
+        other = 1 - me
+        while not stop.is_set():
+            if not gates[me].acquire(timeout=0.05):
+                continue
+            with turns.step():  # half way through, the other thread's step begins
+                threading.Event().wait(0.005)
+                gates[other].release()
+                threading.Event().wait(0.005)
+
+    def record() -> None:
+        began.wait()
+        with turns.recording(pausing=False):
+            log.append("recording")
+        stop.set()
+
+    steppers = [threading.Thread(target=stepping, args=(i,)) for i in (0, 1)]
+    recorder = threading.Thread(target=record, daemon=True)
+    for thread in (*steppers, recorder):
+        thread.start()
+    threading.Event().wait(0.05)
+    began.set()
+    recorder.join(30)
+    stop.set()
+    for thread in steppers:
+        thread.join(30)
+    assert not recorder.is_alive() and log == ["recording"], "the recording never had its turn"
+
+
+
 def test_the_pause_hook_is_gone_after_a_recording():
     turns = Turns()
     before = len(torch.nn.modules.module._global_forward_pre_hooks)

@@ -8,8 +8,13 @@ recording; and one that gives way to every step as soon as it waits never ends w
 engine is busy (on the H200, no key of 32 went live in 144 back-to-back steps). So a
 recording takes slices: before each module call it records, once it has run ``slice_s``
 since it last began or resumed, it looks whether a step is waiting, and if one is, it
-pauses until no step is in progress or waiting. A step then waits for one slice and one
-module's recording at most; the caller sizes the slice to its steps.
+pauses until the steps waiting then have had their turn. A step then waits for one slice
+and one module's recording at most; the caller sizes the slice to its steps.
+
+A recording that wants to begin or resume goes before steps that ask after it: it waits
+for the step in progress, never for a gap between steps, which a busy engine may not
+leave (its calls come back to back from one thread, and the interpreter lock hands over
+only every few milliseconds).
 
 Pausing leaves the capture open while a step runs. That is safe only where nothing the
 step does reaches the capture: the graph is recorded in thread-local capture mode on a
@@ -42,6 +47,7 @@ class Turns:
         self._changed = threading.Condition()
         self._waiting = 0  # steps that asked for their turn and have not had it yet
         self._stepping = 0  # steps in progress
+        self._wanting = 0  # recordings that want to begin or resume, ahead of steps asking now
         self._recording = False  # a recording runs (not paused)
         self._recorder: int | None = None  # the recording thread, while one records with pauses
         #: How many times recordings paused for a step, over this object's life.
@@ -53,7 +59,7 @@ class Turns:
         (or, for one recorded without pauses, its end)."""
         with self._changed:
             self._waiting += 1
-            while self._recording:
+            while self._recording or self._wanting:
                 self._changed.wait()
             self._waiting -= 1
             self._stepping += 1
@@ -66,11 +72,11 @@ class Turns:
 
     @contextlib.contextmanager
     def recording(self, *, pausing: bool) -> Iterator[None]:
-        """One graph's recording, begun when no step is in progress or waiting; with
-        ``pausing``, it gives way to steps at every module call it makes."""
+        """One graph's recording, begun once the step in progress (if any) has ended,
+        before the steps that ask meanwhile; with ``pausing``, after each slice it gives
+        way at its next module call to the steps waiting then."""
         with self._changed:
-            self._until_no_step()
-            self._recording = True
+            self._take_turn()
         hook = torch.nn.modules.module.register_module_forward_pre_hook(self._pause) if pausing else None
         self._resumed = self._clock()
         self._recorder = threading.get_ident() if pausing else None
@@ -93,11 +99,17 @@ class Turns:
         with self._changed:
             self._recording = False
             self._changed.notify_all()
-            self._until_no_step()
-            self._recording = True
+            while self._waiting:  # the steps waiting now take their turn
+                self._changed.wait()
+            self._take_turn()
             self.pauses += 1
         self._resumed = self._clock()
 
-    def _until_no_step(self) -> None:
-        while self._stepping or self._waiting:
+    def _take_turn(self) -> None:
+        """The recording's turn, once the step in progress (if any) has ended; steps that
+        ask meanwhile wait for it."""
+        self._wanting += 1
+        while self._stepping:
             self._changed.wait()
+        self._wanting -= 1
+        self._recording = True
