@@ -527,13 +527,20 @@ def test_the_replay_perturbation_does_change_tokens(capture_flags):
     assert result.tokens != _engine_alone("llama").tokens
 
 
-def test_a_key_failing_its_lazy_capture_is_served_eagerly(capture_flags, caplog):
+def _lazy_run_failing_at_a_middle_key(perturb, capture_flags, caplog):
+    """A lazy run with ``perturb(model, key, flags)`` at a key of two steps or more: its
+    tokens are the engine's alone; the run, the key and its steps."""
     key, hits = _middle_key(min_hits=2)
     model, _ = build("llama")
-    _raise_in_capture_at(model, key, capture_flags)
+    perturb(model, key, capture_flags)
     with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
         result = run(model, PROMPTS, NEW, "lazy", queue_first=True, settle=True)
     assert result.tokens == _engine_alone("llama").tokens
+    return result, key, hits
+
+
+def test_a_key_failing_its_lazy_capture_is_served_eagerly(capture_flags, caplog):
+    result, key, hits = _lazy_run_failing_at_a_middle_key(_raise_in_capture_at, capture_flags, caplog)
     summary = result.serving.coverage.as_dict()
     entry = summary["keys"][str(key)]
     assert entry["state"] == "failed" and entry["failure"] == f"_Injected: injected at {key}"
@@ -547,12 +554,7 @@ def test_a_key_failing_its_lazy_capture_is_served_eagerly(capture_flags, caplog)
 
 
 def test_a_lazy_graph_whose_first_replay_differs_serves_the_eager_tokens(capture_flags, caplog):
-    key, hits = _middle_key(min_hits=2)
-    model, _ = build("llama")
-    _differ_in_replay_at(model, key, capture_flags)
-    with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
-        result = run(model, PROMPTS, NEW, "lazy", queue_first=True, settle=True)
-    assert result.tokens == _engine_alone("llama").tokens
+    result, key, hits = _lazy_run_failing_at_a_middle_key(_differ_in_replay_at, capture_flags, caplog)
     entry = result.serving.coverage.as_dict()["keys"][str(key)]
     assert entry["state"] == "failed" and "its replay gave tokens" in entry["failure"]
     # Its first step: no graph yet, unless the thread captured the key before any step

@@ -74,7 +74,7 @@ def test_time_runs_times_each_call_in_turn_on_the_host():
     timed = CpuBackend().time_runs(torch.device("cpu"), (lambda: order.append("a"), lambda: order.append("b")), 3)
     assert order == ["a"] * 3 + ["b"] * 3
     assert [len(t) for t in timed] == [3, 3] and all(s >= 0 for t in timed for s in t)
-    assert CpuBackend().timer(torch.device("cpu"))(lambda: order.append("c"), 2) and order[-2:] == ["c", "c"]
+    assert CpuBackend().time_runs(torch.device("cpu"), (lambda: order.append("c"),), 2) and order[-2:] == ["c", "c"]
 
 
 def test_time_runs_on_a_gpu_synchronizes_once_before_and_once_after(monkeypatch):

@@ -215,14 +215,6 @@ class Backend(abc.ABC):
         """Bytes the pool holds, when the backend can tell."""
         return None
 
-    def timer(self, device: torch.device) -> Callable[[Call, int], list[float]]:
-        """A function timing ``n`` runs of a call, seconds each (``time_runs`` of one call)."""
-
-        def run(call: Call, n: int) -> list[float]:
-            return self.time_runs(device, (call,), n)[0]
-
-        return run
-
     def time_runs(self, device: torch.device | None, calls: Sequence[Call], n: int) -> tuple[list[float], ...]:
         """``n`` runs of each call in turn (every run of the first, then of the next), one
         list of seconds per call; wall clock here. The CUDA backend times them with events

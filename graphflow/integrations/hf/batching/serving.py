@@ -14,9 +14,9 @@ takes over only the step's forward (``ModelRunner.compute_batch``):
   ones steps asked for first (most asked first), then the rest of the plan, largest first
   (a plan of more than ``AHEAD_MOST`` keys keeps to those asked for). A recording gives
   way to a waiting step at its next module call once it has run ``SLICE_OF_EAGER`` of an
-  eager step (``Turns``): no step waits for a whole capture. The first step served on a new graph runs the engine's
-  eager step too and compares the tokens: the graph goes live only if they are
-  identical, and the step serves the eager tokens either way.
+  eager step (``Turns``): no step waits for a whole capture. The first step served on a
+  new graph runs the engine's eager step too and compares the tokens: the graph goes live
+  only if they are identical, and the step serves the eager tokens either way.
 
 Verification is against the engine's own eager step (its ``compute_batch`` without graphs),
 never against graphflow's. Sampled tokens differ between any two runs, so with
@@ -88,7 +88,7 @@ class Serving:
         self._pools = [pool]
         self._graphs: dict[ServingKey, _Graph] = {}
         #: Lazy on a GPU: IO tensors of the engine's sizes for warm runs (``_scratch_io``).
-        self._scratch = None
+        self._scratch = _scratch_io(processor) if lazy and backend.captures_graphs else None
         self._planned = frozenset(plan.keys)
         self._demand: dict[ServingKey, int] = {}
         self._todo = list(plan.keys)
@@ -143,8 +143,8 @@ class Serving:
                 return
             began = time.perf_counter()
             self._original(model, batch_data)
-            self._eager_s = (time.perf_counter() - began if self._eager_s is None else
-                             0.8 * self._eager_s + 0.2 * (time.perf_counter() - began))
+            took = time.perf_counter() - began
+            self._eager_s = took if self._eager_s is None else 0.8 * self._eager_s + 0.2 * took
             self.turns.slice_s = SLICE_OF_EAGER * self._eager_s
         entry = self.coverage.entry(key)
         fallback = (Fallback.NOT_PLANNED if key not in self._planned else
@@ -291,7 +291,7 @@ class Serving:
     def _capture_lazy(self, key: ServingKey) -> None:
         call = self._call(key)
         tries = self._tries.get(key, 0)
-        # A first try gives way to the steps at every module call (see Turns for when
+        # A first try gives way to waiting steps after each slice (see Turns for when
         # that is safe); a key whose capture failed once records its next tries whole,
         # between two steps, in case a step's work beside the open capture broke it. The
         # CPU backend's capture runs the step, and leaves every tensor the step writes as
@@ -476,8 +476,6 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
         verify = verify and not processor.model_runner.do_sample
         serving = Serving(manager.model, processor, plan, chosen, stream, pool, stack, lazy=lazy, verify=verify)
         stack.push("destroy the graphs", functools.partial(_destroy_all, serving))
-        if lazy and chosen.captures_graphs:
-            serving._scratch = _scratch_io(processor)
         runner = processor.model_runner
         runner.compute_batch = serving.compute_batch
         stack.push("give the engine its own forward back", functools.partial(vars(runner).pop, "compute_batch"))
