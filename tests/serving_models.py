@@ -123,7 +123,8 @@ class Run:
 
 
 def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, queue_first: bool = False,
-        settle: bool = False, serve_kwargs=None, before_serve=None, after_stop=None, **settings) -> Run:
+        settle: bool = False, ahead: bool = False, serve_kwargs=None, before_serve=None, after_stop=None,
+        **settings) -> Run:
     """One session of the engine over ``prompt_list``, greedy, ``new_tokens`` each.
 
     ``mode``: None (the engine alone), "fg" (``serve(manager)``) or "lazy"
@@ -132,7 +133,9 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
     every run); otherwise they are added after, as a server does. ``settle`` (lazy):
     the capture thread starts only after the engine's first step, and each step waits
     until the capture thread has dealt with its key, so the first step of each key is
-    eager ("no graph yet") and later ones are not left to timing. ``before_serve(processor)``
+    eager ("no graph yet") and later ones are not left to timing. ``ahead`` (lazy): after the
+    engine's first step, the next waits until every key of the plan is captured, so each
+    later key's first step is its graph's check. ``before_serve(processor)``
     runs on the engine's batch processor before ``serve``; ``after_stop(serving)`` after
     ``stop()`` and before ``close()``.
     """
@@ -164,10 +167,16 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
             io = processor.inputs_and_outputs
             keys.append(key_of(io))
             first_step.set()
-            if settle and serving is not None and serving.lazy and keys[-1] in serving.plan.keys:
-                deadline = time.monotonic() + 30
-                while serving.coverage.entry(keys[-1]).state == "planned" and time.monotonic() < deadline:
-                    time.sleep(0.002)
+            waiting_for = ()
+            if serving is not None and serving.lazy:
+                if ahead and len(keys) == 1:
+                    waiting_for = serving.plan.keys
+                elif settle and keys[-1] in serving.plan.keys:
+                    waiting_for = (keys[-1],)
+            deadline = time.monotonic() + 30
+            while any(serving.coverage.entry(k).state == "planned" for k in waiting_for) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.002)
 
         processor._generation_step = counted
         try:

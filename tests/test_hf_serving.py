@@ -20,6 +20,8 @@ the engine's; nothing about CUDA itself.
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
 import functools
 import gc
 import logging
@@ -39,10 +41,11 @@ from transformers.generation.continuous_batching.utils import (
     pad_to_pow2,
 )
 
-from graphflow.engine.backend import CpuBackend
+from graphflow.engine.backend import CpuBackend, PoolProbe
 from graphflow.errors import PlanError
 from graphflow.integrations.hf.batching import Fallback, ServingKey, serve, serving_keys
 from graphflow.integrations.hf.batching.keys import VARLEN, key_of
+from graphflow.integrations.hf.batching.serving import LAZY_TRIES
 from tests.serving_models import (
     WINDOW,
     build,
@@ -352,6 +355,24 @@ def test_lazy_coverage_first_steps_have_no_graph_yet():
     assert any("no graph yet" in w for w in result.serving.coverage.warnings())
 
 
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "llama"])
+@pytest.mark.parametrize("lengths", [(40, 3), (60, 5, 30)])
+def test_a_lazy_graphs_check_leaves_the_cache_as_the_eager_step_does(name, lengths):
+    """A new lazy graph's first step runs the engine's eager step, then the replay, on the
+    same batch. A sliding-window layer reads the old KV before it writes the new, and the
+    chunk of a prompt longer than the window overwrites slots it reads: run twice, the
+    second run would read what the first wrote (wrong tokens later, or a good graph failed).
+    Here every later key's first step is a check (all captured after the first step),
+    the chunks of prompts of 40 and 60 tokens (the window is 8) included."""
+    model, reference = shared(name)
+    chosen = prompts(lengths)
+    result = run(model, chosen, NEW, "lazy", queue_first=True, ahead=True)
+    summary = result.serving.coverage.as_dict()
+    assert summary["graph_steps"] > 0
+    assert not [k for k, e in summary["keys"].items() if e["state"] == "failed"], result.serving.report()
+    assert result.tokens == hf_generate(reference, chosen, NEW)
+
+
 def test_a_key_outside_the_plan_is_served_eagerly_as_never_captured():
     everything = _foreground_run()
     busiest, hits = collections.Counter(everything.keys).most_common(1)[0]
@@ -563,6 +584,46 @@ def test_a_lazy_graph_whose_first_replay_differs_serves_the_eager_tokens(capture
     assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
+def test_a_pool_left_by_failed_captures_is_released_at_once(capture_flags, monkeypatch):
+    """Every lazy capture fails (each try starts a new pool): a pool no graph uses is
+    released as soon as captures go to the next one, not held until close. A server
+    whose captures kept failing held every failed pool: 6.6 GiB on the H200."""
+    pools, released = [], []
+    new_pool, release_pool = CpuBackend.new_pool, CpuBackend.release_pool
+
+    def counted_new(self, device):
+        pools.append(new_pool(self, device))
+        return pools[-1]
+
+    def counted_release(self, pool):
+        released.append(pool)
+        release_pool(self, pool)
+
+    monkeypatch.setattr(CpuBackend, "new_pool", counted_new)
+    monkeypatch.setattr(CpuBackend, "release_pool", counted_release)
+    model, _ = build("llama")
+
+    def fail(hidden, kwargs, out):
+        if capture_flags["capturing"]:
+            raise _Injected("every capture fails")
+        return out
+
+    _wrap_layer(model.model.layers[0], fail)
+    before_close = {}
+
+    def after_stop(serving):
+        assert serving.wait_captured(30)
+        before_close.update(pools=list(serving._pools), released=list(released))
+
+    result = run(model, PROMPTS, NEW, "lazy", queue_first=True, after_stop=after_stop)
+    assert result.tokens == _engine_alone("llama").tokens
+    summary = result.serving.coverage.as_dict()
+    assert all(e["state"] == "failed" for k, e in summary["keys"].items() if e["state"] != "unplanned")
+    assert len(pools) == len(result.serving.plan.keys) * LAZY_TRIES + 1  # one more per failure
+    assert before_close["pools"] == [pools[-1]] and before_close["released"] == pools[:-1]
+    assert released == pools  # the last at close
+
+
 def _failed_from_its_first_steps(entry: dict, hits: int) -> None:
     """Every one of the key's ``hits`` steps ran eagerly: at most the first for want of a
     graph, the others because its graph failed."""
@@ -605,6 +666,59 @@ def test_close_gives_the_engine_back(lazy):
         results[result.request_id] = result.generated_tokens
     mgr.stop(block=True, timeout=60)
     assert [results[f"req_{i}"] for i in range(len(PROMPTS))] == _reference("llama")
+
+
+def test_the_pool_forecast_is_a_warm_probed_run_of_the_largest_key(monkeypatch):
+    """Foreground capture forecasts the pool before capturing anything: the first (largest)
+    key's step once more, after its warm run, routed to a pool probe; the bytes that probe
+    reports are the forecast. (The CPU backend probes nothing: a stand-in probe here.)"""
+    model, _ = shared("llama")
+    events: list = []
+    probe_state = {"inside": False}
+
+    @contextlib.contextmanager
+    def route():
+        probe_state["inside"] = True
+        yield
+        probe_state["inside"] = False
+
+    @contextlib.contextmanager
+    def pool_probe(self, device):
+        events.append("probe")
+        probe = PoolProbe(route=route)
+        yield probe
+        probe.bytes = 4321
+
+    def action(hidden, kwargs, out):
+        events.append(("probed" if probe_state["inside"] else "run", hidden.shape[1]))
+        return out
+
+    monkeypatch.setattr(CpuBackend, "probes_pools", lambda self, device: True)
+    monkeypatch.setattr(CpuBackend, "pool_probe", pool_probe)
+    fresh = copy.deepcopy(model)
+    _wrap_layer(fresh.model.layers[0], action)
+    serving = serve(manager(fresh, NEW))
+    try:
+        largest = serving.plan.keys[0]
+        assert largest.q == max(k.q for k in serving.plan.keys)
+        assert events.count("probe") == 1
+        at = events.index("probe")
+        assert events[at - 1] == ("run", largest.q) and events[at + 1] == ("probed", largest.q)
+        assert sum(1 for e in events if e[0] == "probed") == 1
+        assert serving.memory["estimated_pool_bytes"] == 4321
+        assert "estimated 0.0 MiB before capture" in serving.report()
+    finally:
+        serving.close()
+
+
+def test_a_backend_that_cannot_probe_forecasts_nothing():
+    serving = serve(manager(shared("llama")[0], NEW))
+    try:
+        assert serving.coverage.entry(serving.plan.keys[0]).state == "live"
+        assert "estimated_pool_bytes" not in serving.memory
+        assert "estimated" not in serving.report()
+    finally:
+        serving.close()
 
 
 def test_async_batching_is_refused():
@@ -669,14 +783,15 @@ def test_serve_refuses_a_longest_request_under_one_token():
     assert "compute_batch" not in vars(mgr.batch_processor.model_runner)  # nothing attached
 
 
-def test_a_warm_run_on_the_scratch_ios_writes_nothing_the_engine_uses():
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_a_warm_run_on_the_scratch_ios_writes_nothing_the_engine_uses(name):
     """Lazy capture warms each key on this thread before capturing it, beside the engine's
     steps: on IO tensors of its own, whose indices reach only the cache's write-only trash
     block. The live IOs and every other cache slot are as they were."""
     from graphflow.integrations.hf.batching.plan import batch_processor
     from graphflow.integrations.hf.batching.serving import _scratch_io
 
-    model = shared("llama")[0]
+    model = shared(name)[0]
     mgr = manager(model, NEW)
     processor = batch_processor(mgr)
     serving = serve(mgr, lazy=True, backend="cpu")
@@ -690,12 +805,13 @@ def test_a_warm_run_on_the_scratch_ios_writes_nothing_the_engine_uses():
         before_live, before_cache = [t.clone() for t in live], [t.clone() for t in layers]
         scratch = _scratch_io(processor)
         trash = slice(cache.write_trash_index, cache.write_trash_index + cache.block_size)
-        key = next(k for k in serving.plan.keys if k.path == VARLEN)
-        serving._call(key, scratch)()
-        assert all(torch.equal(a, b) for a, b in zip(live, before_live))
-        for after, before in zip(layers, before_cache):
-            assert torch.equal(after[: trash.start], before[: trash.start])
-            assert torch.equal(after[trash.stop:], before[trash.stop:])
+        keys = [k for k in serving.plan.keys if k.path == VARLEN]
+        for key in keys:
+            serving._call(key, scratch)()
+            assert all(torch.equal(a, b) for a, b in zip(live, before_live)), key
+            for after, before in zip(layers, before_cache):
+                assert torch.equal(after[: trash.start], before[: trash.start]), key
+                assert torch.equal(after[trash.stop:], before[trash.stop:]), key
         assert any(not torch.equal(a[trash], b[trash]) for a, b in zip(layers, before_cache))  # it did run
         serving._call(key)()  # the same call on the live IOs does write them: the check can fail
         assert not all(torch.equal(a, b) for a, b in zip(live, before_live))

@@ -205,6 +205,26 @@ class TestPoolForecast:
             assert engine.report.pool_probe == {"PIECEWISE": 1000, "FULL": 1001}
             assert engine.report.pool_forecast == 1001
 
+    @pytest.mark.parametrize("mode", [P, F])
+    def test_the_probe_measures_what_capture_puts_in_its_pool(self, mode):
+        """PIECEWISE: the graph segments allocate in the probe's pool and the eager breaks
+        outside it, as at capture; FULL captures every segment."""
+        plan = toy_plan(2, modes=(mode,), sizes=(4, 2), full=mode is F)
+        backend, seen = Probing(), []
+
+        class Segments:
+            def on_event(self, event):
+                if event.kind is EventKind.SEGMENT_BEGIN and backend.inside:
+                    seen.append((event.segment, backend.routed))
+
+        with run_pipeline(plan, RunOptions(detectors=False, verify=False), backend=backend, model=build_toy(2),
+                          listeners=[Segments()]):
+            pass
+        names = [s.name for s in plan.segments]
+        assert [name for name, _ in seen] == names
+        eager = {"L0.mix", "L1.mix"} if mode is P else set()
+        assert dict(seen) == {name: name not in eager for name in names}
+
     def test_the_probed_run_is_one_more_warm_run_and_the_last(self):
         """With two warm runs asked for, the first descriptor runs three times, the probe
         around the third and last; the next descriptor runs its two, unprobed."""
@@ -234,6 +254,7 @@ class Probing(CpuBackend):
     def __init__(self):
         super().__init__()
         self.probes, self.inside, self.steps_inside, self.log = 0, False, 0, None
+        self.routed = False  # inside a probe's route(): what runs here is measured
 
     def probes_pools(self, device):
         return True
@@ -241,12 +262,21 @@ class Probing(CpuBackend):
     @contextlib.contextmanager
     def pool_probe(self, device):
         probe, self.inside, self.steps_inside = PoolProbe(), True, 0
+        probe.route = self._route
         self._note("probe")
         yield probe
         self._note("probed")
         self.inside = False
         probe.bytes = 1000 * self.steps_inside + self.probes
         self.probes += 1
+
+    @contextlib.contextmanager
+    def _route(self):
+        self.routed = True
+        try:
+            yield
+        finally:
+            self.routed = False
 
     def on_stream(self, stream):
         self.steps_inside += self.inside

@@ -185,11 +185,6 @@ class Backend(abc.ABC):
     def memory_allocated(self, device: torch.device) -> int:
         return 0
 
-    def reset_peak_memory(self, device: torch.device) -> int | None:
-        """Start measuring the most memory allocated on ``device`` (``peak_memory``);
-        the bytes allocated now, or None when the backend cannot tell."""
-        return None
-
     def probes_pools(self, device: torch.device) -> bool:
         """Whether ``pool_probe`` measures on ``device``: where it cannot, nothing is run
         for it."""
@@ -197,15 +192,10 @@ class Backend(abc.ABC):
 
     @contextlib.contextmanager
     def pool_probe(self, device: torch.device) -> Iterator[PoolProbe]:
-        """Inside, every allocation this thread makes on ``device`` goes to a pool of its
-        own; on leaving, the probe holds the bytes that pool reserved (None where the
-        backend cannot tell) and the pool is given back."""
+        """A pool of its own on ``device``, into which the allocations this thread makes
+        inside ``PoolProbe.route()`` go; on leaving, the probe holds the bytes that pool
+        reserved (None where the backend cannot tell) and the pool is given back."""
         yield PoolProbe()
-
-    def peak_memory(self, device: torch.device) -> int | None:
-        """The most bytes allocated on ``device`` since ``reset_peak_memory``, when the
-        backend can tell."""
-        return None
 
     def free_memory(self, device: torch.device) -> int | None:
         """Bytes that can still be allocated on ``device``, when the backend can tell."""
@@ -232,9 +222,13 @@ class Backend(abc.ABC):
 
 @attrs.define
 class PoolProbe:
-    """What ``Backend.pool_probe`` measured: the bytes its pool reserved, once it is left."""
+    """What ``Backend.pool_probe`` measured: the bytes its pool reserved, once it is left.
+
+    ``route()``: a context inside which this thread's allocations on the probe's device go
+    to its pool; only what runs there is measured (what a capture would put in its pool)."""
 
     bytes: int | None = None
+    route: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 class _EagerGraph(Graph):
@@ -688,15 +682,6 @@ class CudaBackend(Backend):
     def memory_allocated(self, device: torch.device) -> int:
         return 0 if device.type == "cpu" else torch.cuda.memory_allocated(device)
 
-    def reset_peak_memory(self, device: torch.device) -> int | None:
-        if device.type == "cpu":
-            return None
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-
-    def peak_memory(self, device: torch.device) -> int | None:
-        return None if device.type == "cpu" else torch.cuda.max_memory_allocated(device)
-
     def probes_pools(self, device: torch.device) -> bool:
         return device.type != "cpu"
 
@@ -707,8 +692,8 @@ class CudaBackend(Backend):
             yield probe
             return
         pool = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(pool, device=device):
-            yield probe
+        probe.route = functools.partial(torch.cuda.use_mem_pool, pool, device=device)
+        yield probe
         torch.cuda.synchronize(device)
         probe.bytes = self.pool_bytes(pool.id)
         # Dropping the pool frees its segments (torch empties a MemPool it destroys).
