@@ -691,12 +691,19 @@ class CudaBackend(Backend):
         if device.type == "cpu":
             yield probe
             return
-        pool = torch.cuda.MemPool()
-        probe.route = functools.partial(torch.cuda.use_mem_pool, pool, device=device)
-        yield probe
-        torch.cuda.synchronize(device)
-        probe.bytes = self.pool_bytes(pool.id)
-        # Dropping the pool frees its segments (torch empties a MemPool it destroys).
+        pool = _ProbePool(device)
+        probe.route = pool.route
+        try:
+            yield probe
+            torch.cuda.synchronize(device)
+            probe.bytes = self.pool_bytes(pool.id)
+        finally:
+            probe.route = contextlib.nullcontext  # the pool is this context's alone
+            pool.release()
+            # Its blocks back to the device now, unless a capture is underway somewhere
+            # (torch refuses to empty then, and raises): then at the next emptying.
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.empty_cache()
 
     def free_memory(self, device: torch.device) -> int | None:
         if device.type == "cpu":
@@ -728,6 +735,41 @@ class CudaBackend(Backend):
                 stop.record()
         torch.cuda.synchronize(device)
         return tuple([start.elapsed_time(stop) / 1000.0 for start, stop in pairs] for pairs in events)
+
+
+class _ProbePool:
+    """A private pool of the allocator for ``pool_probe``, with no ``MemPool`` object.
+
+    Destroying a ``torch.cuda.MemPool`` empties it, and emptying asserts that no capture
+    is underway in the process: with one underway (a lazy engine's thread, another
+    engine's, torch.compile's), the assertion fires in the destructor and the process
+    aborts ("captures_underway.empty() INTERNAL ASSERT FAILED" in ``~MemPool``, on the
+    H200, a probe's pool destroyed while another test's capture ran). This pool is a
+    graph pool id, used and given back as ``torch.cuda.graph`` does: the allocator makes
+    it at the first ``route``, this object holds that first use, each later ``route``
+    takes and gives back one of its own, and ``release`` gives back the first. Released,
+    its blocks are freed by the next emptying of the cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.id = torch.cuda.graph_pool_handle()
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._held = False
+
+    @contextlib.contextmanager
+    def route(self) -> Iterator[None]:
+        torch._C._cuda_beginAllocateCurrentThreadToPool(self._index, self.id)
+        try:
+            yield
+        finally:
+            torch._C._cuda_endAllocateToPool(self._index, self.id)
+            if self._held:
+                torch._C._cuda_releasePool(self._index, self.id)
+            self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            torch._C._cuda_releasePool(self._index, self.id)
+            self._held = False
 
 
 class WorkspaceClearedWarning(UserWarning):
