@@ -743,8 +743,8 @@ class _ProbePool:
     Destroying a ``torch.cuda.MemPool`` empties it, and emptying asserts that no capture
     is underway in the process: with one underway (a lazy engine's thread, another
     engine's, torch.compile's), the assertion fires in the destructor and the process
-    aborts ("captures_underway.empty() INTERNAL ASSERT FAILED" in ``~MemPool``, on the
-    H200, a probe's pool destroyed while another test's capture ran). This pool is a
+    aborts ("captures_underway.empty() INTERNAL ASSERT FAILED" in ``~MemPool``: the CUDA
+    test suite on the H200, at a probe's end). This pool is a
     graph pool id, used and given back as ``torch.cuda.graph`` does: the allocator makes
     it at the first ``route``, this object holds that first use, each later ``route``
     takes and gives back one of its own, and ``release`` gives back the first. Released,
