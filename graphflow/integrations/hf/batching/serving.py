@@ -86,8 +86,8 @@ class Serving:
         self.key_memory: dict[ServingKey, tuple[int, int]] = {}
         self._backend, self._stream, self._stack = backend, stream, stack
         #: Each pool and the undo that releases it. Graphs are captured into the last one
-        #: (a failed capture starts another); one no graph uses any more is released at
-        #: once, the rest at close.
+        #: (a failed capture starts another, and the failed one is released at once if no
+        #: graph uses it); the rest are released at close.
         self._pools: dict[object, Undo] = {}
         self._pools_lock = threading.Lock()
         self._new_pool()
@@ -395,7 +395,6 @@ class Serving:
         held = self._graphs.pop(key, None)
         if held is not None:
             held.graph.destroy()
-            self._release_if_unused(held.pool)
         entry = self.coverage.entry(key)
         entry.state, entry.failure = "failed", why
         log.warning("graphflow: %s serves eagerly: %s", key, why)
@@ -428,7 +427,9 @@ class Serving:
                                                  functools.partial(self._backend.release_pool, pool))
 
     def _release_if_unused(self, pool) -> None:
-        """Release ``pool`` now if captures no longer go to it and no graph uses it."""
+        """Release ``pool`` now if captures no longer go to it and no graph uses it. Only
+        where no capture can be open: emptying the cache (``release_pool``) is refused
+        while one is, and a lazy recording may be paused, open, beside the engine's steps."""
         with self._pools_lock:
             if pool is next(reversed(self._pools)) or any(h.pool is pool for h in list(self._graphs.values())):
                 return
