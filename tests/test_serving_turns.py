@@ -45,9 +45,14 @@ def _together(*targets) -> None:
         assert not thread.is_alive(), "the step and the recording deadlocked"
 
 
-def _run(pausing: bool) -> tuple[list, Turns]:
-    turns, log, go = Turns(), [], threading.Event()
+def _run(pausing: bool, slice_ticks: int = 0) -> tuple[list, Turns]:
+    """A recording and a step that asks after layer 1; with ``slice_ticks``, the clock
+    advances one tick per recorded layer and the slice is that many ticks."""
+    ticks = [0]
+    turns, log, go = Turns(slice_s=slice_ticks, clock=lambda: ticks[0]), [], threading.Event()
     model = _Recorded(log, turns, go, ask_after=1)
+    for layer in model.layers:
+        layer.register_forward_hook(lambda *_: ticks.__setitem__(0, ticks[0] + 1))
 
     def record() -> None:
         with turns.recording(pausing=pausing):
@@ -79,22 +84,7 @@ def test_a_recording_gives_way_only_once_it_has_run_its_slice():
     """The clock advances one tick per recorded layer: with a slice of three ticks, the
     step that waits from layer 1 on gets in at the first module call three ticks after
     the recording began, not before."""
-    ticks = [0]
-    turns, log, go = Turns(slice_s=3, clock=lambda: ticks[0]), [], threading.Event()
-    model = _Recorded(log, turns, go, ask_after=1)
-    for layer in model.layers:
-        layer.register_forward_hook(lambda *_: ticks.__setitem__(0, ticks[0] + 1))
-
-    def record() -> None:
-        with turns.recording(pausing=True):
-            model(torch.zeros(1))
-
-    def step() -> None:
-        go.wait()
-        with turns.step():
-            log.append("step")
-
-    _together(record, step)
+    log, turns = _run(pausing=True, slice_ticks=3)
     assert log == ["r0", "r1", "r2", "step", *(f"r{i}" for i in range(3, LAYERS))]
     assert turns.pauses == 1
 

@@ -68,8 +68,7 @@ from graphflow.engine.memory import host_available
 from graphflow.engine.streams import cuda_streams
 
 __all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "PoolProbe", "WorkspaceClearedWarning",
-           "make_backend",
-           "workspace_watch"]
+           "make_backend", "workspace_watch"]
 
 Call = Callable[[], object]
 

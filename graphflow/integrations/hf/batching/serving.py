@@ -87,9 +87,9 @@ class Serving:
         self._backend, self._stream, self._stack = backend, stream, stack
         #: Each pool and the undo that releases it. Graphs are captured into the last one
         #: (a failed capture starts another, and the failed one is released at once if no
-        #: graph uses it); the rest are released at close.
+        #: graph uses it); the rest are released at close. Only the capturing thread
+        #: (lazy: the capture thread, which close joins first) touches them.
         self._pools: dict[object, Undo] = {}
-        self._pools_lock = threading.Lock()
         self._new_pool()
         self._graphs: dict[ServingKey, _Graph] = {}
         #: Lazy on a GPU: IO tensors of the engine's sizes for warm runs (``_scratch_io``).
@@ -422,24 +422,19 @@ class Serving:
 
     def _new_pool(self) -> None:
         pool = self._backend.new_pool(self._device())
-        with self._pools_lock:
-            self._pools[pool] = self._stack.push("release a graph pool",
-                                                 functools.partial(self._backend.release_pool, pool))
+        self._pools[pool] = self._stack.push("release a graph pool", functools.partial(self._backend.release_pool, pool))
 
     def _release_if_unused(self, pool) -> None:
         """Release ``pool`` now if captures no longer go to it and no graph uses it. Only
         where no capture can be open: emptying the cache (``release_pool``) is refused
         while one is, and a lazy recording may be paused, open, beside the engine's steps."""
-        with self._pools_lock:
-            if pool is next(reversed(self._pools)) or any(h.pool is pool for h in list(self._graphs.values())):
-                return
-            undo = self._pools.pop(pool)
-        self._stack.run_now(undo)
+        # A copy: the engine's thread drops a graph whose check failed.
+        if pool is next(reversed(self._pools)) or any(h.pool is pool for h in list(self._graphs.values())):
+            return
+        self._stack.run_now(self._pools.pop(pool))
 
     def _pool_bytes(self) -> int | None:
-        with self._pools_lock:
-            pools = list(self._pools)
-        sizes = [self._backend.pool_bytes(pool) for pool in pools]
+        sizes = [self._backend.pool_bytes(pool) for pool in self._pools]
         return None if None in sizes else sum(sizes)
 
     def _device(self) -> torch.device:
