@@ -183,10 +183,10 @@ def table(results: list[dict], requests: int) -> str:
         keys = f"{r.get('keys_captured', '-')}" + (f"/{r['keys_planned']}" if "keys_planned" in r else "")
         lines.append(
             f"{r['row']:22} {same:>4} {as_padded:>4} {as_own:>4} {r['tokens_per_s']:8.0f} "
-            f"{(r['tokens_per_s'] / own['tokens_per_s']) if own else float('nan'):6.2f}x "
+            f"{_ratio(r['tokens_per_s'] / own['tokens_per_s'] if own else None):>7} "
             f"{_ms(r['ttft_p50_s']):>9} {_ms(r['ttft_p99_s']):>9} {_ms(r['median_step_s']):>8} "
-            f"{_ms(worst):>15} {(worst / eager['median_step_s']) if worst else float('nan'):12.2f}x "
-            f"{r['ready_s'] if r['ready_s'] is not None else float('nan'):8.2f} {keys:>9} "
+            f"{_ms(worst):>15} {_ratio(worst / eager['median_step_s'] if worst else None):>13} "
+            f"{'-' if r['ready_s'] is None else format(r['ready_s'], '.2f'):>8} {keys:>9} "
             f"{(r['graph_memory_bytes'] or 0) / 2**20:9.1f}"
             + (f"  pauses {r['recording_pauses']}, retried {r['retried_keys']}" if "recording_pauses" in r else ""))
     return "\n".join(lines)
@@ -194,6 +194,10 @@ def table(results: list[dict], requests: int) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def main() -> int:

@@ -282,21 +282,32 @@ def _batch_dim(shape, symbol: str, name: str) -> int | None:
 @attrs.frozen
 class StepTiming:
     """One descriptor's step, eager against replayed: what capturing it saves a step.
-    Medians of several runs, so that one slow run (a page fault, another process) does
-    not decide it. On the CPU backend replay runs the same calls, and the two differ by
-    noise only."""
+    Medians of the runs counted here, so that one slow run (a page fault, another
+    process) does not decide it where there are several. On the CPU backend replay runs
+    the same calls, and the two differ by noise only."""
 
     descriptor: Descriptor
     eager_s: float
     replay_s: float
+    eager_runs: int = 1
+    replay_runs: int = 1
 
 
-def time_steps(engine: Engine, steps: int, only: Iterable[Descriptor] | None = None) -> dict[Descriptor, StepTiming]:
+def time_steps(engine: Engine, steps: int, only: Iterable[Descriptor] | None = None, *,
+               eager_budget_s: float | None = None) -> dict[Descriptor, StepTiming]:
     """Each committed descriptor's step (or those of ``only``: timing all 67 of a large
     plan takes minutes, a sample of them seconds) timed ``steps`` times eagerly (the model as
     written, segment by segment, ``Engine.eager_calls``) and ``steps`` times replayed
-    (its step program), on the static buffers. Each median is of the ``steps`` timed
-    runs, eager and replayed alike.
+    (its step program), on the static buffers. Each median is of the timed runs.
+
+    ``eager_budget_s`` bounds the eager runs by time: after the first, only as many more
+    (up to ``steps`` in all) as fit in that budget at the first one's pace. A large model's
+    eager step is long and host-bound, its runs spread by the host's own noise (seven of
+    each of three sizes of the 61-layer plan on the H200: 222 to 293 ms,
+    ``bench/results/step_spread.txt``) more than a median of three narrows, and three of
+    each sampled size added 2 s to a capture of 23; a short step, where launch jitter
+    counts, still gets all ``steps``. Replays are short and steady (seven at B=248: 29.93
+    to 30.01 ms) and always run ``steps`` times.
 
     A step's first run pays what no later run does (caches filled, lazy modules built, a
     graph's first launch uploading it): the timed runs come after one such run of each.
@@ -307,8 +318,8 @@ def time_steps(engine: Engine, steps: int, only: Iterable[Descriptor] | None = N
 
     The backend's clock times them (``Backend.time_runs``): CUDA events on a GPU, so a
     replay counts what the device does, not how quickly Python returns; the eager runs,
-    then the replays, back to back, with one synchronize before and one after per
-    descriptor. Empty when ``steps`` is 0.
+    then the replays, back to back, with one synchronize before and one after each
+    batch. Empty when ``steps`` is 0.
 
     The steps write the static buffers and run the model: call it between steps, and on
     a lazy engine once its capture thread is done, never beside ``Runner.run``."""
@@ -328,9 +339,21 @@ def time_steps(engine: Engine, steps: int, only: Iterable[Descriptor] | None = N
                 eager()
             if descriptor not in replayed:
                 replay()
-            eager_s, replay_s = engine.backend.time_runs(device, (eager, replay), steps)
-            timings[descriptor] = StepTiming(descriptor, statistics.median(eager_s), statistics.median(replay_s))
+            eager_s = _eager_runs(engine.backend, device, eager, steps, eager_budget_s)
+            (replay_s,) = engine.backend.time_runs(device, (replay,), steps)
+            timings[descriptor] = StepTiming(descriptor, statistics.median(eager_s), statistics.median(replay_s),
+                                             len(eager_s), len(replay_s))
     return timings
+
+
+def _eager_runs(backend, device, eager: Callable[[], None], steps: int, budget_s: float | None) -> list[float]:
+    if budget_s is None:
+        return backend.time_runs(device, (eager,), steps)[0]
+    (times,) = backend.time_runs(device, (eager,), 1)
+    more = min(steps - 1, int(budget_s / max(times[0], 1e-9)) - 1)
+    if more > 0:
+        times += backend.time_runs(device, (eager,), more)[0]
+    return times
 
 
 def _in_order(calls: tuple[Callable[[], object], ...]) -> Callable[[], None]:

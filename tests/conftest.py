@@ -36,3 +36,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_capture_left_underway(request):
+    """After each CUDA test, nothing in the process is still capturing or routing its
+    allocations to a pool. One left open (a thread's recording never ended, a pool's
+    routing never ended) makes every later emptying of the cache fail, and aborts the
+    process at the next ``torch.cuda.MemPool`` destroyed (an assertion in its destructor):
+    tests much later die with no sign of the cause. Here the test that left it fails."""
+    yield
+    if "cuda" not in request.keywords or not _cuda_available():
+        return
+    import torch
+
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.empty_cache()
+    except RuntimeError as err:
+        pytest.fail(f"a CUDA capture or pool routing is still open after this test: {err}", pytrace=False)

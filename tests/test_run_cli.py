@@ -102,6 +102,21 @@ class TestSuccess:
         assert status == 0
         assert all(d["eager_ms"] > 0 for d in json.loads(out)["descriptors"])
 
+    def test_eager_runs_keep_to_the_budget_unless_steps_says(self, capsys, monkeypatch):
+        # A budget no step fits: by default each eager step is timed once, and the report
+        # says so; --steps 2 runs every step twice whatever the budget.
+        from graphflow.cli import capture_report
+
+        monkeypatch.setattr(capture_report, "EAGER_BUDGET_S", 0.0)
+        status, out, err = run(capsys, TOY, "--time-all", "--no-detectors")
+        assert status == 0
+        assert "timing: 4 descriptors, 3 replays each and up to 3 eager steps within 0 s" in err
+        assert ("timed: each eager time the median of 1 run(s), each replayed one of 3 (an eager step is run again "
+                "only while its runs stay within 0 s; --steps N runs every step N times)") in out
+        status, out, _ = run(capsys, TOY, "--json", "--steps", "2", "--no-detectors")
+        timed = [d for d in json.loads(out)["descriptors"] if d["eager_ms"] is not None]
+        assert status == 0 and timed and {(d["eager_runs"], d["graph_runs"]) for d in timed} == {(2, 2)}
+
     def test_heartbeat_lines_when_stderr_is_not_a_terminal(self, capsys, monkeypatch):
         """A factory slower than the heartbeat: the interval made small, the factory a little slower."""
         import functools

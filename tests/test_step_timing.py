@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 
 import torch
 
@@ -67,6 +68,22 @@ def test_a_step_the_pipeline_never_ran_gets_one_untimed_run(monkeypatch):
         time_steps(engine, 3)
         assert eager_runs == {8: 3, 4: 4, 2: 4, 1: 4}
         assert replays == {8: 4, 4: 4, 2: 4, 1: 4}
+
+
+def test_an_eager_step_is_run_again_only_while_its_runs_fit_the_budget(monkeypatch):
+    # Paced eager steps against a budget of 0.25 s: a step of 0.3 s is timed once, one of
+    # 0.1 s twice (a third would pass the budget), an instant one every time; replays
+    # always run every time, and without a budget the eager steps do too.
+    pace = {8: 0.3, 4: 0.1, 2: 0.0, 1: 0.0}
+    eager_calls = Engine.eager_calls
+    monkeypatch.setattr(Engine, "eager_calls", lambda self, size, views=None: (
+        functools.partial(time.sleep, pace[size]), *eager_calls(self, size, views)))
+    with run_pipeline(toy_plan(2, device="cuda:0"), RunOptions(backend="cpu", detectors=False)) as engine:
+        timings = time_steps(engine, 3, eager_budget_s=0.25)
+        assert {d.size: (t.eager_runs, t.replay_runs) for d, t in timings.items()} == {
+            8: (1, 3), 4: (2, 3), 2: (3, 3), 1: (3, 3)}
+        assert timings[engine.descriptors[0]].eager_s >= 0.3
+        assert {t.eager_runs for t in time_steps(engine, 2, only=engine.descriptors[:2]).values()} == {2}
 
 
 def test_time_runs_times_each_call_in_turn_on_the_host():

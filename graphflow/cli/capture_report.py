@@ -18,7 +18,7 @@ import sys
 
 from graphflow.cli import CommandError
 
-__all__ = ["DEFAULT_STEPS", "check_backend", "close", "print_report", "report_document", "report_listener",
+__all__ = ["DEFAULT_STEPS", "EAGER_BUDGET_S", "check_backend", "close", "print_report", "report_document", "report_listener",
            "sample", "time_steps", "trace_dir", "write_report"]
 
 
@@ -87,6 +87,11 @@ def close(session) -> None:
 #: is enough for a median, and keeps timing a large plan to seconds.
 DEFAULT_STEPS = 3
 
+#: When ``--steps`` does not say, the eager runs of a descriptor stop once they would pass
+#: this (``graphflow.runtime.time_steps``'s ``eager_budget_s``): a step this long is timed
+#: once, a short one ``DEFAULT_STEPS`` times.
+EAGER_BUDGET_S = 0.25
+
 
 def sample(descriptors) -> list:
     """The smallest, the median and the largest size of each mode: what the speed-up of
@@ -104,24 +109,26 @@ def sample(descriptors) -> list:
 def time_steps(engine, steps: int | None, *, time_all: bool = False, progress=None) -> dict:
     """Each sampled descriptor's step (every one with ``time_all``), eager and replayed
     (``graphflow.runtime.time_steps``), each said to ``progress`` (a ``ProgressDisplay``)
-    once timed. On a backend that captures no graph the two run the same calls, so
-    nothing is timed unless asked (``--steps N`` or ``--time-all``). A model error while
-    timing is the job failing (exit 1), said without a traceback."""
+    once timed. ``steps`` runs of each when given; by default ``DEFAULT_STEPS``, the eager
+    ones within ``EAGER_BUDGET_S``. On a backend that captures no graph the two run the
+    same calls, so nothing is timed unless asked (``--steps N`` or ``--time-all``). A
+    model error while timing is the job failing (exit 1), said without a traceback."""
     from graphflow.runtime import time_steps as timed
 
     asked = steps is not None or time_all
+    budget_s = EAGER_BUDGET_S if steps is None else None
     steps = DEFAULT_STEPS if steps is None else steps
     if steps <= 0 or not engine.programs or not (asked or engine.report.captures_graphs):
         return {}
     chosen = list(engine.programs) if time_all else sample(engine.programs)
     if progress is not None:
-        progress.timing_begin(len(chosen), steps)
+        progress.timing_begin(len(chosen), steps, eager_budget_s=budget_s)
     timings = {}
     try:
         for index, descriptor in enumerate(chosen, 1):
             if progress is not None:
                 progress.timing(descriptor, index)
-            timings.update(timed(engine, steps, only=(descriptor,)))
+            timings.update(timed(engine, steps, only=(descriptor,), eager_budget_s=budget_s))
             if progress is not None:
                 progress.timed(timings[descriptor], index)
     except Exception as err:  # noqa: BLE001 - a model error while timing is reported, not a traceback
@@ -159,7 +166,8 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
                              "against": list(verify[descriptor].against)}
         if descriptor in timings:
             timed = timings[descriptor]
-            row.update(eager_ms=timed.eager_s * 1e3, graph_ms=timed.replay_s * 1e3)
+            row.update(eager_ms=timed.eager_s * 1e3, graph_ms=timed.replay_s * 1e3, eager_runs=timed.eager_runs,
+                       graph_runs=timed.replay_runs)
             if real and timed.replay_s:
                 row["speedup"] = timed.eager_s / timed.replay_s
         descriptors.append(row)
@@ -270,6 +278,9 @@ def print_report(document: dict) -> None:
     if caveat:  # the caveat unwrapped, on its row, however narrow the terminal
         console.width = max(console.width, 120)
     console.print(rows)
+    runs = _runs_line(document["descriptors"])
+    if runs:
+        line(runs)
     line()
     total = len(document["descriptors"])
     skipped = document.get("warmups_skipped", 0)
@@ -283,6 +294,24 @@ def print_report(document: dict) -> None:
     line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
          "included" + _outside_capture(document))
     line(document["result"])
+
+
+def _runs_line(rows: list[dict]) -> str:
+    """How many runs each timed median is of: fewer eager runs than replays is the
+    default's time budget (``EAGER_BUDGET_S``), said so that one run is not read as three."""
+    eager = sorted({row["eager_runs"] for row in rows if row.get("eager_runs")})
+    graph = sorted({row["graph_runs"] for row in rows if row.get("graph_runs")})
+    if not eager:
+        return ""
+    line = f"timed: each eager time the median of {_span(eager)} run(s), each replayed one of {_span(graph)}"
+    if eager[0] < graph[-1]:
+        line += (f" (an eager step is run again only while its runs stay within {EAGER_BUDGET_S:g} s; "
+                 "--steps N runs every step N times)")
+    return line
+
+
+def _span(counts: list[int]) -> str:
+    return str(counts[0]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
 
 
 def _outside_capture(document: dict) -> str:

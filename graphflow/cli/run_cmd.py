@@ -8,7 +8,7 @@ progress display on stderr (plain lines when stderr is no terminal, JSON lines w
 hung), then reported: descriptors captured, time per phase, pool bytes (measured, and as
 forecast before capture from the largest descriptors' warmup), warmups skipped, verify
 results (of a sample of the descriptors unless ``--verify all``) and, on a GPU, eager versus graph step time (the median of a few steps of each,
-``graphflow.runtime.time_steps``) of a sample of descriptors, the smallest, median and
+the eager runs only while they stay within 0.25 s, ``graphflow.runtime.time_steps``) of a sample of descriptors, the smallest, median and
 largest of each mode, or of all with ``--time-all``: timing all 67 of a large plan
 takes minutes. The total's time outside capture is said too: before capture (the plan,
 loading torch, the backend) and timing. The report and the checks around it are ``graphflow.cli.capture_report``,
@@ -83,8 +83,9 @@ def register(subparsers) -> None:
     parser.add_argument("--disable-check", action="append", default=[], metavar="NAME",
                         help="turn off one capture-safety check (repeat), e.g. host_sync")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
-                        help="steps timed per descriptor, eager and graph (default 3; 0 skips timing; given, it "
-                             "times on the CPU backend too)")
+                        help="steps timed per descriptor, eager and graph (default 3, an eager step run again only "
+                             "while its runs stay within 0.25 s; given, N of each whatever they take; 0 skips timing; "
+                             "given, it times on the CPU backend too)")
     parser.add_argument("--time-all", action="store_true",
                         help="time every descriptor, not the smallest, median and largest of each mode")
     parser.add_argument("--json", action="store_true",

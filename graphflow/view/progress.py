@@ -213,15 +213,17 @@ class ProgressDisplay:
         return f", pool {format_bytes(pool)}" if self.noun == "graph" else ""
 
     # -- the timing step after capture ------------------------------------------------
-    def timing_begin(self, total: int, steps: int) -> None:
-        """The timing step starts: ``total`` descriptors, ``steps`` steps each way."""
+    def timing_begin(self, total: int, steps: int, *, eager_budget_s: float | None = None) -> None:
+        """The timing step starts: ``total`` descriptors, ``steps`` steps each way (the
+        eager ones within ``eager_budget_s`` seconds, when given)."""
         if self.quiet:
             return
         with self._lock:
             self._work = _Work("timing", total)
             self._began = self._work.began
-            self._line(f"timing: {plural(total, 'descriptor')}, {plural(steps, 'step')} each, eager and replayed",
-                       "timing_begin", phase="timing", total=total)
+            each = (f"{plural(steps, 'step')} each, eager and replayed" if eager_budget_s is None else
+                    f"{plural(steps, 'replay')} each and up to {plural(steps, 'eager step')} within {eager_budget_s:g} s")
+            self._line(f"timing: {plural(total, 'descriptor')}, {each}", "timing_begin", phase="timing", total=total)
             self._start_heartbeat()
 
     def timing(self, descriptor, index: int) -> None:
@@ -247,7 +249,8 @@ class ProgressDisplay:
             else:
                 what = f"eager {eager:.3f} ms, replay {replay:.3f} ms ({NO_GRAPH})"
             fields = self._fields(work, now)
-            fields.update(descriptor=str(timing.descriptor), eager_ms=eager, replay_ms=replay)
+            fields.update(descriptor=str(timing.descriptor), eager_ms=eager, replay_ms=replay,
+                          eager_runs=timing.eager_runs, replay_runs=timing.replay_runs)
             self._line(f"timed {index}/{work.total}: {timing.descriptor}: {what}, {now - work.began:.1f} s"
                        f"{self._left(work, now)}", "timed", **fields)
 

@@ -145,19 +145,30 @@ class TestReplayEqualsEager:
     @pytest.mark.parametrize("short", [False, True])
     def test_the_cache_is_emptied_before_the_first_descriptor_then_only_when_short_and_graphs_replay_exactly(
             self, monkeypatch, short):
-        """torch.cuda.graph empties the allocator's cache before every graph; graphflow
-        does it before the first descriptor, and before a later one only when the device
-        is short of memory. The graphs it captures into memory the cache kept still
-        replay what the eager step computes."""
+        """torch.cuda.graph empties the allocator's cache before every graph; graphflow's
+        capture does it before the first descriptor, and before a later one only when the
+        device is short of memory. The graphs it captures into memory the cache kept still
+        replay what the eager step computes. (Warmup empties it once more: the pool probe
+        hands its pool back at its end, in the mode's first warmup.)"""
         if short:  # every descriptor finds the device short
             monkeypatch.setattr(backend_module, "ROOM_BYTES", 1 << 60)
         plan = toy_plan(3, modes=(P,), sizes=(4, 2))
-        emptied = []
+        emptied, phase = [], [None]
+
+        class Phases:
+            segment_events = False
+
+            def on_event(self, event):
+                if event.kind is EventKind.PHASE_BEGIN:
+                    phase[0] = event.phase
+
         empty_cache = torch.cuda.empty_cache
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), empty_cache())[1])
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(phase[0]), empty_cache())[1])
         backend = TrackingBackend()
-        with run_pipeline(plan, RunOptions(backend="cuda", verify="all"), backend=backend) as engine:
-            assert len(backend.graphs) == 8 and len(emptied) == (2 if short else 1)
+        with run_pipeline(plan, RunOptions(backend="cuda", verify="all"), backend=backend,
+                          listeners=[Phases()]) as engine:
+            assert len(backend.graphs) == 8
+            assert emptied == [Phase.WARMUP] + [Phase.CAPTURE] * (2 if short else 1)
             assert all(r.bit_exact for r in engine.report.verify) and len(engine.report.verify) == 2
             runner = Runner(engine)
             x = torch.randn(3, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
@@ -565,6 +576,8 @@ class TestErrorsHoldNothing:
         phase = []
 
         class Phases:
+            segment_events = False
+
             def on_event(self, event):
                 if event.kind is EventKind.PHASE_BEGIN:
                     phase.append(event.phase)

@@ -70,10 +70,26 @@ class TestCudaHuggingFace:
 
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_closing_gives_the_gpu_memory_back(mode):
+    """Capture, decode and close, four times in one process: from the second cycle on,
+    each gives back every byte it took.
+
+    The first cycle is counted apart: it may take a stream no test ran a matmul on yet
+    (the module's captured sessions hold some), and cuBLAS keeps that stream's 32 MiB
+    workspace for the stream's life (the full CUDA suite on the H200: 32.0 MiB more after
+    one cycle, exactly; ``tests/cuda/memory.py`` says why that is held once and
+    ``test_cuda_cycles.py`` that it does not grow)."""
     module, plan = example("hf_llama")
+
+    def cycle() -> None:
+        with Session(plan.with_modes([mode]), RunOptions(backend="cuda")) as session:
+            session.capture()
+            greedy(session.runner, torch.zeros(2, 2, dtype=torch.long, device="cuda:0"), 4)
+
+    start = allocated()
+    cycle()
     before = allocated()
-    with Session(plan.with_modes([mode]), RunOptions(backend="cuda")) as session:
-        session.capture()
-        greedy(session.runner, torch.zeros(2, 2, dtype=torch.long, device="cuda:0"), 4)
-    assert allocated() - before < 1 << 20
+    assert before - start <= 32 << 20, f"{(before - start) / 2**20:.1f} MiB left by the first cycle"
+    for _ in range(3):
+        cycle()
+        assert allocated() == before
 

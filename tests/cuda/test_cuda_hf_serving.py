@@ -95,7 +95,13 @@ def test_foreground_and_lazy_tokens_match_the_engine(model, prompts):
     assert fg._backend.captures_graphs and summary["graph_steps"] > 0
     assert summary["eager_steps"] == 0, fg.report()
     assert all(entry["state"] == "live" for entry in summary["keys"].values() if entry["state"] != "unplanned")
-    assert fg.memory["pool_bytes"] > 0 and fg.memory["estimated_pool_bytes"] > 0
+    # The forecast made before any capture (a probed warm step of the largest key) is the
+    # pool to within 5 %, or one of the allocator's 2 MiB segments of small blocks, which
+    # is more than 5 % of this model's pool (the H200: 22 MiB forecast, a 24 MiB pool).
+    # Nothing but the steps' own tensors goes into it: before the capture stream's cuBLAS
+    # workspace was made outside, its 32 MiB went in too.
+    pool, forecast = fg.memory["pool_bytes"], fg.memory["estimated_pool_bytes"]
+    assert pool > 0 and abs(forecast - pool) <= max(0.05 * pool, 2 << 20), (forecast, pool)
     lazy, lz = generate(model, prompts, batching(), attach=lambda m: serve(m, lazy=True))
     assert lazy == eager
     assert lz.wait_captured(120)

@@ -24,20 +24,26 @@ from graphflow.engine.backend import CudaBackend
 def test_a_probe_ended_while_another_thread_allocates_to_a_pool_aborts_nothing_and_leaves_nothing():
     device = torch.device("cuda", torch.cuda.current_device())
     began, end, failures = threading.Event(), threading.Event(), []
-    other = torch.cuda.MemPool()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved(device)
+    # The other thread's pool is a bare pool id, routed to as torch.cuda.graph's capture
+    # does: no MemPool whose destructor could itself abort should anything stay open.
+    other = torch.cuda.graph_pool_handle()
 
     def routed() -> None:
         try:
-            with torch.cuda.use_mem_pool(other, device=device):
+            torch._C._cuda_beginAllocateCurrentThreadToPool(device.index, other)
+            try:
                 began.set()
                 end.wait(30)
+            finally:
+                torch._C._cuda_endAllocateToPool(device.index, other)
+                torch._C._cuda_releasePool(device.index, other)
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             failures.append(exc)
             began.set()
 
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    reserved = torch.cuda.memory_reserved(device)
     thread = threading.Thread(target=routed)
     thread.start()
     try:
