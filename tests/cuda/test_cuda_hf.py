@@ -73,10 +73,10 @@ def test_closing_gives_the_gpu_memory_back(mode):
     """Capture, decode and close, four times in one process: from the second cycle on,
     each gives back every byte it took.
 
-    The first cycle is counted apart: it may take a stream no test ran a matmul on yet
-    (the module's captured sessions hold some), and cuBLAS keeps that stream's 32 MiB
-    workspace for the stream's life (the full CUDA suite on the H200: 32.0 MiB more after
-    one cycle, exactly; ``tests/cuda/memory.py`` says why that is held once and
+    The first cycle is counted apart: it may run the first matmul on one of the streams
+    it takes, and cuBLAS keeps that stream's workspace for the stream's life (in the full
+    CUDA suite on the H200 one cycle left exactly 32.0 MiB more, a workspace's size, where
+    the file alone left nothing; ``tests/cuda/memory.py`` says why that is held once and
     ``test_cuda_cycles.py`` that it does not grow)."""
     module, plan = example("hf_llama")
 
