@@ -179,24 +179,31 @@ class Serving:
         eager tokens, and leaves the cache as the eager step did, either way."""
         io = self.processor.inputs_and_outputs
         rows = io.num_request_in_batch
-        written = _Written(self.processor)
-        start = written.read()
-        self._original(model, batch_data)
-        expected = io.output_ids[:, :rows].clone()
-        eager = written.read()
-        written.write(start)
-        self._replay(held)
-        same = torch.equal(io.output_ids[:, :rows], expected)
-        written.write(eager)
-        if same:
+        expected, got = self._eager_then_replay(held, functools.partial(self._original, model, batch_data),
+                                                lambda: io.output_ids[:, :rows])
+        if torch.equal(got, expected):
             held.checked = True
             self._live(held.key)
             return None
-        got = io.output_ids[0, :rows].tolist()
         io.output_ids[:, :rows].copy_(expected)
-        self._fail(held.key, f"its replay gave tokens {_short(got)} where the engine's eager step gave "
+        self._fail(held.key, f"its replay gave tokens {_short(got[0].tolist())} where the engine's eager step gave "
                              f"{_short(expected[0].tolist())}")
         return Fallback.FAILED
+
+    def _eager_then_replay(self, held: _Graph, eager, outputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``outputs()`` held after the eager step and after ``held``'s replay from the
+        same start: the KV slots the step writes (``_Written``) are put back before the
+        replay, and the eager step's left in them after it."""
+        written = _Written(self.processor)
+        start = written.read()
+        eager()
+        expected = outputs().clone()
+        after = written.read()
+        written.write(start)
+        self._replay(held)
+        got = outputs().clone()
+        written.write(after)
+        return expected, got
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -249,13 +256,9 @@ class Serving:
             held = _Graph(key, graph, checked=False, pool=pool)
             graph.ready()
             if self.verify:
-                written = _Written(processor)
-                start = written.read()
-                self._eager(call)
-                expected = io.output_ids.clone()
-                written.write(start)
-                self._replay(held)
-                if not torch.equal(io.output_ids, expected):
+                expected, got = self._eager_then_replay(held, functools.partial(self._eager, call),
+                                                        lambda: io.output_ids)
+                if not torch.equal(got, expected):
                     raise RuntimeError("its replay's tokens differ from the engine's eager step on the same batch")
             held.checked = True
             self._graphs[key] = held
