@@ -161,49 +161,25 @@ class Serving:
                 self._wake.notify()
 
     def _replay(self, held: _Graph) -> None:
-        self._on_compute_stream(held.graph.replay)
-
-    def _on_compute_stream(self, call) -> None:
-        """``call`` on the engine's compute stream, where its steps run (none on the CPU)."""
-        stream = self.processor.inputs_and_outputs.compute_stream
-        if stream is None:
-            call()
-            return
-        with torch.cuda.stream(stream):
-            call()
+        with _compute_stream(self.processor):
+            held.graph.replay()
 
     def _check(self, held: _Graph, model, batch_data: dict) -> Fallback | None:
         """A new graph's first step: the engine's eager step, then the replay from the same
-        start (``_Written``: the KV slots the step writes put back first, and the eager
-        step's left in them after); live if the tokens are identical. The step serves the
+        start (``eager_then_replay``); live if the tokens are identical. The step serves the
         eager tokens, and leaves the cache as the eager step did, either way."""
         io = self.processor.inputs_and_outputs
         rows = io.num_request_in_batch
-        expected, got = self._eager_then_replay(held, functools.partial(self._original, model, batch_data),
-                                                lambda: io.output_ids[:, :rows])
-        if torch.equal(got, expected):
+        differ = eager_then_replay(self.processor, functools.partial(self._original, model, batch_data),
+                                   functools.partial(self._replay, held), lambda: io.output_ids[:, :rows])
+        if differ is None:
             held.checked = True
             self._live(held.key)
             return None
-        io.output_ids[:, :rows].copy_(expected)
-        self._fail(held.key, f"its replay gave tokens {_short(got[0].tolist())} where the engine's eager step gave "
-                             f"{_short(expected[0].tolist())}")
+        got, expected = differ
+        self._fail(held.key, f"its replay gave tokens {_short(got)} where the engine's eager step gave "
+                             f"{_short(expected)}")
         return Fallback.FAILED
-
-    def _eager_then_replay(self, held: _Graph, eager, outputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``outputs()`` held after the eager step and after ``held``'s replay from the
-        same start: the KV slots the step writes (``_Written``) are put back before the
-        replay, and the eager step's left in them after it."""
-        written = _Written(self.processor)
-        start = written.read()
-        eager()
-        expected = outputs().clone()
-        after = written.read()
-        written.write(start)
-        self._replay(held)
-        got = outputs().clone()
-        written.write(after)
-        return expected, got
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -255,11 +231,9 @@ class Serving:
             graph, pool = self._captured(call)
             held = _Graph(key, graph, checked=False, pool=pool)
             graph.ready()
-            if self.verify:
-                expected, got = self._eager_then_replay(held, functools.partial(self._eager, call),
-                                                        lambda: io.output_ids)
-                if not torch.equal(got, expected):
-                    raise RuntimeError("its replay's tokens differ from the engine's eager step on the same batch")
+            if self.verify and eager_then_replay(processor, functools.partial(self._eager, call),
+                                                 functools.partial(self._replay, held), lambda: io.output_ids):
+                raise RuntimeError("its replay's tokens differ from the engine's eager step on the same batch")
             held.checked = True
             self._graphs[key] = held
             self._live(key)
@@ -387,8 +361,8 @@ class Serving:
 
     def _eager(self, call) -> None:
         """``call`` on the engine's compute stream, without autograd (as the engine's steps run)."""
-        with torch.no_grad():
-            self._on_compute_stream(call)
+        with torch.no_grad(), _compute_stream(self.processor):
+            call()
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -602,9 +576,47 @@ def _scratch_io(processor):
     return scratch
 
 
+def eager_then_replay(processor, eager, replay, outputs) -> tuple[list, list] | None:
+    """The engine's eager step, then a graph's replay from the same start: None if
+    ``outputs()`` held the same after both, else the first row of each (replayed, eager).
+    Either way ``outputs()`` and the KV slots the step writes are left as the eager step
+    left them: the slots are put back before the replay (``_Written``) and the eager
+    step's after it.
+
+    All of it on the engine's compute stream, where its steps write the outputs and the
+    cache, and the comparison on the host waits for all of it. Run on the caller's
+    stream, the copies could read the outputs before the step wrote them, and the slots'
+    index, freed there while its last write still waited on the compute stream, was
+    handed to the next allocation and overwritten: an out-of-bounds ``index_copy_`` on
+    the H200, and every later CUDA call failed."""
+    with _compute_stream(processor):
+        written = _Written(processor)
+        start = written.read()
+        eager()
+        expected = outputs().clone()
+        after = written.read()
+        written.write(start)
+        replay()
+        got = outputs().clone()
+        written.write(after)
+        if torch.equal(got, expected):
+            return None
+        outputs().copy_(expected)
+        return got[0].tolist(), expected[0].tolist()
+
+
+def _compute_stream(processor):
+    """The engine's compute stream, where its steps run, as the current stream (no stream on the CPU)."""
+    stream = processor.inputs_and_outputs.compute_stream
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 class _Written:
     """The KV cache slots the batch in the IOs writes, every layer: read before a step and
-    written back, so that a second run of the step starts where the first did.
+    written back, so that a second run of the step starts where the first did. Made and
+    used on the stream the steps run on (``eager_then_replay``'s), so that its tensors are
+    that stream's: freed there, no other stream's allocation takes them while a write
+    waits.
 
     A step is not idempotent: a sliding-window layer reads the old KV before it writes the
     new (``PagedAttentionCache.update``), and a chunk longer than the window writes over
@@ -617,25 +629,21 @@ class _Written:
 
     def __init__(self, processor) -> None:
         io, cache = processor.inputs_and_outputs, processor.cache
-        self._stream = io.compute_stream
         self._tensors = (*cache.key_cache, *cache.value_cache)
         # Every group's indices index every layer tensor (the groups share them); padding
-        # rows point at the write-only trash slot.
-        self._index = None if io.use_block_table else io.write_index_storage[:, :io.num_q_tokens].reshape(-1).clone()
+        # rows point at the write-only trash slot. A copy: the live indices change with the
+        # next batch.
+        self._index = None if io.use_block_table else \
+            io.write_index_storage[:, :io.num_q_tokens].reshape(-1).to(torch.long, copy=True)
 
     def read(self) -> tuple[torch.Tensor, ...]:
         if self._index is None:
             return ()
-        with self._on_stream():
-            return tuple(t.index_select(0, self._index) for t in self._tensors)
+        return tuple(t.index_select(0, self._index) for t in self._tensors)
 
     def write(self, rows: tuple[torch.Tensor, ...]) -> None:
-        with self._on_stream():
-            for tensor, saved in zip(self._tensors, rows):
-                tensor.index_copy_(0, self._index, saved)
-
-    def _on_stream(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        for tensor, saved in zip(self._tensors, rows):
+            tensor.index_copy_(0, self._index, saved)
 
 
 def _warm_stream(stream, device: torch.device) -> None:
