@@ -1,6 +1,8 @@
 """Serving's eager-then-replay check on a real GPU, with the engine's step still running on
 its compute stream when the check's own work is queued: the order of the two streams is
-what is tested, so each step sleeps on the device before it writes.
+what is tested, so each step sleeps on the device before it writes, and queues nothing
+that waits for the host: an index given as a Python list is copied to the device from
+pageable memory, which waits for the stream, and would order the two streams by itself.
 
 The engine here is the few tensors the check touches (its IO and cache objects carry many
 more); the steps are plain writes on the compute stream, as the engine's are.
@@ -34,8 +36,9 @@ def _engine():
                          write_index_storage=index, output_ids=torch.zeros(1, 4, dtype=torch.long, device="cuda"))
     cache = SimpleNamespace(key_cache=[torch.zeros(64, 2, 4, device="cuda")],
                             value_cache=[torch.zeros(64, 2, 4, device="cuda")])
+    slots = torch.tensor(SLOTS, device="cuda")
     torch.cuda.synchronize()
-    return SimpleNamespace(inputs_and_outputs=io, cache=cache)
+    return SimpleNamespace(inputs_and_outputs=io, cache=cache, slots=slots)
 
 
 def _step(processor, token: int, kv: float):
@@ -46,7 +49,7 @@ def _step(processor, token: int, kv: float):
         with torch.cuda.stream(io.compute_stream):
             torch.cuda._sleep(SLEEP)
             for tensor in (*cache.key_cache, *cache.value_cache):
-                tensor[SLOTS] = kv
+                tensor.index_fill_(0, processor.slots, kv)
             io.output_ids.fill_(token)
 
     return run
