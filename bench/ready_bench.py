@@ -22,11 +22,17 @@ In one process, on one model (the weights built once and shared), for each plan 
 * **bare, at once** and **default, at once** (``--runs`` only): the same with every graph
   instantiated as its capture ends (``CudaBackend(instantiate_async=False)``), as
   ``torch.cuda.graph`` does, instead of the large ones on graphflow's worker thread;
+* **first use** (key ``first-use``, once, after the rounds): the default row's engine
+  serving a first and a second batch of each size; the first checks each descriptor
+  verify left out before ready against the eager step, so every descriptor is checked
+  after one batch of each size: what that costs each first step, in eager steps;
 * **graphflow lazy**: ``RunOptions(lazy=True)``: the time until the first step
-  is served, until every descriptor is live while steps are served back to back, and
-  whether the steps checked meanwhile (each descriptor's first, and one in
-  ``CHECK_EVERY``, while the checks have taken under ``CHECK_SHARE`` of the time) were
-  bit-exact to the plan's eager step on the same (padded) inputs;
+  is served, until every descriptor is live while steps are served back to back (each
+  step's inputs allocated fresh on the device, as a server's are), the slowest step
+  served meanwhile over an eager step of its size, and whether the steps checked
+  meanwhile (each descriptor's first, and one in ``CHECK_EVERY``, while the checks have
+  taken under ``CHECK_SHARE`` of the time) were bit-exact to the plan's eager step on
+  the same (padded) inputs;
 * **graphflow lazy-idle**: the same with no step served, the capture thread
   alone: what lazy capture costs by itself, apart from what serving beside it costs.
 
@@ -55,7 +61,8 @@ Prints a table of total / warmup / capture / verify seconds with each row's rati
 hand loop, and writes ``ready.json`` to ``--out`` (``ready-full.json`` for ``--plans FULL``
 alone, and so on, so that one call per plan keeps both). Targets: default at or below
 1.0x the hand loop, bare at or below 0.85x, lazy all live within 1.25x with its first
-step within 2 s of the model being built, the pool forecast within 5 % of the measured pool.
+step within 2 s of the model being built and no step served while it captures slower than
+1.5x an eager step of its size, the pool forecast within 5 % of the measured pool.
 """
 
 from __future__ import annotations
@@ -154,11 +161,43 @@ def graphflow_run(plan, model, options: RunOptions, backend=None) -> dict:
     return row
 
 
+def first_use_run(plan, model, options: RunOptions) -> dict:
+    """The default row's engine serving one batch of each descriptor's size, then a second:
+    the first checks the descriptors verify left out before ready (``graphflow.engine.first_use``),
+    the second replays. What checking every descriptor costs, and when: each first step
+    over the second, and over an eager step of that size."""
+    engine = run_pipeline(plan, options, model=model)
+    try:
+        runner = Runner(engine)
+        generator = torch.Generator().manual_seed(1)
+        device = engine.buffers.tensors["tokens"].device
+        vocab, max_len = plan.model_args.get("vocab_size", 512), plan.model_args.get("max_len", 256)
+        before = runner.checks
+        first, second = {}, {}
+        for descriptor in engine.descriptors:
+            for times in (first, second):
+                inputs = _inputs(runner, descriptor.size, generator, device, vocab, max_len)
+                began = time.perf_counter()
+                runner.run(*inputs)
+                sync()
+                times[descriptor.size] = time.perf_counter() - began
+        eager = _eager_times(runner, sorted(first), generator, device, vocab, max_len)
+        after = runner.checks
+    finally:
+        engine.close()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    extra = [(first[b] - second[b]) / eager[b] for b in first if eager.get(b)]
+    return {"checked_before_ready": before.before_ready, "checked_on_first_use": after.on_first_use,
+            "failed": after.failed, "unchecked_after": after.waiting,
+            "first_steps_s": sum(first.values()), "second_steps_s": sum(second.values()),
+            "first_minus_second_over_eager_median": statistics.median(extra) if extra else None}
+
+
 #: In the lazy run, every this many served steps is checked against the eager step, besides
 #: the first step each descriptor serves (a program just switched in)...
 CHECK_EVERY = 16
 #: ...while the checks have taken at most this share of the time since the engine was ready:
-#: a check holds the engine's lock for an eager 61-layer step and copies of the state, which
+#: a check runs an eager 61-layer step and copies of the state in the step's turn, which
 #: the capture thread waits for. It is the bench's cost, not graphflow's.
 CHECK_SHARE = 0.1
 
@@ -174,11 +213,15 @@ def _per_descriptor(times) -> dict:
 
 
 def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float, serve: bool = True) -> dict:
-    """Serve while the background captures, as a server would: a step, its logits read,
-    the next. A checked step (``CHECK_EVERY``, and each descriptor's first) is compared
-    with the plan's eager step from the same state; the check runs under the engine's
-    lock, as the step does, and is the bench's cost, not graphflow's: checking every step
-    would double what the serving side asks of the device and of the lock.
+    """Serve while the background captures, as a server would: each step's inputs made
+    fresh on the device (allocated, as a server's are), the step, its logits read, the
+    next. A checked step (``CHECK_EVERY``, and each descriptor's first) is compared with
+    the plan's eager step from the same state, in a step's turn of its own: the bench's
+    cost, not graphflow's (graphflow checks each descriptor's first batch itself).
+
+    Each step's wall time is kept with its batch size; once every descriptor is live, an
+    eager step of each size served is timed, and ``worst_step_vs_eager`` is the slowest
+    step served while the thread captured over the eager step of its size.
 
     ``serve=False`` serves nothing: the capture thread alone, what it costs without
     steps beside it."""
@@ -192,6 +235,7 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
     max_len = plan.model_args.get("max_len", 256)
     served, checks, exact, graph_steps, first_step, checking_s = 0, 0, True, 0, None, 0.0
     checked: set = set()
+    steps: list[tuple[int, float]] = []  # (batch, seconds) of the steps served while the thread captured
     # What a step and its reference read and leave behind; internal buffers are written
     # before they are read in every step.
     touched = [b.name for b in plan.buffers if b.role is not BufferRole.INTERNAL]
@@ -199,29 +243,34 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
         while serve and not engine.background.done and time.perf_counter() - ready < timeout_s:
             batch = sizes[int(torch.randint(len(sizes), (1,), generator=generator))]
             batch = max(1, batch - int(torch.randint(2, (1,), generator=generator)))
-            inputs = _inputs(runner, batch, generator, device, plan.model_args.get("vocab_size", 512), max_len)
             began = time.perf_counter()
-            with engine.live.lock:  # the step and its reference see the same state
-                check = ((runner.descriptor_for(batch) not in checked or served % CHECK_EVERY == 0)
-                         and checking_s <= CHECK_SHARE * (began - ready))
-                kept = {n: engine.buffers.tensors[n].clone() for n in touched} if check else {}
-                (logits,) = runner.run(*inputs)[:1]
-                descriptor = runner.descriptor_for(batch)  # after run: it switches new programs in
-                if check:
-                    got = logits.clone()
-                    for name, t in kept.items():
-                        engine.buffers.tensors[name].copy_(t)
-                    want = _eager(runner, batch, inputs, descriptor)
-                    for name, t in kept.items():
-                        engine.buffers.tensors[name].copy_(t)
-                    exact = exact and torch.equal(got, want)
-                    checks += 1
-                    checked.add(descriptor)
-                    checking_s += time.perf_counter() - began
-                del kept
+            inputs = _inputs(runner, batch, generator, device, plan.model_args.get("vocab_size", 512), max_len)
+            check = ((runner.descriptor_for(batch) not in checked or served % CHECK_EVERY == 0)
+                     and checking_s <= CHECK_SHARE * (began - ready))
+            kept = {n: engine.buffers.tensors[n].clone() for n in touched} if check else {}
+            (logits,) = runner.run(*inputs)[:1]
+            descriptor = runner.descriptor_for(batch)  # after run: it switches new programs in
+            got = logits.clone()
             # Not a device-wide sync: one would wait for the stream the background captures on,
             # which CUDA refuses while it captures.
             torch.cuda.current_stream().synchronize() if torch.cuda.is_available() else None
+            if not engine.background.done:
+                steps.append((batch, time.perf_counter() - began))
+            if check:
+                checked_at = time.perf_counter()
+                with engine.live.step():  # no phase of the thread between the reference's copies
+                    after = {n: engine.buffers.tensors[n].clone() for n in touched}
+                    for name, t in kept.items():
+                        engine.buffers.tensors[name].copy_(t)
+                    want = eager_reference(runner, batch, inputs, descriptor)
+                    for name, t in after.items():
+                        engine.buffers.tensors[name].copy_(t)
+                    exact = exact and torch.equal(got, want)
+                    del after
+                checks += 1
+                checked.add(descriptor)
+                checking_s += time.perf_counter() - checked_at
+            del kept
             if first_step is None:
                 first_step = time.perf_counter()
             served += 1
@@ -231,19 +280,45 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
         live = (background.finished_at or time.perf_counter()) - start
         failures = {str(d): str(e) for d, e in background.failures.items()}
         verified = all(v.bit_exact for v in background.verified)
+        first_use = len(background.verified)
         thread = _thread_time(background)
+        eager = _eager_times(runner, sorted({b for b, _ in steps}), generator, device,
+                             plan.model_args.get("vocab_size", 512), max_len)
     finally:
         engine.close()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    ratios = [(seconds / eager[batch], batch, seconds) for batch, seconds in steps if eager.get(batch)]
+    worst = max(ratios, default=None)
     return {"ready_s": ready - start, "first_step_after_build_s": (first_step or ready) - built_at,
             "all_live_s": live, "served_steps": served, "checked_steps": checks, "checked_descriptors": len(checked),
-            "checking_s": checking_s, "steps_on_graphs": graph_steps,
-            "served_bit_exact": exact, "verified_bit_exact": verified, "failures": failures, "thread": thread}
+            "checking_s": checking_s, "steps_on_graphs": graph_steps, "first_use_checked": first_use,
+            "served_bit_exact": exact, "verified_bit_exact": verified, "failures": failures, "thread": thread,
+            "worst_step_vs_eager": None if worst is None else worst[0],
+            "worst_step": None if worst is None else {"batch": worst[1], "seconds": worst[2],
+                                                       "eager_s": eager[worst[1]]},
+            "eager_step_s": {str(b): t for b, t in eager.items()}}
+
+
+def _eager_times(runner, batches, generator, device, vocab, max_len) -> dict[int, float]:
+    """An eager step of each batch size, as a server without graphs would run it (the
+    plan's step at that size, on fresh inputs): the faster of two runs, wall clock,
+    with the device synchronized."""
+    times = {}
+    for batch in batches:
+        runs = []
+        for _ in range(2):
+            inputs = _inputs(runner, batch, generator, device, vocab, max_len)
+            began = time.perf_counter()
+            eager_reference(runner, batch, inputs, None)
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            runs.append(time.perf_counter() - began)
+        times[batch] = min(runs)
+    return times
 
 
 def _thread_time(background) -> dict:
-    """Where the capture thread's time went: each phase's seconds (under the lock for
-    warmup and verify), and the rest (waiting for the lock and for steps to go first)."""
+    """Where the capture thread's time went: each phase's seconds (its first warmup, then
+    each descriptor's capture), and the rest (waiting for steps, and for their turns)."""
     phases: dict = {}
     for t in background.times:
         phases[t.phase.value] = phases.get(t.phase.value, 0.0) + t.seconds
@@ -258,7 +333,7 @@ def _inputs(runner, batch, generator, device, vocab, max_len):
     return tuple(values[name].to(device) if name != "positions_host" else values[name] for name in runner.inputs)
 
 
-def _eager(runner, batch, inputs, descriptor) -> torch.Tensor:
+def eager_reference(runner, batch, inputs, descriptor) -> torch.Tensor:
     """The plan's step, eagerly, at the size the runner served ``batch`` at, same padding."""
     engine = runner.engine
     size = descriptor.size if descriptor is not None else batch
@@ -278,11 +353,13 @@ def main() -> int:
     parser.add_argument("--plans", default="FULL,PIECEWISE", help="which plans, by mode (FULL,PIECEWISE)")
     parser.add_argument("--sizes", help="descriptor sizes (default: the plans' 67)")
     parser.add_argument("--lazy-timeout-s", type=float, default=120.0)
-    parser.add_argument("--runs", default="hand,bare,default,lazy,lazy-idle",
+    parser.add_argument("--runs", default="hand,bare,default,first-use,lazy,lazy-idle",
                         help="which rows: hand (the loop every ratio is to), bare, default; default-verify-all "
                              "(every descriptor verified); bare-at-once and "
                              "default-at-once (every graph instantiated as its capture ends, as torch.cuda.graph "
-                             "does); lazy (serving steps back to back) and lazy-idle (the capture thread alone)")
+                             "does); first-use (the default engine serving a first and a second batch of each "
+                             "size: what checking every descriptor on its first batch costs); lazy (serving steps "
+                             "back to back) and lazy-idle (the capture thread alone)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="run the hand, bare and default rows this many times, every other round in reverse "
                              "order (even: every row's mean place in the run is the same); ratios are paired over "
@@ -340,6 +417,9 @@ def main() -> int:
             if key in runs]
         _rounds(rows, chosen_rows, args.rounds, lambda what: done(f"{name} {what}"))
         done(f"{name} rounds")  # the rows are made from every round, once all have run
+        if "first-use" in runs:
+            guard(entry, "first-use", lambda: first_use_run(plan, model, default))
+            done(f"{name} first-use checks")
         for key, serve in (("lazy", True), ("lazy-idle", False)):
             if key in runs:
                 model_built = time.perf_counter()
@@ -403,14 +483,26 @@ def _print(results: dict) -> None:
             ratio = f"{row['vs_hand']:.3f}x" if "vs_hand" in row else "-"
             print(f"{run:<20}{ratio:>13}{row['total_s']:>10.2f}{row['warmup_s']:>9.2f}"
                   f"{row['capture_s']:>9.2f}{row['verify_s']:>9.2f}{row['graphs']:>8}{_forecast(row):>24}  {rounds}")
+        checks = entry.get("first-use")
+        if checks:
+            print(f"first use: {checks['checked_before_ready']} descriptors verified before ready, "
+                  f"{checks['checked_on_first_use']} checked on their first batch ({checks['failed']} failed, "
+                  f"{checks['unchecked_after']} left); first steps {checks['first_steps_s']:.2f} s, second steps "
+                  f"{checks['second_steps_s']:.2f} s, a first step costs "
+                  f"{checks['first_minus_second_over_eager_median']:.2f} eager steps more (median)")
         for key in ("lazy-idle", "lazy"):
             lazy = entry.get(key)
             if not lazy:
                 continue
             thread = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in lazy["thread"].items() if phase != "wall")
+            worst = lazy.get("worst_step")
+            slowest = (f"slowest step while capturing {lazy['worst_step_vs_eager']:.2f}x an eager step of its size "
+                       f"(B={worst['batch']}: {worst['seconds'] * 1e3:.0f} ms, eager {worst['eager_s'] * 1e3:.0f} ms), "
+                       if worst else "")
             served = (f"{lazy['served_steps']} steps served meanwhile ({lazy['steps_on_graphs']} on graphs), "
-                      f"{lazy['checked_steps']} checked against eager ({lazy['checked_descriptors']} descriptors, "
-                      f"{lazy['checking_s']:.2f} s): bit-exact {lazy['served_bit_exact']}, "
+                      f"{slowest}{lazy['first_use_checked']} descriptors checked on their first batch, "
+                      f"{lazy['checked_steps']} steps checked by the bench ({lazy['checked_descriptors']} "
+                      f"descriptors, {lazy['checking_s']:.2f} s): bit-exact {lazy['served_bit_exact']}, "
                       if key == "lazy" else "nothing served, ")
             first = (f", first step {lazy['first_step_after_build_s']:.2f} s after the model was built"
                      if key == "lazy" else "")

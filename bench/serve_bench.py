@@ -102,7 +102,7 @@ def run_row(row: str, model, prompts, news, settings: dict, longest: int) -> dic
     step = processor._generation_step
 
     def timed(model_):
-        capturing = serving is not None and serving._thread is not None and serving._thread.is_alive()
+        capturing = serving is not None and serving.capturing
         keys_before = len(processor.inputs_and_outputs.graphs._storage) if graphs else 0
         start = time.perf_counter()
         step(model_)  # synchronous batching: the step's tokens are on the host when it returns

@@ -10,6 +10,7 @@ import os
 import sys
 import sysconfig
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 import attrs
@@ -17,7 +18,8 @@ import attrs
 from graphflow.events import Phase
 
 __all__ = ["TRACEBACK_NOTE", "CaptureError", "DivergenceError", "FieldError", "FieldTypeError", "FieldValueError",
-           "GraphflowError", "InvalidPlanError", "PlanError", "UserFrame", "record_user_frames", "user_frames"]
+           "GraphflowError", "InvalidPlanError", "OptionError", "PlanError", "OptionFix", "UserFrame", "did_you_mean",
+           "record_user_frames", "user_frames"]
 
 
 #: How the note that keeps an error's traceback as text begins (the error itself keeps
@@ -102,8 +104,33 @@ def user_frames(error: BaseException) -> list[tuple[BaseException, tuple[UserFra
     return found[::-1]
 
 
+@attrs.frozen
+class OptionFix:
+    """A ``RunOptions`` field and the value an error's fix sets it to, kept as data so
+    that each caller says it in its own terms: ``str()`` gives ``RunOptions(sizes=...)``,
+    the command line its flag (``graphflow.cli.flag``). ``value`` is ``...`` where the
+    caller picks it."""
+
+    field: str
+    value: object = ...
+
+    def __str__(self) -> str:
+        return f"RunOptions({self.field}={'...' if self.value is ... else repr(self.value)})"
+
+
+def _said(hint: str | None, settings: tuple[OptionFix, ...], spell: Callable[[OptionFix], str]) -> str | None:
+    """``hint`` with ``{0}``, ``{1}``... each setting as ``spell`` says it."""
+    if hint is None or not settings:
+        return hint
+    return hint.format(*(spell(setting) for setting in settings))
+
+
 class GraphflowError(Exception):
     """Base of every error graphflow raises on purpose."""
+
+    def describe(self, spell: Callable[[OptionFix], str] = str) -> str:
+        """The message, each ``RunOptions`` setting its fix names said by ``spell``."""
+        return str(self)
 
 
 class PlanError(GraphflowError, ValueError):
@@ -132,17 +159,27 @@ class FieldError(GraphflowError):
 
     The message follows attrs' template, ``'warmup_iters' must be >= 1 (got 0)``; the
     pieces stay as attributes: ``field`` (the attribute, with an index or key for an
-    item: ``'ranks[1]'``), ``expected`` and ``value``.
+    item: ``'ranks[1]'``), ``expected``, ``value`` and ``suggestions``, the allowed values
+    the one given most likely meant (``bf16``: ``bfloat16``), said after it.
     """
 
-    def __init__(self, field: str, expected: str, value):
+    def __init__(self, field: str, expected: str, value, suggestions: tuple[str, ...] = ()):
         self.field = field
         self.expected = expected
         self.value = value
-        super().__init__(field, expected, value)  # the pieces, as attrs raises them (and pickling needs)
+        self.suggestions = tuple(suggestions)
+        # The pieces, as attrs raises them (and pickling needs).
+        super().__init__(field, expected, value, *((self.suggestions,) if self.suggestions else ()))
 
     def __str__(self) -> str:
-        return f"'{self.field}' must be {self.expected} (got {self.value!r})"
+        return f"'{self.field}' must be {self.expected} (got {self.value!r}{did_you_mean(self.suggestions, '; ')})"
+
+
+def did_you_mean(suggestions: tuple[str, ...], before: str = " ") -> str:
+    """``did you mean 'a' or 'b'?`` after ``before``, or nothing without suggestions."""
+    if not suggestions:
+        return ""
+    return f"{before}did you mean {' or '.join(repr(s) for s in suggestions)}?"
 
 
 class FieldTypeError(FieldError, TypeError):
@@ -167,10 +204,31 @@ class InvalidPlanError(GraphflowError, ValueError):
                          "fix them before capture (graphflow validate lists them all)")
 
 
+class OptionError(GraphflowError, ValueError):
+    """A ``RunOptions`` value this process cannot honour (the cuda backend with no GPU):
+    ``hint_text`` says which values can, ``{0}``, ``{1}``... standing for its ``settings``."""
+
+    def __init__(self, message: str, *, hint: str, settings: tuple[OptionFix, ...] = ()):
+        self.message = message
+        self.hint_text = hint
+        self.settings = tuple(settings)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, spell: Callable[[OptionFix], str] = str) -> str:
+        return f"{self.message} — {_said(self.hint_text, self.settings, spell)}"
+
+
 class CaptureError(GraphflowError, RuntimeError):
     """The capture pipeline failed and was rolled back.
 
-    Names the phase, descriptor, segment and rank where it failed, and what to do.
+    Names the phase, descriptor, segment and rank where it failed, and what to do:
+    ``hint_text``, whose ``{0}``, ``{1}``... stand for its ``settings`` (the ``RunOptions``
+    values that fix it, as data), said ``RunOptions(sizes=...)`` by ``hint`` and
+    ``str()``, and in a caller's own terms by ``describe``; a ``hint`` set afterwards is
+    plain text and names none.
     ``phase`` is a ``Phase`` whenever it names one of the pipeline's phases, however it
     was given (callers that predate ``Phase`` pass its value); a phase of another
     lifecycle (an integration's own, vLLM's ``validate``) stays the name it was given.
@@ -186,15 +244,25 @@ class CaptureError(GraphflowError, RuntimeError):
     undo_error: BaseExceptionGroup | None
 
     def __init__(self, message: str, *, phase: Phase | str | None = None, descriptor=None,
-                 segment: str | None = None, rank: int | None = None, hint: str | None = None):
+                 segment: str | None = None, rank: int | None = None, hint: str | None = None,
+                 settings: tuple[OptionFix, ...] = ()):
         self.message = message
         self.phase = phase
         self.descriptor = descriptor
         self.segment = segment
         self.rank = rank
-        self.hint = hint
+        self.hint_text = hint
+        self.settings = tuple(settings)
         self.undo_error = None
         super().__init__(str(self))
+
+    @property
+    def hint(self) -> str | None:
+        return _said(self.hint_text, self.settings, str)
+
+    @hint.setter
+    def hint(self, value: str | None) -> None:
+        self.hint_text, self.settings = value, ()
 
     @property
     def phase(self) -> Phase | str | None:
@@ -206,10 +274,14 @@ class CaptureError(GraphflowError, RuntimeError):
         self._phase = _phase(value)
 
     def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, spell: Callable[[OptionFix], str] = str) -> str:
         where = [f"{k}={v}" for k, v in (("phase", self.phase), ("descriptor", self.descriptor),
                                            ("segment", self.segment), ("rank", self.rank)) if v is not None]
         text = f"[{' '.join(where)}] {self.message}" if where else self.message
-        return f"{text} — {self.hint}" if self.hint else text
+        hint = _said(self.hint_text, self.settings, spell)
+        return f"{text} — {hint}" if hint else text
 
 
 def _phase(value: Phase | str | None) -> Phase | str | None:

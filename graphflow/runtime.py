@@ -7,7 +7,9 @@ backend split), so the same runner drives CUDA graphs and the CPU backend's eage
 regions.
 
 * A batch of ``b`` rows runs on the smallest captured size ``>= b``: FULL when that
-  size was captured FULL, else PIECEWISE. Inputs are copied into the leading ``b`` rows
+  size was captured FULL, else PIECEWISE. A descriptor verify did not check before ready
+  is checked on its first batch (``graphflow.engine.first_use``): that step serves the
+  model's eager step, and a descriptor whose replay differs is taken out of service. Inputs are copied into the leading ``b`` rows
   of the static input buffers and the padded rows are filled with the input's ``pad``
   value (zero by default; a scratch slot index for an input that indexes a cache), so
   a padded step is deterministic. Padded rows never change the state of other rows: a
@@ -19,10 +21,11 @@ regions.
 
 Output aliasing: the tensors ``run`` returns are valid until the next ``run``, which
 overwrites them. Clone what you keep. They are views of static buffers, except while a
-lazy engine's capture thread is at work: its warmup and verify write the static
-buffers between two steps, while the caller reads the last step's outputs without the
-lock, so each step's outputs are then copied into tensors of the runner's own (one
-copy per output per step, made on the step's stream), which only ``run`` writes.
+lazy engine's capture thread is at work: a phase of it may run the model on the static
+buffers between two steps (a per-size warmup, the CPU backend's capture), while the
+caller reads the last step's outputs, so each step's outputs are then copied into
+tensors of the runner's own (one copy per output per step, made on the step's stream),
+which only ``run`` writes.
 
 Everything the hot path needs is precomputed, per batch size, at the first step of that
 size: one ``_Program`` with the input views, the pad views, the step's callables and
@@ -38,6 +41,7 @@ import collections
 import contextlib
 import enum
 import statistics
+import time
 from collections.abc import Callable, Iterable
 
 import attrs
@@ -117,6 +121,14 @@ class Runner:
         self._version = engine.live.version if engine.live is not None else 0
 
     @property
+    def checks(self):
+        """How many descriptors were checked against the eager step before ready and on
+        their first batch, how many wait for theirs, how many failed there
+        (``graphflow.engine.first_use.Checks``): nothing serves a graph unchecked unless
+        verify is off."""
+        return self.engine.checks
+
+    @property
     def max_size(self) -> int:
         return len(self._serving) - 1
 
@@ -138,7 +150,7 @@ class Runner:
             return self._run_live(inputs)
         return self._step(inputs)
 
-    def _step(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _step(self, inputs: tuple[torch.Tensor, ...], live=None) -> tuple[torch.Tensor, ...]:
         position, dim = self._size_of
         batch = inputs[position].shape[dim]
         if batch >= len(self._programs):
@@ -152,23 +164,30 @@ class Runner:
             pad.fill_(value)
         for rows, saved in program.keeps:
             saved.copy_(rows)
-        for call in program.calls:
-            call()
+        checks = self.engine.first_use
+        if checks is not None and program.descriptor in checks.unchecked:
+            # The eager step's results are served either way; a descriptor found wrong is
+            # out of the engine's programs, and the batches it served go elsewhere now.
+            if not checks.check(program.descriptor, program.calls) and live is None:
+                self._build()
+        else:
+            for call in program.calls:
+                call()
         for rows, saved in program.keeps:
             rows.copy_(saved)
         return program.outputs
 
     def _run_live(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A lazy engine's step: under its live switch's lock (the capture thread runs the
-        model too), with the programs switched in since the last step, asking for this
-        batch's."""
+        """A lazy engine's step: in its turn (no recording of the capture thread runs
+        meanwhile), with the programs switched in since the last step, asking for this
+        batch's; a descriptor's first batch checks it (``LiveSwitch.check``)."""
         live = self.engine.live
         position, dim = self._size_of
         live.asked(inputs[position].shape[dim])
-        with live.serving(), live.lock:
+        with live.step():
             if live.version != self._version:
                 self._build()
-            outputs = self._step(inputs)
+            outputs = self._step(inputs, live)
             if live.done:
                 return outputs
             return tuple(self._own(name, out) for name, out in zip(self.outputs, outputs))
@@ -189,7 +208,7 @@ class Runner:
         """Zero every state buffer (the model's caches start empty: new sequences)."""
         plan, live = self.engine.plan, self.engine.live
         # A lazy engine's capture thread uses them too.
-        with live.lock if live is not None else contextlib.nullcontext():
+        with live.step() if live is not None else contextlib.nullcontext():
             for name, tensor in self.engine.buffers.tensors.items():
                 if plan.buffer(name).role is BufferRole.STATE and plan.buffer(name).alias_of is None:
                     tensor.zero_()
@@ -263,8 +282,11 @@ class Runner:
                 views[name] = buffers.fresh(name, batch)
         for name, value in zip(self.inputs, inputs):
             views[name].copy_(value)
+        began = time.perf_counter()
         for call in self.engine.eager_calls(batch, views):
             call()
+        if live is not None and not live.done:
+            live.turns.eager_took(time.perf_counter() - began)  # a recording's slice follows the eager steps
         return tuple(views[n] for n in self.outputs)
 
 

@@ -11,12 +11,9 @@ keeps its default attention.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import threading
 import time
-from unittest import mock
 
 import attrs
 import torch
@@ -131,72 +128,63 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
     (``serve(manager, lazy=True)``). ``queue_first`` adds the requests before ``start()``
     (the first batch then holds them all, so the batches, and their keys, are the same
     every run); otherwise they are added after, as a server does. ``settle`` (lazy):
-    the capture thread starts only after the engine's first step, and each step waits
-    until the capture thread has dealt with its key, so the first step of each key is
-    eager ("no graph yet") and later ones are not left to timing. ``ahead`` (lazy): after the
+    each step waits until the capture thread has dealt with its key (the thread begins
+    only once a step has asked for one, and records only between steps), so the first
+    step of each key is eager ("no graph yet") and later ones are not left to timing. ``ahead`` (lazy): after the
     engine's first step, the next waits until every key of the plan is captured, so each
     later key's first step is its graph's check. ``before_serve(processor)``
     runs on the engine's batch processor before ``serve``; ``after_stop(serving)`` after
     ``stop()`` and before ``close()``.
     """
+    from graphflow.engine.lazy import KeyState
     from graphflow.integrations.hf.batching import serve
-    from graphflow.integrations.hf.batching import serving as serving_module
     from graphflow.integrations.hf.batching.keys import key_of
 
     mgr = manager(model, new_tokens, **settings)
-    first_step = threading.Event()
-    patches = contextlib.ExitStack()
     serving = None
-    if settle and mode == "lazy":
-        def gated(*args):
-            first_step.wait(30)
+    mgr.batch_processor = mgr._create_batch_processor()
+    if before_serve is not None:
+        before_serve(mgr.batch_processor)
+    if mode is not None:
+        serving = serve(mgr, lazy=mode == "lazy", **(serve_kwargs or {}))
+    processor = mgr.batch_processor
+    engine_step = processor._generation_step
+    keys = []
 
-        patches.enter_context(mock.patch.object(serving_module, "_warm_stream", gated))
-    with patches:
-        mgr.batch_processor = mgr._create_batch_processor()
-        if before_serve is not None:
-            before_serve(mgr.batch_processor)
-        if mode is not None:
-            serving = serve(mgr, lazy=mode == "lazy", **(serve_kwargs or {}))
-        processor = mgr.batch_processor
-        engine_step = processor._generation_step
-        keys = []
+    def counted(model_):
+        engine_step(model_)
+        io = processor.inputs_and_outputs
+        keys.append(key_of(io))
+        waiting_for = ()
+        if serving is not None and serving.lazy:
+            if ahead and len(keys) == 1:
+                waiting_for = serving.plan.keys
+            elif settle and keys[-1] in serving.plan.keys:
+                waiting_for = (keys[-1],)
+        deadline = time.monotonic() + 30
+        while any(serving.coverage.state(k) is KeyState.PLANNED for k in waiting_for) \
+                and time.monotonic() < deadline:
+            time.sleep(0.002)
 
-        def counted(model_):
-            engine_step(model_)
-            io = processor.inputs_and_outputs
-            keys.append(key_of(io))
-            first_step.set()
-            waiting_for = ()
-            if serving is not None and serving.lazy:
-                if ahead and len(keys) == 1:
-                    waiting_for = serving.plan.keys
-                elif settle and keys[-1] in serving.plan.keys:
-                    waiting_for = (keys[-1],)
-            deadline = time.monotonic() + 30
-            while any(serving.coverage.entry(k).state == "planned" for k in waiting_for) \
-                    and time.monotonic() < deadline:
-                time.sleep(0.002)
-
-        processor._generation_step = counted
-        try:
-            if queue_first:
-                mgr.add_requests(prompt_list, max_new_tokens=new_tokens)
-            mgr.start()
-            if not queue_first:
-                mgr.add_requests(prompt_list, max_new_tokens=new_tokens)
-            results = {}
-            for _ in prompt_list:
-                result = mgr.get_result(timeout=60)
-                assert result is not None, "the engine returned no result within 60 s"
-                results[result.request_id] = result
-        finally:
-            mgr.stop(block=True, timeout=60)
-            del processor._generation_step
-            if serving is not None:
-                if after_stop is not None:
-                    after_stop(serving)
-                serving.close()
+    processor._generation_step = counted
+    try:
+        if queue_first:
+            mgr.add_requests(prompt_list, max_new_tokens=new_tokens)
+        mgr.start()
+        if not queue_first:
+            mgr.add_requests(prompt_list, max_new_tokens=new_tokens)
+        results = {}
+        for _ in prompt_list:
+            result = mgr.get_result(timeout=60)
+            assert result is not None, "the engine returned no result within 60 s"
+            results[result.request_id] = result
+    finally:
+        mgr.stop(block=True, timeout=60)
+        del processor._generation_step
+        if serving is not None:
+            if after_stop is not None:
+                after_stop(serving)
+            serving.close()
     for result in results.values():
         assert result.error is None, result.error
     tokens = [results[f"req_{i}"].generated_tokens for i in range(len(prompt_list))]

@@ -99,7 +99,7 @@ class TestAliasChains:
             StaticBuffers(chain_plan(cycle=True), 2, lambda device: CPU)
 
     def test_the_schedule_sees_the_chain_as_one_storage(self):
-        from graphflow.engine.schedule import Hazard, dependencies
+        from graphflow.plan.schedule import Hazard, dependencies
 
         plan = chain_plan()
         assert [(d.source, d.target, d.hazard) for d in dependencies(plan, plan.segments)] == [

@@ -345,3 +345,21 @@ class TestRules:
             (r.code, r.severity.value, r.title) for r in RULES
         ]
         assert all(r["doc"] for r in rows)
+
+
+def test_the_synopsis_names_every_command_and_action():
+    """docs/cli.md opens with one line per command (and per action of trace and vllm), so a
+    reader finds every command there, as ``graphflow --help`` lists them."""
+    import argparse
+
+    from graphflow.cli import build_parser
+
+    synopsis = (ROOT / "docs" / "cli.md").read_text().split("```")[1]
+    said = {" ".join(line.split()[1:3]) if line.split()[1] in ("trace", "vllm") else line.split()[1]
+            for line in synopsis.strip().splitlines()}
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    expected = set()
+    for name, parser in commands.items():
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        expected |= {f"{name} {action}" for action in actions[0].choices} if actions else {name}
+    assert said == expected

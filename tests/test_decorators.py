@@ -417,7 +417,7 @@ class TestMisuse:
         err = _error(Root(Typo))
         assert err.element == "layers.0 (Typo.wrong)"
         assert err.message.startswith("bad buffer declaration: 'dtype' must be one of float64, float32, ")
-        assert err.message.endswith(" (got 'bf16')")
+        assert err.message.endswith(" (got 'bf16'; did you mean 'bfloat16'?)")
 
     def test_a_segment_field_the_plan_refuses_names_the_method(self):
         class Negative(Leaf):

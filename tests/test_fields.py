@@ -13,11 +13,15 @@ import pickle
 
 import attrs
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from graphflow.plan import fields
 from graphflow.errors import FieldError, FieldTypeError, FieldValueError, PlanError
 from graphflow.plan.loader import loads_plan
 from graphflow.plan import (
+    DTYPE_ALIASES,
+    DTYPE_BYTES,
     Buffer,
     BufferRole,
     CaptureSettings,
@@ -47,6 +51,8 @@ class TestFieldError:
     def test_survives_pickling_with_its_pieces(self):
         error = pickle.loads(pickle.dumps(FieldTypeError("id", "an integer", "1")))
         assert (type(error), str(error)) == (FieldTypeError, "'id' must be an integer (got '1')")
+        error = pickle.loads(pickle.dumps(FieldValueError("dtype", "one of a, b", "A", suggestions=("a",))))
+        assert (error.suggestions, str(error)) == (("a",), "'dtype' must be one of a, b (got 'A'; did you mean 'a'?)")
 
 
 class TestText:
@@ -101,9 +107,50 @@ class TestChoice:
         assert (kind.convert("red"), kind.convert("Red"), kind.convert(3)) == (Color.RED, "Red", 3)
 
     def test_a_value_outside_the_choices(self):
-        assert str(refused(fields.Choice.of(Color), "Red")) == "'f' must be one of red, blue (got 'Red')"
+        assert str(refused(fields.Choice.of(Color), "Red")) == "'f' must be one of red, blue (got 'Red'; did you mean 'red'?)"
         assert isinstance(refused(fields.Choice.of(Color), 3, FieldTypeError), TypeError)
         assert str(refused(fields.Choice(("a", "b")), "c")) == "'f' must be one of a, b (got 'c')"
+
+
+class TestDtypeSpellings:
+    """The spellings people carry over from torch (``torch.half``, ``torch.long``) and from
+    papers and configs (``bf16``, ``fp8``) are answered with the dtype they mean, built
+    in Python and read from YAML alike: a close-but-wrong guess (``float`` -> ``float64``,
+    where torch's ``float`` is float32) costs a run."""
+
+    @staticmethod
+    def spelled(alias: str, upper: bool, prefix: str) -> str:
+        return prefix + (alias.upper() if upper else alias)
+
+    @given(alias=st.sampled_from(sorted(DTYPE_ALIASES)), upper=st.booleans(), prefix=st.sampled_from(["", "torch."]))
+    def test_a_common_spelling_suggests_the_dtype_it_means(self, alias, upper, prefix):
+        spelled = self.spelled(alias, upper, prefix)
+        meant = " or ".join(repr(d) for d in DTYPE_ALIASES[alias])
+        with pytest.raises(FieldValueError) as info:
+            buffer(dtype=spelled)
+        assert str(info.value).endswith(f"(got {spelled!r}; did you mean {meant}?)")
+        error = load_error_of(f"buffers:\n  x: {{shape: [4], dtype: {spelled!r}, device: cpu}}\n")
+        assert (error.line, error.message.endswith(f"(did you mean {meant}?)")) == (4, True), error.message
+
+    @given(name=st.sampled_from(sorted(DTYPE_BYTES)), prefix=st.sampled_from(["", "torch."]))
+    def test_a_dtype_in_capitals_or_with_torch_prefixed_suggests_itself(self, name, prefix):
+        with pytest.raises(FieldValueError) as info:
+            buffer(dtype=prefix + name.upper())
+        assert str(info.value).endswith(f"; did you mean {name!r}?)")
+
+    @given(st.text(max_size=12))
+    def test_every_suggestion_is_a_dtype(self, text):
+        assert set(fields.Choice(tuple(DTYPE_BYTES), aliases=DTYPE_ALIASES).closest(text)) <= set(DTYPE_BYTES)
+
+    def test_the_aliases_name_dtypes_and_no_dtype_is_an_alias(self):
+        assert all(set(meant) <= set(DTYPE_BYTES) for meant in DTYPE_ALIASES.values())
+        assert not set(DTYPE_ALIASES) & set(DTYPE_BYTES)
+
+
+def load_error_of(body: str) -> PlanError:
+    with pytest.raises(PlanError) as info:
+        loads_plan("graphflow: 1\nname: t\n" + body, "t.yaml")
+    return info.value
 
 
 class TestDimension:
@@ -185,13 +232,15 @@ class TestBuiltFromPython:
 
     @pytest.mark.parametrize("changes, message", [
         ({"dtype": "bf16"}, "'dtype' must be one of float64, float32, float16, bfloat16, float8_e4m3fn, "
-                            "float8_e5m2, int64, int32, int16, int8, uint8, bool (got 'bf16')"),
+                            "float8_e5m2, int64, int32, int16, int8, uint8, bool (got 'bf16'; did you mean "
+                            "'bfloat16'?)"),
         ({"device": "cuda"}, "'device' must be 'cpu' or 'cuda:N' with the GPU's index (a bare 'cuda' is whichever "
                              "GPU is current) (got 'cuda')"),
         ({"shape": ("B", 0)}, "'shape[1]' must be >= 1 (got 0)"),
         ({"shape": ("B", "2+B")}, "'shape[1]' must be an int >= 1, a symbol or a product like '2*B' (got '2+B')"),
         ({"capacity": {"B": 0}}, "'capacity.B' must be >= 1 (got 0)"),
-        ({"role": "inputs"}, "'role' must be one of input, output, state, internal (got 'inputs')"),
+        ({"role": "inputs"}, "'role' must be one of input, output, state, internal (got 'inputs'; did you "
+                            "mean 'input'?)"),
         ({"values": (5, 1)}, "'values' must be [low, high) with low < high (got (5, 1))"),
     ])
     def test_a_buffer(self, changes, message):
@@ -210,7 +259,7 @@ class TestBuiltFromPython:
         ({"barrier_timeout_s": 0}, "'barrier_timeout_s' must be > 0 (got 0.0)"),
         ({"sizes": (0, 1)}, "'sizes[0]' must be >= 1 (got 0)"),
         ({"mode_sizes": {"FULL": (0,)}}, "'mode_sizes.FULL[0]' must be >= 1 (got 0)"),
-        ({"modes": ("full",)}, "'modes[0]' must be one of PIECEWISE, FULL (got 'full')"),
+        ({"modes": ("full",)}, "'modes[0]' must be one of PIECEWISE, FULL (got 'full'; did you mean 'FULL'?)"),
         ({"size_symbol": "2B"}, "'size_symbol' must be a symbol name (letters, digits and _) (got '2B')"),
     ])
     def test_capture_settings(self, changes, message):

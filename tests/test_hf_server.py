@@ -5,13 +5,16 @@ on the CPU backend.
   with the engine's own tokens, logs its coverage when it stops, and is given back; a
   manager graphflow cannot serve is marked dead with why (so the server answers 503, not a
   request that waits forever); ``uninstall`` puts transformers' methods back;
+* on the CPU backend, which captures no graph, a foreground install serves at once
+  (lazily), whatever the number of keys;
 * the entry point: a bad ``GRAPHFLOW_SERVE`` and a missing ``--continuous-batching`` are one
-  line and exit 2;
+  line and exit 2, said before transformers is imported;
 * the server (slow): transformers' own ``transformers serve`` and the entry point, in both
   capture modes, each a subprocess on loopback with a tiny random Llama saved with a local
   tokenizer; six concurrent greedy chat completions over HTTP give the same texts on all
-  three, the graphflow servers log that they serve and, when stopped by a signal, their
-  coverage, with steps on graphs, and exit by themselves.
+  three, the graphflow servers say first what they start, log that they serve and, when
+  stopped by a signal, their coverage, with steps on graphs, and exit by themselves with
+  the signal's status (130 after SIGINT, 143 after SIGTERM).
 """
 
 from __future__ import annotations
@@ -104,13 +107,41 @@ def test_install_serves_every_manager_started(restored, caplog, lazy):
     steps = COVERAGE.search(caplog.text)
     assert steps is not None, caplog.text
     assert int(steps[2]) > 0
-    if not lazy:  # every key was captured before the first step
+    if not lazy and torch.cuda.is_available():  # every key was captured before the first step
         assert steps[1] == steps[2]
     installed.uninstall()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="graphflow.serving"):
         assert _session(model) == expected
     assert "graphflow" not in caplog.text
+
+
+def test_on_the_cpu_backend_a_foreground_install_serves_at_once(restored, caplog):
+    """The CPU backend captures no graph: capturing each of docs/serving.md's 256 keys
+    before the first step (each one run, recorded and checked) answered no request for
+    minutes. There the manager is served lazily, and says why."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA: the CPU backend is the one served lazily")
+    server.install(lazy=False)
+    gen = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=3)
+    cb = ContinuousBatchingConfig(block_size=256, num_blocks=512, max_batch_tokens=2048)
+    model = _model()
+    model.config.max_position_embeddings = 4096  # as a real model's: the keys are the padding's, hundreds
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    began = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="graphflow.serving"):
+        manager.start()
+        try:
+            manager.add_requests([[5, 6, 7], [8, 9]], max_new_tokens=MAX_TOKENS)
+            for _ in range(2):
+                assert manager.get_result(timeout=60) is not None
+            answered_s = time.monotonic() - began
+        finally:
+            manager.stop(block=True)
+    served = re.search(r"graphflow serves llama-serving: (\d+) keys, captured in the background", caplog.text)
+    assert served is not None and int(served[1]) >= 256, caplog.text
+    assert "the CPU backend captures no graph" in caplog.text
+    assert answered_s < 60
 
 
 def test_a_manager_graphflow_cannot_serve_is_marked_dead(restored):
@@ -141,6 +172,21 @@ def test_entry_point_refuses(restored, monkeypatch, capsys, env, argv, message):
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
     assert server._installed is None
+
+
+def test_entry_point_refuses_before_transformers_is_imported():
+    """transformers (and the model) take seconds to load, many on a busy machine: a refusal
+    must not wait for them."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['server', 'model']\n"
+            "try:\n"
+            "    runpy.run_module('graphflow.integrations.hf.batching.server', run_name='__main__')\n"
+            "except SystemExit as exit:\n"
+            "    assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+            "    raise\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().endswith("add --continuous-batching to the serve arguments")
 
 
 # -- the server ------------------------------------------------------------------------------
@@ -246,8 +292,10 @@ def test_transformers_serve_with_graphflow(tmp_path):
 
         for each, stop in zip(servers[1:], (signal.SIGTERM, signal.SIGINT)):
             each.process.send_signal(stop)
-            each.process.wait(timeout=60)  # it stops transformers' manager, so it exits by itself
+            status = each.process.wait(timeout=60)  # it stops transformers' manager, so it exits by itself
             log = each.log()
+            assert status == 128 + stop, log
+            assert log.startswith("[graphflow.serving] graphflow: starting transformers serve"), log
             assert "[graphflow.serving] graphflow serves llama-serving" in log, log
             assert "[graphflow.serving] graphflow coverage of llama-serving" in log, log
             steps = COVERAGE.search(log)

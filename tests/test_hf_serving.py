@@ -33,7 +33,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.utils import (
@@ -89,9 +89,11 @@ def engine_settings(draw):
     requests = draw(st.integers(1, min(6, max_batch_tokens)))
     q_interval = draw(st.one_of(st.just(0), st.integers(max(1, max_batch_tokens // 8), max_batch_tokens + 8)))
     kv_interval = draw(st.one_of(st.just(0), st.integers(max(1, pages // 12), pages + 40)))
+    # Without block sharing the plan leaves out a full-attention batch's query and past beyond the pages.
+    sharing = draw(st.booleans())
     return dict(block_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
                 max_requests_per_batch=requests, q_padding_interval_size=q_interval,
-                kv_padding_interval_size=kv_interval)
+                kv_padding_interval_size=kv_interval, allow_block_sharing=sharing)
 
 
 def _batch(processor, wanted, longest=None):
@@ -112,9 +114,16 @@ def _batch(processor, wanted, longest=None):
     groups = cache.num_full_attention_groups + cache.num_sliding_attention_groups  # they share the blocks
     chosen = []
     for index, (query, share) in enumerate(wanted[: processor.model_runner.cb_config.max_requests_per_batch]):
-        room = cache.get_num_free_blocks() * cache.block_size // groups
-        query = min(query, token_budget, room, longest or room)
-        past = int(share * (min(room, longest or room) - query))
+        if sliding_only:
+            # Its layers keep a ring of one window's blocks whatever its length
+            # (``SlidingAttentionCacheAllocator``): the cache bounds neither its query nor its
+            # past, only whether it gets its first block. A past beyond the window reads the same.
+            query = min(query, token_budget, longest or query)
+            past = int(share * min((longest or query + WINDOW) - query, WINDOW))
+        else:  # its blocks hold its past and its query
+            room = cache.get_num_free_blocks() * cache.block_size // groups
+            query = min(query, token_budget, room, longest or room)
+            past = int(share * (min(room, longest or room) - query))
         read = min(past, WINDOW) if sliding_only else past  # the scheduler's read_cache_needed
         if query <= 0 or read > kv_budget:
             continue
@@ -128,6 +137,8 @@ def _batch(processor, wanted, longest=None):
                        query, past))
         token_budget -= query
         kv_budget -= read
+        if kv_budget <= 0:  # the scheduler stops a varlen batch whose KV budget is spent
+            break
     return chosen
 
 
@@ -153,6 +164,11 @@ def _independent_key(processor, batch) -> ServingKey:
                         min_size=1, max_size=4),
        fractions=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=12),
        longest=st.one_of(st.none(), st.integers(1, 3000)))
+# A sliding-only cache holds one block per request here: 17 query tokens in 16 pages.
+@example(kind="mistral", engine={"block_size": 8, "num_blocks": 2, "max_batch_tokens": 17, "max_requests_per_batch": 2,
+                                 "q_padding_interval_size": 2, "kv_padding_interval_size": 0,
+                                 "allow_block_sharing": False},
+         batches=[[(9, 0.0), (8, 0.0)]], fractions=[(0.0, 0.0)], longest=None)
 def test_every_key_a_batch_can_have_is_planned(kind, engine, batches, fractions, longest):
     """``longest``: the most tokens a request holds on the server (``serve(longest=...)``),
     when known; the requests then hold no more."""
@@ -166,11 +182,15 @@ def test_every_key_a_batch_can_have_is_planned(kind, engine, batches, fractions,
 
     # Sizes alone: any query count, KV read and longest sequence the budgets allow.
     for fq, fk in fractions:
-        room = min(cache.num_pages, longest or cache.num_pages)  # its blocks hold its past and its query
-        query = max(1, round(fq * min(cache.max_batch_tokens, room)))
-        read = round(fk * (room - query))
-        batch = [(None, query, read)]  # one request: the longest sequence is the whole batch
-        assert _independent_key(processor, batch) in planned, (query, read)
+        if cache.num_full_attention_groups:
+            room = min(cache.num_pages, longest or cache.num_pages)  # its blocks hold its past and its query
+            query = max(1, round(fq * min(cache.max_batch_tokens, room)))
+            past = round(fk * (room - query))
+        else:  # sliding layers keep a window of it, whatever its length (see ``_batch``)
+            query = max(1, round(fq * min(cache.max_batch_tokens, longest or cache.max_batch_tokens)))
+            past = round(fk * min((longest or query + WINDOW) - query, WINDOW))
+        batch = [(None, query, past)]  # one request: the longest sequence is the whole batch
+        assert _independent_key(processor, batch) in planned, (query, past)
 
     # Real batches: the engine builds them, pads them as graphflow serves them
     # (``use_cuda_graph_varlen``: the longest sequences padded), and keys them itself.
@@ -613,7 +633,7 @@ def test_a_pool_left_by_failed_captures_is_released_at_once(capture_flags, monke
 
     def after_stop(serving):
         assert serving.wait_captured(30)
-        before_close.update(pools=list(serving._pools), released=list(released))
+        before_close.update(pools=list(serving.capture.pools), released=list(released))
 
     result = run(model, PROMPTS, NEW, "lazy", queue_first=True, after_stop=after_stop)
     assert result.tokens == _engine_alone("llama").tokens
@@ -656,7 +676,7 @@ def test_close_gives_the_engine_back(lazy):
     assert type(processor).prepare_next_batch is processor.prepare_next_batch.__func__
     assert type(processor).update_batch is processor.update_batch.__func__
     assert _engine_settings(processor) == before
-    assert serving._thread is None or not serving._thread.is_alive()
+    assert not serving.capturing
     # The engine serves alone again, with its own tokens.
     mgr.start()
     mgr.add_requests(PROMPTS, max_new_tokens=NEW)
@@ -714,7 +734,7 @@ def test_the_pool_forecast_is_a_warm_probed_run_of_the_largest_key(monkeypatch):
 def test_a_backend_that_cannot_probe_forecasts_nothing():
     serving = serve(manager(shared("llama")[0], NEW))
     try:
-        assert serving.coverage.entry(serving.plan.keys[0]).state == "live"
+        assert serving.coverage.state(serving.plan.keys[0]) == "live"
         assert "estimated_pool_bytes" not in serving.memory
         assert "estimated" not in serving.report()
     finally:
@@ -789,7 +809,7 @@ def test_a_warm_run_on_the_scratch_ios_writes_nothing_the_engine_uses(name):
     steps: on IO tensors of its own, whose indices reach only the cache's write-only trash
     block. The live IOs and every other cache slot are as they were."""
     from graphflow.integrations.hf.batching.plan import batch_processor
-    from graphflow.integrations.hf.batching.serving import _scratch_io
+    from graphflow.integrations.hf.batching.capture import _scratch_io
 
     model = shared(name)[0]
     mgr = manager(model, NEW)
@@ -807,13 +827,13 @@ def test_a_warm_run_on_the_scratch_ios_writes_nothing_the_engine_uses(name):
         trash = slice(cache.write_trash_index, cache.write_trash_index + cache.block_size)
         keys = [k for k in serving.plan.keys if k.path == VARLEN]
         for key in keys:
-            serving._call(key, scratch)()
+            serving.capture._call(key, scratch)()
             assert all(torch.equal(a, b) for a, b in zip(live, before_live)), key
             for after, before in zip(layers, before_cache):
                 assert torch.equal(after[: trash.start], before[: trash.start]), key
                 assert torch.equal(after[trash.stop:], before[trash.stop:]), key
         assert any(not torch.equal(a[trash], b[trash]) for a, b in zip(layers, before_cache))  # it did run
-        serving._call(key)()  # the same call on the live IOs does write them: the check can fail
+        serving.capture._call(key)()  # the same call on the live IOs does write them: the check can fail
         assert not all(torch.equal(a, b) for a, b in zip(live, before_live))
     finally:
         serving.close()

@@ -3,7 +3,10 @@ across processes, the compile and load tripwires, and a launch without ``stream=
 
 nvidia-cutlass-dsl compiles with no GPU when the target architecture is given
 (``CUTE_DSL_ARCH=sm_90a``); launching needs one (tests/cuda/test_cuda_jit.py). The
-whole module skips where the package is not installed.
+package is 260 MB, of no use on a machine without a GPU but for these tests: it is the
+``cutedsl`` extra, not the ``test`` one, and the module is slow, run by CI's second step
+(``pip install -e '.[cutedsl]'``, then ``pytest -m slow``); it skips where the package is
+not installed.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 
 if not torch.cuda.is_available():  # compile for an H200 where there is no GPU to ask
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-cutlass = pytest.importorskip("cutlass")
+pytestmark = pytest.mark.slow
+cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is the cutedsl extra: pip install -e '.[cutedsl]'")
 
 import cutlass.cute as cute  # noqa: E402
 from cutlass.base_dsl.compiler import CompileCallable  # noqa: E402

@@ -88,6 +88,25 @@ def test_a_rank_that_does_not_finish_is_killed_and_reported():
     assert time.monotonic() - start < 40
 
 
+def _mark_started(ctx, folder: str):
+    from pathlib import Path
+
+    (Path(folder) / f"rank{ctx.rank}.ran").write_text("")
+    return ctx.rank
+
+
+def test_a_rank_that_starts_after_the_deadline_does_not_run(tmp_path):
+    """On a loaded machine a rank may start after the deadline has passed: it must not run
+    then (its result would come long after the caller was told the deadline), whatever
+    the launcher's own start took."""
+    ranks = launch(_mark_started, 2, "gloo", args=(str(tmp_path),), timeout_s=0.001)
+    for r in ranks:  # each finds the mark, or is stopped by elastic when the other has failed first
+        assert r.error in (f"TimeoutError: rank {r.rank} started after the 0.001 s deadline and did not run",
+                           f"TimeoutError: rank {r.rank} did not finish within 0.001 s and was killed"), r.error
+    assert "started after" in ranks[0].error or "started after" in ranks[1].error
+    assert list(tmp_path.glob("*.ran")) == []
+
+
 def test_a_rank_that_raises_reports_its_error_and_the_others_are_stopped():
     start = time.monotonic()
     ranks = launch(_raise_on_rank_0, 2, "gloo", timeout_s=60)
@@ -130,6 +149,7 @@ def test_an_unknown_backend_is_refused():
         launch(_sleep_on_rank_1, 2, "mpi")
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank_at_once_even_when_the_shell_ignored_sigint(tmp_path):
     """A launcher started as a background job has SIGINT ignored, and so do its ranks.
     Elastic stops the ranks with SIGINT when the launcher is interrupted: each must take

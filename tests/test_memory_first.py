@@ -85,7 +85,7 @@ class TestCli:
         (which alone takes a second or two): a plan no machine can hold, in a fresh
         interpreter, is refused with torch never imported and the factory never loaded."""
         plan = tmp_path / "huge.yaml"
-        plan.write_text("graphflow: 1\nname: huge\nmodel: no_such_module:build\nsymbols: {B: [1, 2]}\n"
+        plan.write_text("graphflow: 1\nname: huge\nmodel: plans.toy_model:build_toy\nsymbols: {B: [1, 2]}\n"
                         "streams: {s0: {device: cuda:0}}\n"
                         "buffers:\n  x: {shape: [B, 34359738368], dtype: float32, device: cuda:0, role: input}\n"
                         "  y: {shape: [B, 8], dtype: float32, device: cuda:0, role: output}\n"

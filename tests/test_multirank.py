@@ -5,6 +5,8 @@ imported and the process group set up once; each test reads its scenario's per-r
 results and traces. After the divergence scenario the same process group serves the
 next scenarios: no rank was left inside a mismatched collective. The last scenario has
 a rank stall past the barrier timeout; it too leaves the group usable.
+
+Ranks as processes: the whole module is slow (CI's second step, ``pytest -m slow``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from graphflow.dist.chrome_trace import chrome_trace
 from graphflow.cli import main
 from graphflow.dist.trace import comparable, describe, diff_traces, read_trace
 from graphflow.plan import WarmupPolicy
+
+pytestmark = pytest.mark.slow
 from graphflow.plan.rules import validate
 from multirank_model import (BARRIER_TIMEOUT_S, SCENARIOS, SIZES, STALL_TIMEOUT_S, STALLED_RANK, family_plan,
                              run_workers, step_plan)

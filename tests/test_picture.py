@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from big_plans import chain_plan, layered_plan
-from graphflow.engine.schedule import build_schedule, dependencies
+from graphflow.plan.schedule import build_schedule, dependencies
 from graphflow.plan.loader import load_plan
 from graphflow.view.picture import MAX_PIXELS, SCREEN_PIXELS, Expand, ImageFormat, draw, layout, parse_layers
 from graphflow.plan import Channel, ChannelKind, Mode, Origin, Plan, Segment, SegmentKind, Stream

@@ -11,12 +11,14 @@ import pytest
 from bench import ready_bench
 
 
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["ready_bench.py", "--smoke", "--plans", "FULL", "--rounds", "3",
-                                      "--out", str(tmp_path)])
-    assert ready_bench.main() == 0
-    return json.loads((tmp_path / "ready-full.json").read_text())["plans"]["FULL"]
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """One smoke run, read by every test that checks what it records (a run takes seconds)."""
+    out = tmp_path_factory.mktemp("ready")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["ready_bench.py", "--smoke", "--plans", "FULL", "--rounds", "3", "--out", str(out)])
+        assert ready_bench.main() == 0
+    return json.loads((out / "ready-full.json").read_text())["plans"]["FULL"]
 
 
 def test_each_row_keeps_its_fastest_round_and_its_ratio_paired_over_the_rounds(results):
@@ -39,9 +41,17 @@ def test_lazy_runs_with_and_without_steps_served_and_says_where_the_thread_waite
     for lazy in (idle, serving):
         assert lazy["failures"] == {} and lazy["verified_bit_exact"] is True
         thread = lazy["thread"]
-        assert {"warmup", "capture", "verify", "waiting"} <= set(thread)
+        assert {"warmup", "capture", "waiting"} <= set(thread)
         assert sum(v for k, v in thread.items() if k != "wall") == pytest.approx(thread["wall"])
     assert serving["served_bit_exact"] is True and serving["checked_steps"] >= 1
+    assert serving["first_use_checked"] >= 1 and serving["worst_step_vs_eager"] > 0
+    assert str(serving["worst_step"]["batch"]) in serving["eager_step_s"]
+
+
+def test_the_first_use_run_checks_every_descriptor_verify_left_out(results):
+    checks = results["first-use"]
+    assert checks["checked_before_ready"] + checks["checked_on_first_use"] == 3  # --smoke: three sizes
+    assert checks["failed"] == 0 and checks["unchecked_after"] == 0
 
 
 def test_rounds_alternate_their_order_and_pair_only_rounds_both_finished():

@@ -176,16 +176,19 @@ class TestWarmupSetting:
         with engine:
             assert events.done[Phase.WARMUP] == [Descriptor(P, 8)]
 
-    def test_a_lazy_engines_thread_applies_it_too(self):
+    def test_a_lazy_engines_thread_warms_up_once_before_serving_and_checks_each_on_first_use(self):
+        """A lazy engine verifies nothing before ready (each descriptor is checked on its
+        first batch): its thread warms up nothing but its own first step, before the
+        engine is returned, and every descriptor goes straight to capture."""
         plan = toy_plan(2, sizes=SIZES)
         engine, _ = captured(plan, lazy=True, detectors=False)
         with engine:
             assert engine.background.wait(60) and not engine.background.failures
             thread = engine.background.times
-            warmed = {t.descriptor for t in thread if t.phase is Phase.WARMUP and not t.skipped}
-            assert warmed == sample(plan.descriptors())
-            assert {t.descriptor for t in thread if t.skipped} == set(plan.descriptors()) - warmed
-            assert set(engine.programs) == set(plan.descriptors())
+            warmed = [t.descriptor for t in thread if t.phase is Phase.WARMUP and not t.skipped]
+            assert warmed == [plan.descriptors()[0]]
+            assert {t.descriptor for t in thread if t.skipped} == set(plan.descriptors())
+            assert set(engine.programs) == set(plan.descriptors()) == engine.live.unchecked
 
 
 class TestPoolForecast:
@@ -319,9 +322,10 @@ class TestCommandLine:
                                     "--no-detectors")
         assert status == 0
         assert "warmed up 5 of 10 descriptors (5 went straight to capture: capture.warmup auto); verified 5 of 10 " \
-               "(a sample: --verify all compares every one)" in out
+               "before ready, the other 5 checked against the eager step on their first batch (--verify all: every " \
+               "one before ready)" in out
         assert out.splitlines()[-1].endswith("verify 5/5 bit-exact against the eager step (5 of 10 descriptors "
-                                             "verified)")
+                                             "verified before ready, 5 more checked on their first batch)")
         assert "5 straight to capture without a warmup (capture.warmup auto)" in err
 
     def test_progress_says_each_skipped_warmup_where_the_descriptor_starts(self):

@@ -471,8 +471,8 @@ class TestRunnerAndCli:
         (home / "plan.yaml").write_text((home / "plan.yaml").read_text().replace("beside_plan_model", "elsewhere"))
         assert main(["run", str(home / "plan.yaml"), "--quiet"]) == 2
         err = capsys.readouterr().err
-        assert f"cannot import module 'elsewhere' for model 'elsewhere:build': No module named 'elsewhere' (also " \
-               f"looked in {home}, {tmp_path})" in err
+        assert f"plan.yaml:4: model: cannot find module 'elsewhere' for model 'elsewhere:build' in the import path, " \
+               f"{home} or {tmp_path}" in err
         assert "put the module beside the plan or in the current directory" in err
 
     @pytest.mark.parametrize("how", ["option", "environment"])

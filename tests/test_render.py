@@ -24,7 +24,7 @@ from graphflow.plan import (
 )
 from graphflow.plan.loader import load_plan
 from graphflow.view.render import format_summary, shown_mode, summarize, to_dot, to_rich
-from graphflow.view.units import compact_sizes, format_bytes, group_by_template
+from graphflow.units import compact_sizes, format_bytes, group_by_template
 
 GRAPH, EAGER = SegmentKind.GRAPH, SegmentKind.EAGER
 DEV = "cuda:0"

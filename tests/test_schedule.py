@@ -1,4 +1,4 @@
-"""Fork/join schedules over streams (``graphflow.engine.schedule``), and the pipeline running them."""
+"""Fork/join schedules over streams (``graphflow.plan.schedule``), and the pipeline running them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphflow.engine import CpuBackend, RunOptions, run_pipeline
-from graphflow.engine.schedule import Dependency, Hazard, Schedule, Step, build_schedule, dependencies
+from graphflow.plan.schedule import Dependency, Hazard, Schedule, Step, build_schedule, dependencies
 from graphflow.plan import Buffer, BufferRole, CaptureSettings, Mode, Plan, Segment, SegmentKind, Stream
 from strategies import valid_plans
 

@@ -142,7 +142,7 @@ class TestExitStatusTable:
         home(model="nosuchmodule:build")
         status, err = run(capsys)
         assert status == 2
-        assert "cannot import module 'nosuchmodule'" in err
+        assert "plan.yaml:5: model: cannot find module 'nosuchmodule'" in err
 
     def test_2_bad_arguments(self, capsys):
         assert main(["run", str(TOY), "--sizes", "1,x"]) == 2

@@ -20,9 +20,10 @@ every plan given, ``launch`` and a torchrun job's rank 0 1 when a rank failed (a
 job's report), ``trace diff`` 1 when the traces differ and 2 when an incomplete trace
 leaves them incomparable.
 
-Engine errors name what to change as ``RunOptions`` fields, the spelling every caller
-of the engine shares; ``report_error`` adds the flag ``graphflow run`` spells the field
-with (``FLAGS``), so a hint reads right on the command line too.
+Engine errors keep what to change as data, ``RunOptions`` settings
+(``graphflow.errors.OptionFix``), which their text says as ``RunOptions(sizes=...)`` for a
+script; ``report_error`` says each as the flag ``graphflow run`` sets it with (``flag``),
+so a hint reads right on the command line too.
 """
 
 from __future__ import annotations
@@ -30,33 +31,58 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 from pathlib import Path
 
 from graphflow import __version__
-from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, PlanError, user_frames
+from graphflow.errors import (TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, OptionError, PlanError,
+                              OptionFix, user_frames)
 
-__all__ = ["FLAGS", "CommandError", "main", "parse_sizes", "with_flags", "write_out"]
+__all__ = ["FLAGS", "CommandError", "flag", "main", "parse_sizes", "write_out"]
 
 #: Subcommand modules, in the order ``graphflow --help`` lists them.
 _COMMANDS = ("validate", "show", "run", "launch", "export", "trace", "rules", "vllm")
 
 
-#: Each ``RunOptions`` field ``graphflow run`` sets from its command line, as the command
-#: line spells it (``seed`` and ``skip_rules`` have no flag).
+#: Each ``RunOptions`` field ``graphflow run`` sets from its command line, and its flag
+#: (``seed`` and ``skip_rules`` have none); ``flag`` says a value with it.
 FLAGS = {
     "backend": "--backend",
-    "verify": "--no-verify",
+    "verify": "--verify",
     "detectors": "--detectors",
-    "disabled_checks": "--disable-check NAME",
+    "disabled_checks": "--disable-check",
     "sizes": "--sizes",
     "lazy": "--lazy",
     "compile": "--no-compile",
 }
 
-_RUN_OPTIONS = re.compile(r"RunOptions\(")
-_FIELD = re.compile(r"(?:^|,)\s*(\w+)\s*=")
+
+#: What a flag takes where a fix leaves the value to the user.
+_ANY = {"backend": "auto|cpu|cuda", "verify": "sample|all|off", "detectors": "first|all|off",
+        "disabled_checks": "NAME", "sizes": "N,N,..."}
+
+
+def flag(setting: OptionFix) -> str:
+    """``setting`` as ``graphflow run``'s flags set it (``--sizes N,N,...`` where the value
+    is the user's to pick); one no flag sets (``seed``, a default) as ``RunOptions`` says it."""
+    name = FLAGS.get(setting.field)
+    value = getattr(setting.value, "value", setting.value)  # an enum member as its value
+    if name is None:
+        return str(setting)
+    if value is ...:
+        return f"{name} {_ANY[setting.field]}" if setting.field in _ANY else name
+    match setting.field, value:
+        case "sizes", _:
+            return f"{name} {','.join(str(size) for size in value)}"
+        case "disabled_checks", _:
+            return " ".join(f"{name} {check}" for check in sorted(getattr(c, "value", c) for c in value))
+        case ("verify" | "detectors") as field, (False | "off"):
+            return f"--no-{field}"
+        case ("verify" | "detectors" | "backend"), str():
+            return f"{name} {value}"
+        case ("lazy", True) | ("compile", False):
+            return name
+    return str(setting)
 
 
 class CommandError(GraphflowError):
@@ -160,7 +186,7 @@ def _report(err: GraphflowError, at: str) -> int:
               f"(graphflow validate {where} lists them)", file=sys.stderr)
         return 1
     if isinstance(err, CaptureError):
-        print(f"graphflow: capture failed, rolled back: {with_flags(str(err))}{at}", file=sys.stderr)
+        print(f"graphflow: capture failed, rolled back: {err.describe(flag)}{at}", file=sys.stderr)
         for note in getattr(err, "__notes__", ()):
             if not note.startswith(TRACEBACK_NOTE):  # where in the code: the user frames say it
                 print(f"graphflow: {note}", file=sys.stderr)
@@ -168,37 +194,7 @@ def _report(err: GraphflowError, at: str) -> int:
         # plan that cannot be read: fixed in the plan, not in the model.
         return 2 if isinstance(err.__cause__, PlanError) else 1
     if isinstance(err, CommandError):
-        print(f"{err.prog}: {with_flags(str(err))}{at}", file=sys.stderr)
+        print(f"{err.prog}: {err}{at}", file=sys.stderr)
         return err.status
-    print(f"graphflow: {with_flags(str(err))}{at}", file=sys.stderr)
-    return 2 if isinstance(err, PlanError) else 1
-
-
-def with_flags(text: str) -> str:
-    """``text`` with the flags beside each ``RunOptions(field=...)`` it names: inside the
-    parentheses that hold the call (``(RunOptions(sizes=...); on the command line
-    --sizes)``), else in parentheses after it. The engine speaks to every caller, the
-    command line's user among them; a text that already names the flag is left as is."""
-    pieces, at = [], 0
-    for match in _RUN_OPTIONS.finditer(text):
-        end = _closing(text, match.end())
-        if end is None:
-            continue
-        fields = _FIELD.findall(text[match.end():end - 1])
-        flags = [FLAGS[f] for f in fields if f in FLAGS and FLAGS[f].split()[0] not in text]
-        if not flags:
-            continue
-        said = "on the command line " + " ".join(flags)
-        pieces += [text[at:end], f"; {said}" if text.startswith(")", end) else f" ({said})"]
-        at = end
-    return "".join(pieces) + text[at:]
-
-
-def _closing(text: str, start: int) -> int | None:
-    """The index after the ``)`` that closes the parenthesis open before ``start``."""
-    depth = 1
-    for index in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[index], 0)
-        if depth == 0:
-            return index + 1
-    return None
+    print(f"graphflow: {err.describe(flag)}{at}", file=sys.stderr)
+    return 2 if isinstance(err, (PlanError, OptionError)) else 1

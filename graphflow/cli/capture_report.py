@@ -16,20 +16,21 @@ from __future__ import annotations
 
 import sys
 
-from graphflow.cli import CommandError
+from graphflow.cli import CommandError, flag
 
-__all__ = ["DEFAULT_STEPS", "EAGER_BUDGET_S", "check_backend", "close", "print_report", "report_document", "report_listener",
+__all__ = ["DEFAULT_STEPS", "EAGER_BUDGET_S", "backend_for", "close", "print_report", "report_document", "report_listener",
            "sample", "time_steps", "trace_dir", "write_report"]
 
 
-def check_backend(options) -> bool:
-    """Whether the backend the options name captures real graphs (it exists, or exit 2)."""
+def backend_for(options):
+    """The backend the options name, built once for the whole run (it exists here, or exit 2)."""
     from graphflow.engine import make_backend
+    from graphflow.errors import OptionError
 
     try:
-        return make_backend(options.backend).captures_graphs
-    except ValueError as err:
-        raise CommandError(f"--backend {options.backend.value}: {err}") from err
+        return make_backend(options.backend)
+    except OptionError as err:
+        raise CommandError(f"--backend {options.backend.value}: {err.describe(flag)}") from err
 
 
 def trace_dir(path: str) -> None:
@@ -44,16 +45,15 @@ def trace_dir(path: str) -> None:
         raise CommandError(f"--trace {path}: cannot write there: {err.strerror or err}") from err
 
 
-def report_listener(path: str, plan, options):
+def report_listener(path: str, plan, backend):
     """The capture report's listener; a FILE it cannot write is a bad argument (exit 2)."""
-    from graphflow.engine import make_backend
     from graphflow.view.report import CaptureReport, report_format
 
     try:
         report_format(path)
     except ValueError as err:
         raise CommandError(f"--report {err}") from err
-    return CaptureReport(plan.name, make_backend(options.backend).name)
+    return CaptureReport(plan.name, backend.name)
 
 
 def write_report(report, path: str, *, failed: bool = False) -> None:
@@ -181,8 +181,10 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
                    f"rtol={engine.plan.capture.rtol:g} of {against} (max |diff| {worst:.3g}, {exact} bit-exact)")
     else:
         checked = f"; verify {exact}/{len(verified)} bit-exact against {against}" if verified else "; not verified"
+    checks = engine.checks
     if verified and len(verified) < len(report.descriptors):
-        checked += f" ({len(verified)} of {len(report.descriptors)} descriptors verified)"
+        checked += f" ({len(verified)} of {len(report.descriptors)} descriptors verified before ready" + (
+            f", {checks.waiting} more checked on their first batch)" if checks.waiting else ")")
     result = (f"ok: {engine.plan.name}: {len(report.descriptors)} descriptors, {what}, "
               f"in {total_s:.2f} s on {report.backend}" + checked)
     compiled = report.compile
@@ -201,6 +203,9 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
         # Before any capture: the largest descriptors' warmup peaks (None on the CPU backend).
         "pool_forecast_bytes": report.pool_forecast, "pool_probe_bytes": report.pool_probe,
         "verified": len(verified), "warmups_skipped": report.warmups_skipped,
+        # Before ready (verify), on their first batch since, still to come, found wrong there.
+        "checks": {"before_ready": checks.before_ready, "on_first_use": checks.on_first_use,
+                   "waiting": checks.waiting, "failed": checks.failed},
         "capture_s": captured_s, "total_s": total_s, "setup_s": setup_s, "timing_s": timing_s,
         "setup": {"plan_s": plan_s, "torch_s": torch_s, "backend_s": backend_s},
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
@@ -214,7 +219,7 @@ def print_report(document: dict) -> None:
     from rich.table import Table
 
     from graphflow.view.progress import NO_GRAPH
-    from graphflow.view.units import format_bytes
+    from graphflow.units import format_bytes
 
     console = Console(highlight=False, soft_wrap=True)
 
@@ -263,10 +268,11 @@ def print_report(document: dict) -> None:
     caveat = not real and any(row["eager_ms"] is not None for row in document["descriptors"])
     rows = table("descriptor", "verify", "eager ms",
                  *(("graph ms", "speed-up") if real else ("replay ms", "note") if caveat else ("replay ms",)))
+    waiting = document.get("checks", {}).get("waiting", 0)
     for row in document["descriptors"]:
         verify = row["verify"]
-        check = ("not verified" if verify is None else "bit-exact" if verify["bit_exact"]
-                 else f"max|diff| {verify['max_abs_diff']:.2g}")
+        check = (("on first batch" if waiting else "not verified") if verify is None
+                 else "bit-exact" if verify["bit_exact"] else f"max|diff| {verify['max_abs_diff']:.2g}")
         timed = row["eager_ms"] is not None
         cells = [f"{row['mode']}(B={row['size']})", check, f"{row['eager_ms']:.3f}" if timed else "-",
                  f"{row['graph_ms']:.3f}" if timed else "-"]
@@ -286,8 +292,9 @@ def print_report(document: dict) -> None:
     skipped = document.get("warmups_skipped", 0)
     line(f"warmed up {total - skipped} of {total} descriptors"
          + (f" ({skipped} went straight to capture: capture.warmup auto)" if skipped else "")
-         + f"; verified {document.get('verified', 0)} of {total}"
-         + (" (a sample: --verify all compares every one)" if 0 < document.get("verified", 0) < total else ""))
+         + f"; verified {document.get('verified', 0)} of {total} before ready"
+         + (f", the other {waiting} checked against the eager step on their first batch (--verify all: every one "
+            "before ready)" if waiting else ""))
     if document.get("ready_s") is not None:
         line(f"ready {document['ready_s']:.2f} s (serving eagerly), all descriptors live after "
              f"{document['capture_s']:.2f} s")

@@ -4,7 +4,9 @@ The ranks are started by torch.distributed's elastic launcher (``graphflow.dist.
 API torchrun runs), each with NVLink multicast off and, on NCCL, ``cuda:{rank}`` and its
 own stream; each loads the plan, places it on its device and captures it in a
 ``graphflow.session.Session`` over the world group, the plan's factory getting the
-rank, the world size and the channel handles. While they capture, each rank prints its
+rank, the world size and the channel handles. Before any rank starts, the plan's factory
+is looked for and the plan validated, and the first line says what starts (the ranks
+take seconds to load torch). While they capture, each rank prints its
 progress on stderr, a line per descriptor (``rank 1: captured 3/8: ...``); then one line
 per rank and the result (``--quiet``: the result only; ``--json``: the report as JSON).
 Exit 0 when every rank committed, 1 when the plan has errors or any rank failed
@@ -21,6 +23,7 @@ import sys
 from graphflow.cli import CommandError, parse_sizes
 from graphflow.cli.ranks import rank_line, rank_summary, world_line
 from graphflow.errors import InvalidPlanError
+from graphflow.plan.factory import find_factory
 from graphflow.plan.loader import load_plan
 from graphflow.plan.rules import validate
 
@@ -50,6 +53,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
+    find_factory(plan)  # a typo in model: is said now, not by every rank after it has loaded torch
     if plan.world_size != args.nproc:
         raise CommandError(f"{args.plan}: the plan is written for world_size {plan.world_size}, --nproc is "
                            f"{args.nproc} — set world_size in the plan or launch {plan.world_size} processes")
@@ -57,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
     report = validate(plan)
     if not report.ok:
         raise InvalidPlanError(report)
+    if not args.quiet:
+        from graphflow.view.progress import starting
+
+        starting("launch", args.plan, plan.name, f"starting {args.nproc} {args.backend} ranks, each loading torch "
+                 "and building the model", json=args.json)
     from graphflow.dist.launch import launch
 
     try:

@@ -34,11 +34,11 @@ import sys
 import time
 
 from graphflow.cli import CommandError, report_error
-from graphflow.cli.capture_report import (check_backend, close, print_report, report_document, report_listener,
+from graphflow.cli.capture_report import (backend_for, close, print_report, report_document, report_listener,
                                           time_steps, trace_dir, write_report)
 from graphflow.errors import GraphflowError
 
-__all__ = ["rank_line", "rank_summary", "run_ranks", "world_line"]
+__all__ = ["rank_line", "rank_summary", "run_ranks", "tell_torchrun", "world_line"]
 
 #: One namespace per ``run_ranks`` call in a process, the same on every rank.
 _calls = itertools.count()
@@ -69,15 +69,8 @@ def world_line(plan_name: str, ok: bool, ranks: int, backend: str) -> str:
 
 
 def run_ranks(args: argparse.Namespace, plan, source: str, options) -> int:
-    """This process's rank of ``graphflow run`` under torchrun; the exit status."""
-    try:
-        return _run_rank(args, plan, source, options)
-    except GraphflowError as err:  # bad input: every rank says so and exits, none joined
-        _tell_torchrun(err)
-        raise
-
-
-def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
+    """This process's rank of ``graphflow run`` under torchrun; the exit status. Bad input
+    raises (every rank says so and exits, none joined: ``tell_torchrun``)."""
     from graphflow.dist.distributed import identity, joined
 
     try:
@@ -88,10 +81,8 @@ def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
         raise CommandError(f"{source}: the plan is written for world_size {plan.world_size}, the job has "
                            f"{world_size} rank(s) — set world_size in the plan or start {plan.world_size} "
                            "(nodes × processes per node)")
-    check_backend(options)
-    if args.trace is not None:
-        trace_dir(args.trace)
-    report = report_listener(args.report, plan, options) if args.report else None  # checked on every rank
+    backend = backend_for(options)
+    report = report_listener(args.report, plan, backend) if args.report else None  # checked on every rank
     timeout_s = plan.capture.barrier_timeout_s
     with contextlib.ExitStack() as stack:
         try:
@@ -100,7 +91,7 @@ def _run_rank(args: argparse.Namespace, plan, source: str, options) -> int:
             raise CommandError(str(err)) from err
         except RuntimeError as err:  # c10d could not reach the job's store
             raise CommandError(f"joining the job's process group failed: {err}", status=1) from err
-        document, error, summary = _capture(args, ctx.place(plan), source, options, ctx,
+        document, error, summary = _capture(args, ctx.place(plan), source, options, backend, ctx,
                                             report if ctx.rank == 0 else None)
         return _finish(args, plan, source, ctx, document, error, summary, timeout_s)
 
@@ -115,7 +106,8 @@ def _group_backend(options) -> str:
     return "nccl" if options.backend is BackendKind.CUDA else "gloo"
 
 
-def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None, GraphflowError | None, dict]:
+def _capture(args, plan, source: str, options, backend, ctx,
+             report) -> tuple[dict | None, GraphflowError | None, dict]:
     """Capture and time this rank's plan as ``run`` does; its document (rank 0's is
     printed), its error, and its summary for the job's report. ``report``: rank 0's
     capture report listener (``--report``), else None."""
@@ -133,7 +125,7 @@ def _capture(args, plan, source: str, options, ctx, report) -> tuple[dict | None
         session = Session(plan, options, rank=ctx.rank, world_size=ctx.world_size, listeners=listeners,
                           trace=args.trace)
         started = time.perf_counter()
-        engine = session.capture()
+        engine = session.capture(backend=backend)
         captured_s = time.perf_counter() - started
         timing_began = time.perf_counter()
         timings = time_steps(engine, args.steps, time_all=args.time_all, progress=progress)
@@ -174,7 +166,7 @@ def _finish(args, plan, source: str, ctx, document: dict | None, error: Graphflo
     store.set(f"{namespace}/rank{ctx.rank}", json.dumps(summary))
     timeout = datetime.timedelta(seconds=timeout_s)
     if error is not None:
-        _tell_torchrun(error)
+        tell_torchrun(error)
     if ctx.rank != 0:
         status = report_error(error, debug=args.debug) if error is not None else 0
         try:
@@ -190,7 +182,7 @@ def _finish(args, plan, source: str, ctx, document: dict | None, error: Graphflo
     return status or (0 if ok else 1)
 
 
-def _tell_torchrun(error: GraphflowError) -> None:
+def tell_torchrun(error: GraphflowError) -> None:
     """Leave the error where torchrun's failure summary looks (its per-rank error file),
     so that summary names the failure rather than pointing at a traceback there is none of."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -1,8 +1,10 @@
 """``graphflow run PLAN``: the whole capture pipeline, a phase-by-phase report, and timings.
 
 The plan is a YAML file or, with ``--module pkg.mod:factory [--step METHOD]``, the plan
-a decorated model declares (``graphflow.cli.source``). The plan is validated (errors
-stop it before any capture), captured in a ``graphflow.session.Session`` with a
+a decorated model declares (``graphflow.cli.source``). Before torch loads, its factory
+is looked for (``graphflow.plan.factory``), it is validated (errors stop it before any
+capture) and the first line says what starts; then it is captured in a
+``graphflow.session.Session`` (on the backend built here, once) with a
 progress display on stderr (plain lines when stderr is no terminal, JSON lines with
 ``--json``, a line at least every few seconds of long work, so a long run never looks
 hung), then reported: descriptors captured, time per phase, pool bytes (measured, and as
@@ -39,12 +41,13 @@ import os
 import sys
 import time
 
-from graphflow.cli import CommandError, parse_sizes
-from graphflow.cli.capture_report import (check_backend, close, print_report, report_document, report_listener,
+from graphflow.cli import CommandError, flag, parse_sizes
+from graphflow.cli.capture_report import (backend_for, close, print_report, report_document, report_listener,
                                           time_steps, trace_dir, write_report)
 from graphflow.cli.source import add_plan_source_arguments, plan_source, with_modes
 from graphflow.dist.distributed import in_job
-from graphflow.errors import CaptureError, InvalidPlanError
+from graphflow.errors import CaptureError, GraphflowError, InvalidPlanError
+from graphflow.plan.factory import find_factory
 from graphflow.plan.rules import validate
 
 __all__ = ["register"]
@@ -101,6 +104,17 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except GraphflowError as err:
+        if in_job():  # bad input, said by every rank: torchrun's failure summary names it too
+            from graphflow.cli.ranks import tell_torchrun
+
+            tell_torchrun(err)
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     plan = plan_source(args)
     if args.modes is not None:
@@ -108,16 +122,28 @@ def run(args: argparse.Namespace) -> int:
     elif os.environ.get("GRAPHFLOW_MODES"):
         plan = with_modes(plan, os.environ["GRAPHFLOW_MODES"], "GRAPHFLOW_MODES")
     source = args.plan or args.module
-    if not in_job() and _on_the_host(args.backend) and validate(plan).ok:
-        # Before torch loads (a second or two): a plan too large for this machine is
-        # refused from its own numbers at once. The pipeline checks again either way,
-        # and refuses a plan with errors first.
+    # Before torch loads (seconds, tens on a busy machine), what the plan and the arguments
+    # alone can refuse is refused: a typo in model:, bad sizes or trace directory, a plan
+    # with errors (the pipeline's own validation reuses this one), a plan too large for
+    # this machine from its own numbers. Then the first line says what starts.
+    find_factory(plan)
+    sizes = parse_sizes(args.sizes)
+    if args.trace is not None:
+        trace_dir(args.trace)
+    validation = validate(plan)
+    if not validation.ok:
+        raise InvalidPlanError(validation)
+    if not in_job() and _on_the_host(args.backend):
         from graphflow.engine.memory import check_plan_on_the_host
 
-        check_plan_on_the_host(plan, sizes=parse_sizes(args.sizes), verify=args.verify != "off")
+        check_plan_on_the_host(plan, sizes=sizes, verify=args.verify != "off")
+    if not args.quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
+        from graphflow.view.progress import starting
+
+        starting("run", source, plan.name, "loading torch, then building the model", json=args.json)
     setup = {"plan_s": time.perf_counter() - began}  # where the time before capture goes, for the report
     mark = time.perf_counter()
-    options = _options(args)  # torch loads here (graphflow.engine)
+    options = _options(args, sizes)  # torch loads here (graphflow.engine)
     setup["torch_s"] = time.perf_counter() - mark
     if in_job():  # a rank of a torchrun job: graphflow.cli.ranks
         if args.lazy:
@@ -131,25 +157,24 @@ def run(args: argparse.Namespace) -> int:
     from graphflow.session import Session
 
     mark = time.perf_counter()
-    captures_graphs = check_backend(options)
+    backend = backend_for(options)
     setup["backend_s"] = time.perf_counter() - mark
-    if args.trace is not None:
-        trace_dir(args.trace)
-    progress = None if args.quiet else ProgressDisplay(graphs=captures_graphs, json=args.json)
+    progress = None if args.quiet else ProgressDisplay(graphs=backend.captures_graphs, json=args.json)
     listeners = [] if progress is None else [progress]
-    report = report_listener(args.report, plan, options) if args.report else None
+    report = report_listener(args.report, plan, backend) if args.report else None
     if report is not None:
         listeners.append(report)
     session = Session(plan, options, listeners=listeners, trace=args.trace)
     try:
         started = time.perf_counter()
         try:
-            engine = session.capture()
+            engine = session.capture(backend=backend)
         except CaptureError as err:
             if args.json:
                 _dump({"plan": plan.name, "file": source, "ok": False, "error": {
                     "message": err.message, "phase": err.phase, "descriptor": _str(err.descriptor),
-                    "segment": err.segment, "rank": err.rank, "hint": err.hint}})
+                    "segment": err.segment, "rank": err.rank, "hint": err.hint,
+                    "settings": [_setting(s) for s in err.settings]}})
             raise
         except InvalidPlanError:
             raise
@@ -198,6 +223,7 @@ def wait_lazy(engine, ready_s: float, *, say: bool) -> None:
         print(f"ready in {ready_s:.2f} s: serving eagerly while {len(engine.report.descriptors)} descriptors are "
               "captured in the background", file=sys.stderr)
     background.wait()
+    background.check_unchecked()  # no batch is served here: each descriptor is checked on verify's inputs
     if background.failures:
         descriptor, error = next(iter(background.failures.items()))
         others = len(background.failures) - 1
@@ -213,7 +239,7 @@ def _on_the_host(backend: str) -> bool:
     return backend == "cpu" or (backend == "auto" and not os.path.exists("/proc/driver/nvidia/version"))
 
 
-def _options(args: argparse.Namespace):
+def _options(args: argparse.Namespace, sizes: tuple[int, ...] | None):
     from graphflow.engine import RunOptions
     from graphflow.engine.options import check_named
 
@@ -222,7 +248,7 @@ def _options(args: argparse.Namespace):
     except ValueError as err:
         raise CommandError(f"--disable-check: {err}") from err
     return RunOptions(backend=args.backend, verify=args.verify, detectors=args.detectors,
-                      disabled_checks=checks, sizes=parse_sizes(args.sizes), lazy=args.lazy,
+                      disabled_checks=checks, sizes=sizes, lazy=args.lazy,
                       compile=not args.no_compile)
 
 
@@ -233,3 +259,14 @@ def _dump(document: dict) -> None:
 
 def _str(value) -> str | None:
     return None if value is None else str(value)
+
+
+def _setting(setting) -> dict:
+    """A fix's setting for a script: the field, its value as JSON (``null`` where the
+    user picks it; a set as a sorted list) and the flag that sets it."""
+    value = setting.value
+    if value is ...:
+        value = None
+    elif isinstance(value, (set, frozenset)):
+        value = sorted(value)
+    return {"field": setting.field, "value": value, "flag": flag(setting)}

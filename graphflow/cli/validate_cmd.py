@@ -1,8 +1,10 @@
 """``graphflow validate PLAN...``: run the rule table on plans, before any GPU work.
 
 Exit 0 when every plan is clean (warnings allowed), 1 when any finding is an error,
-2 when a plan cannot be read (or a ``--disable`` code is unknown). Imports no torch,
-so it runs in a fraction of a second wherever the plans are. ``--device-memory 80GiB``
+2 when a plan cannot be read, or names a model factory whose module cannot be found or
+whose source defines no such name (``graphflow.plan.factory``, which runs none of it),
+or a ``--disable`` code is unknown. Imports no torch, so it runs in a fraction of a
+second wherever the plans are. ``--device-memory 80GiB``
 gives the memory of one GPU, so static buffers that would not fit are flagged (GF303)
 before a model is ever loaded.
 """
@@ -16,8 +18,9 @@ import sys
 
 from graphflow.cli import CommandError
 from graphflow.errors import PlanError
+from graphflow.plan.factory import find_factory
 from graphflow.plan.loader import load_plan
-from graphflow.view.units import plural
+from graphflow.units import plural
 from graphflow.plan.rules import RULES, Report, unknown_codes, validate
 
 __all__ = ["register"]
@@ -97,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.plans:
         try:
             plan = load_plan(path)
+            find_factory(plan)
         except PlanError as err:
             status = 2
             if args.json:

@@ -18,7 +18,9 @@ elastic lacks:
   explained by how it ended (its exit code or signal, or stopped because another failed);
 - a deadline: elastic waits for its workers without one, so a watchdog kills the ranks
   still running at ``timeout_s`` (each rank writes its pid first) and elastic then stops
-  the others: a launch never hangs its caller.
+  the others: a launch never hangs its caller. On a loaded machine a rank may start only
+  after the deadline; it finds the watchdog's mark and leaves without running, so no rank
+  runs past the deadline it was given.
 
 Start methods: NCCL ranks are spawned (a fresh interpreter per GPU; CUDA is never
 forked). gloo ranks come from a forkserver that imported torch once, so a CPU launch
@@ -55,6 +57,9 @@ _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 #: Loggers of elastic's agent: what they report of a failed rank, its RankResult says too.
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+#: The file the watchdog leaves in the launch's directory at the deadline.
+_EXPIRED = "deadline.passed"
 
 #: The environment the gloo forkserver inherited when it started (None: not started yet).
 _forkserver_env: dict[str, str] | None = None
@@ -113,7 +118,7 @@ def launch(fn: Callable[..., object], nproc: int, backend: str = "gloo", *, args
         failures: dict = {}
         try:
             watchdog.start()
-            returned = elastic_launch(config, _rank_main)(fn, tuple(args), backend, group_timeout_s, tmp,
+            returned = elastic_launch(config, _rank_main)(fn, tuple(args), backend, group_timeout_s, timeout_s, tmp,
                                                           dict(os.environ), server_env)
         except ChildFailedError as err:
             returned, failures = {}, err.failures
@@ -149,8 +154,8 @@ def _ended(rank: int, failure, first: int | None, results: Mapping[int, RankResu
     return RankResult(rank, error=f"ProcessError: rank {rank} was stopped when rank {first} failed{why}")
 
 
-def _rank_main(fn, args: tuple, backend: str, group_timeout_s: float, folder: str, environ: dict[str, str],
-               server_env: dict[str, str] | None) -> RankResult:
+def _rank_main(fn, args: tuple, backend: str, group_timeout_s: float, timeout_s: float, folder: str,
+               environ: dict[str, str], server_env: dict[str, str] | None) -> RankResult:
     """One rank, started by elastic: join, run ``fn``, leave the result where ``launch`` finds it.
 
     An error is left too, then raised again, so elastic sees the rank fail and stops the others.
@@ -171,6 +176,10 @@ def _rank_main(fn, args: tuple, backend: str, group_timeout_s: float, folder: st
     from graphflow.dist.distributed import joined
 
     try:
+        # The pid is written before the mark is read, and the watchdog marks before it
+        # reads the pids: a rank either sees the deadline passed or is killed at it.
+        if (folder / _EXPIRED).exists():
+            raise TimeoutError(f"rank {rank} started after the {timeout_s:g} s deadline and did not run")
         with joined(backend, group_timeout_s=group_timeout_s) as ctx:
             value = fn(ctx, *args)
         result = RankResult(rank, value, elapsed_s=time.monotonic() - start)
@@ -213,6 +222,7 @@ class _Watchdog:
             self._timer.join()
 
     def _expire(self) -> None:
+        (self.folder / _EXPIRED).write_text("")
         for rank in range(self.nproc):
             if (self.folder / f"rank{rank}.result").exists():
                 continue
@@ -220,7 +230,7 @@ class _Watchdog:
             try:
                 pid = int((self.folder / f"rank{rank}.pid").read_text())
             except (OSError, ValueError):
-                continue  # not started yet: elastic's rendezvous times out on its own
+                continue  # not started yet: it will find the mark and not run
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

@@ -25,7 +25,8 @@ from graphflow.engine.context import Context
 from graphflow.engine.execute import BoundSchedule
 from graphflow.engine.memory import check_memory, largest_size
 from graphflow.engine.options import Watch
-from graphflow.engine.schedule import Schedule, build_schedule, dependencies
+from graphflow.engine.pools import PoolSet
+from graphflow.plan.schedule import Schedule, build_schedule, dependencies
 from graphflow.errors import CaptureError
 from graphflow.events import Phase
 from graphflow.plan import BufferRole, CaptureRegion, Mode, Segment
@@ -49,7 +50,8 @@ class Allocation:
     devices: Mapping[str, torch.device]
     baseline: Mapping[torch.device, int]
     streams: Mapping[str, object]
-    pools: Mapping[torch.device, object]
+    #: Each device's graph pools (``graphflow.engine.pools``): captures go to the current one.
+    pool_sets: Mapping[torch.device, PoolSet]
     schedules: Mapping[tuple[str, ...], BoundSchedule]
     buffers: StaticBuffers
     owned: _Owned
@@ -101,9 +103,14 @@ class Allocation:
             return self.devices[name]
         return next(iter(self.devices.values()), torch.device("cpu"))
 
+    @property
+    def pools(self) -> dict[torch.device, object]:
+        """The pool each device's captures go to."""
+        return {device: pools.current for device, pools in self.pool_sets.items()}
+
     def pool_bytes(self, ctx: Context) -> int | None:
         """Bytes the capture pools hold, when the backend can tell (an allocator snapshot)."""
-        sizes = [ctx.backend.pool_bytes(p) for p in self.pools.values()]
+        sizes = [pools.nbytes() for pools in self.pool_sets.values()]
         return None if any(s is None for s in sizes) else sum(sizes)
 
     def synchronize(self, ctx: Context) -> None:
@@ -159,13 +166,12 @@ def allocate(ctx: Context, model: object | None, channels: ChannelRuntimeProtoco
     streams = _streams(ctx, devices, first)
     schedules = _schedules(ctx, streams)
     stack.push("drop the schedules and their events", schedules.clear)
-    pools: dict[torch.device, object] = {}
+    pools: dict[torch.device, PoolSet] = {}
     for segment in ctx.segments:
         name = plan.segment_device(segment)
         device = devices[name] if name is not None else first
         if segment.is_graph and device not in pools:
-            pools[device] = backend.new_pool(device)
-            stack.push(f"release the pool on {device}", functools.partial(_release_pool, backend, pools, device))
+            pools[device] = PoolSet(backend, device, stack)
     given = {n: a.existing for n, a in adopted.items() if a.existing is not None}
     # Checked before the model was built too (graphflow.engine.memory); again now that its
     # weights have taken memory and the tensors it adopts are known.
@@ -349,10 +355,6 @@ def _schedules(ctx: Context, streams: Mapping[str, object]) -> dict[tuple[str, .
     events = {device: [ctx.backend.new_event(device) for _ in range(count)] for device, count in needed.items()}
     return {names: BoundSchedule.of(schedule, [events[device][k] for device, k in slots])
             for names, (schedule, slots) in placed.items()}
-
-
-def _release_pool(backend, pools: dict, device: torch.device) -> None:
-    backend.release_pool(pools.pop(device))
 
 
 def _detectors(ctx: Context, buffers: StaticBuffers, model: object):

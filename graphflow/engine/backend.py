@@ -17,7 +17,7 @@ Lifecycle of a backend, as the pipeline drives it:
    (the CUDA backend lends streams the process keeps, ``graphflow.engine.streams``;
    ``release_stream`` gives each back when the run is over),
    and ``new_event(device)`` as many times per device as the largest schedule needs
-   (``graphflow.engine.schedule``), in the allocate phase.
+   (``graphflow.plan.schedule``), in the allocate phase.
 4. ``on_stream(stream)`` wraps every eager run (warmup, prewarm, verify's eager step) on
    its origin stream: it orders the stream after the caller's current stream on entry,
    and the caller after it on exit.
@@ -64,8 +64,9 @@ from typing import ClassVar
 import attrs
 import torch
 
-from graphflow.engine.memory import host_available
+from graphflow.engine.host import host_available
 from graphflow.engine.streams import cuda_streams
+from graphflow.errors import OptionError, OptionFix
 
 __all__ = ["Backend", "BackendKind", "CpuBackend", "CudaBackend", "Graph", "PoolProbe", "WorkspaceClearedWarning",
            "make_backend", "workspace_watch"]
@@ -959,6 +960,7 @@ def make_backend(kind: BackendKind | str = BackendKind.AUTO) -> Backend:
     if kind is BackendKind.AUTO:
         kind = BackendKind.CUDA if torch.cuda.is_available() else BackendKind.CPU
     if kind is BackendKind.CUDA and not torch.cuda.is_available():
-        raise ValueError("the cuda backend needs a CUDA GPU, and torch sees none — use the cpu backend or auto "
-                         "(RunOptions(backend='cpu'|'auto'))")
+        raise OptionError("the cuda backend needs a CUDA GPU, and torch sees none",
+                          hint="use the cpu backend ({0}) or auto ({1})",
+                          settings=(OptionFix("backend", "cpu"), OptionFix("backend", "auto")))
     return BACKENDS[kind]()

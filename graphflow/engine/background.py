@@ -1,61 +1,34 @@
-"""Lazy capture: the engine serves at once while a thread captures its descriptors.
+"""A lazy engine: it serves at once while the lazy-capture thread records its descriptors.
 
-With ``RunOptions(lazy=True)`` the pipeline stops after allocate, the first descriptor's
-warmup and prewarm, and commits an engine with no step program: the runtime serves every
-batch eagerly (on the static buffers) from the first step. ``BackgroundCapture`` then
-runs one descriptor at a time through warmup, capture and verify, as the pipeline does
-(``graphflow.engine.phase.run_descriptor``), and switches each in once it verifies. The
-order: the smallest descriptor that holds the first batch seen; then the largest, so
-that every batch from then on replays a graph (padded up) and no eager step competes
-with the capture for the host; then the smallest holding each batch size seen, first
-seen first; then the plan's order. A descriptor that fails is rolled back alone (its
-graphs destroyed) and noted in ``failures``; its batches go on being served by a larger
-descriptor or eagerly.
+With ``RunOptions(lazy=True)`` the pipeline stops after allocate and the first
+descriptor's warmup and prewarm, and commits an engine with no step program: the runtime
+serves every batch eagerly (on the static buffers) from the first step. The capture
+thread (``graphflow.engine.lazy``, the one every integration shares: order, turns with
+the steps, retries, failures) records one descriptor at a time, as the pipeline does
+(``graphflow.engine.phase.run_descriptor``), into a pool that a failed capture replaces
+(``graphflow.engine.pools``). This module is what is the engine's own:
+
+* **How a descriptor is captured.** Its capture phase records in its turn beside the
+  steps and pauses between the segments it records (``Hooks.record``, ``Hooks.pause``);
+  a phase that runs the model on the static buffers (a warmup, where the step launches
+  per-size JIT kernels, and the CPU backend's capture, which runs the region) takes a
+  turn that does not pause and gives back every buffer the server's steps use
+  (``_kept``). The thread's first warmup runs before the engine is returned: some of
+  CUDA's lazy initialization is per thread (torch gives each thread its own cuBLAS
+  handle, and a workspace per handle and stream), which must not happen inside its
+  first capture (tried without it on the H200, that capture failed), and made later it
+  would make a step wait for a whole eager step.
+* **How it goes live.** Switched in unchecked (``LiveSwitch``), it is checked on its first
+  real batch, in that step (``graphflow.engine.first_use``): the eager step is served,
+  the replay from the same start compared with it, and a graph that differs is rolled
+  back alone and named. So every descriptor is checked before it serves, and the thread
+  never holds a step for a verify.
 
 The serving side and the thread meet in one object, ``LiveSwitch`` (``engine.live``):
-the lock, the programs switched in so far and a version each switch-in moves on, the
-report, and the other way what serving asks for (batch sizes, steps waiting or running,
-stopping). The engine itself is set once, at commit; all that changes while it serves is
-there, the runtime talks to it and never to the thread, and the thread writes through it.
-
-The thread warms up the first descriptor again although the foreground just did: some
-of CUDA's lazy initialization is per thread (torch gives each thread its own cuBLAS
-handle, and a workspace per handle and stream), so the thread's own first matmul must
-run outside capture. Tried without it on the H200, the thread's first capture failed
-in a process where no thread had used cuBLAS before (the following ones then found the
-pool still recording), which is what cuBLAS initializing inside the capture would do.
-
-Why it is safe beside serving:
-
-* **Execution is serialized.** The live switch's ``lock`` is held by the runtime for each
-  step and by the background thread for a descriptor's warmup and verify, which run the
-  model on the static buffers. Those two snapshot every buffer they touch (inputs, what
-  the step writes, the state) at their descriptor's size first and put it back after,
-  so the KV cache of the sequences being served, and the outputs the last step
-  returned, come back unchanged. Steps go first: while one waits for the lock or runs
-  (``serving``), the thread takes the lock for no new phase for up to
-  ``SERVING_FIRST_S``, so a step waits for one phase of a descriptor at most; and at
-  its start the thread waits a moment (``FIRST_STEP_S``) for the engine's first step,
-  which then waits for nothing.
-* **Recording is not.** A CUDA capture records without running anything, so it goes on
-  while batches are served. It runs with ``capture_error_mode="thread_local"`` (as vLLM
-  does since its capture ran beside other CUDA work): the capturing thread may not make
-  unsafe calls, the serving thread may make any. The serving thread runs on the default
-  stream, the capture on the plan's streams, and the caching allocator sends only the
-  capturing stream's allocations to the graph pool. Graphs sharing the pool never
-  replay at the same time: replays happen under the lock.
-* **Per-thread places.** The background thread has its own ``Locus``, so errors and JIT
-  records name its descriptor and segment, and the JIT tripwires fire only for a stream
-  capturing in that thread.
-
-While a capture runs, the serving side must not synchronize the whole device
-(``torch.cuda.synchronize()``): that waits for the capturing stream, which CUDA refuses
-(``operation not permitted when stream is capturing``); synchronize its own stream
-(``torch.cuda.current_stream().synchronize()``) instead. The runtime itself never does.
-
-Serving beside the thread makes it slower than alone: it waits (steps go first, and
-warmup and verify take the lock), and its captures record more slowly beside the steps
-(``docs/engine.md``, Lazy capture, has the H200's figures).
+the turns, the programs switched in so far and a version each switch-in moves on, the
+report, and the other way what serving asks for. The engine itself is set once, at
+commit; all that changes while it serves is there, the runtime talks to it and never to
+the thread, and the thread writes through it.
 
 Limits: one rank and no channels (ranks would capture in orders their own traffic
 decides, and their barriers would disagree); capture them in the foreground.
@@ -64,38 +37,37 @@ decides, and their barriers would disagree); capture them in the foreground.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import attrs
-import torch
 
 from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Call
 from graphflow.engine.buffers import Copies
 from graphflow.engine.capture import Captured
 from graphflow.engine.context import Context
-from graphflow.engine.engine import PipelineReport
+from graphflow.engine.first_use import FirstUse
+from graphflow.engine.lazy import KeyState, LazyCapture
 from graphflow.engine.locus import Locus
-from graphflow.engine.options import Watch
+from graphflow.engine.options import Verify, Watch
 from graphflow.engine.phase import Hooks, PhaseResult, Tally, run_descriptor, summarize
-from graphflow.engine.rollback import UndoStack
+from graphflow.engine.report import PipelineReport
+from graphflow.engine.rollback import Undo, UndoStack
+from graphflow.engine.turns import Turns
 from graphflow.engine.verify import VerifyResult
-from graphflow.engine.warmup import DescriptorTime
+from graphflow.engine.execute import call_segment, run_eager
+from graphflow.engine.warmup import DescriptorTime, eager_step, fill_inputs
 from graphflow.errors import CaptureError
-from graphflow.events import EventKind
-from graphflow.plan import BufferRole, Descriptor
+from graphflow.events import EventKind, Phase
+from graphflow.plan import BufferRole, Descriptor, Mode
 
 __all__ = ["BackgroundCapture", "LiveSwitch"]
 
-#: The longest the thread lets steps go first before it takes the lock for a phase: a
-#: step or two. Steps served back to back leave no gap to wait for, so a longer wait only
-#: delays the capture (the step after it waits for the phase either way).
-SERVING_FIRST_S = 0.05
-#: At its start, how long the thread waits for the engine's first step to be served
-#: before its own first phase: that step then waits for none of the thread's work, and
-#: the thread knows which descriptor to capture first.
+#: How long the thread waits for the engine's first step before its first capture: that
+#: step then waits for nothing, and the thread knows which descriptor to capture first.
 FIRST_STEP_S = 0.5
 
 
@@ -104,73 +76,56 @@ class LiveSwitch:
     docstring): the one place either of them changes while the engine serves."""
 
     def __init__(self, report: PipelineReport):
-        #: Held by a step, and by the thread for a phase that runs the model.
+        #: A step and a recording never run at once (``graphflow.engine.turns``).
+        self.turns = Turns()
+        #: Held while the programs change or are read.
         self.lock = threading.RLock()
-        #: The step programs switched in so far; ``version`` counts the switch-ins, so a
-        #: runner sees at its next step that there are new ones.
+        #: The step programs switched in so far; ``version`` counts the switch-ins and
+        #: roll-backs, so a runner sees at its next step that there are new ones.
         self.programs: dict[Descriptor, tuple[Call, ...]] = {}
         self.version = 0
         #: The foreground's report, then the thread's once it is ``done``.
         self.report = report
         #: The thread writes the static buffers no more (a step's outputs may stay in them).
         self.done = False
-        self._cond = threading.Condition()
-        self._asked: list[int] = []  # batch sizes, in the order first seen
-        self._serving = 0  # steps waiting for the lock or running under it
-        self._served = 0  # steps done
-        self._stopping = False
+        #: The descriptors switched in unchecked, checked on their first batch.
+        self.first_use: FirstUse | None = None
+        self._core: LazyCapture | None = None
+        self._best: dict[int, Descriptor] = {}
 
     # -- what serving says -------------------------------------------------------------
     def asked(self, batch: int) -> None:
-        """A batch of this size was served: capture the descriptor that holds it sooner."""
-        if batch not in self._asked:
-            with self._cond:
-                self._asked.append(batch)
+        """A batch of this size is served: capture the descriptor that holds it best sooner."""
+        if self._core is not None:
+            self._core.ask(self._best.get(batch))
 
     @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """Around a step: while one waits for the lock or runs, the thread takes the lock
-        for nothing new (a step waits for one phase of a descriptor at most, not for a
-        queue of them)."""
-        with self._cond:
-            self._serving += 1
-        try:
+    def step(self) -> Iterator[None]:
+        """Around a step: no recording runs meanwhile."""
+        with self.turns.step(), self.lock:
             yield
-        finally:
-            with self._cond:
-                self._serving -= 1
-                self._served += 1
-                self._cond.notify_all()
 
-    def stop(self) -> None:
-        """Capture nothing more (the engine closes); wakes a thread that waits."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-
-    # -- what the thread reads and writes ----------------------------------------------
     @property
-    def stopping(self) -> bool:
-        return self._stopping
+    def unchecked(self) -> set[Descriptor]:
+        return set() if self.first_use is None else self.first_use.unchecked
 
-    def demand(self) -> tuple[int, ...]:
-        """The batch sizes served so far, first seen first."""
-        with self._cond:
-            return tuple(self._asked)
+    def checked(self, descriptor: Descriptor, error: CaptureError | None) -> None:
+        """A descriptor's first batch checked it (``FirstUse``): live, or taken out here
+        and rolled back by the capture thread."""
+        if error is not None:
+            self.programs.pop(descriptor, None)
+            self.version += 1
+        elif self.done:  # the thread's report is written: this check joins it
+            self.report = attrs.evolve(self.report, verify=(*self.report.verify, self.first_use.verified[-1]))
+        self._core.checked(descriptor, error)
 
-    def wait_for_first_step(self, timeout: float) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._served or self._stopping, timeout=timeout)
-
-    def wait_for_gap(self, timeout: float) -> None:
-        """Steps first; bounded, should several serving threads never pause."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._serving or self._stopping, timeout=timeout)
-
-    def switch_in(self, descriptor: Descriptor, program: tuple[Call, ...]) -> None:
+    # -- what the thread writes ----------------------------------------------------------
+    def switch_in(self, descriptor: Descriptor, program: tuple[Call, ...], *, checked: bool) -> None:
         """Serve ``descriptor``'s batches with ``program`` from the next step on."""
         with self.lock:
             self.programs[descriptor] = program
+            if not checked:
+                self.first_use.unchecked.add(descriptor)
             self.version += 1
 
     def finish(self, report: PipelineReport) -> None:
@@ -180,41 +135,71 @@ class LiveSwitch:
 
 
 class BackgroundCapture:
-    """The capture thread of a lazy engine (see the module docstring)."""
+    """A lazy engine's capture (see the module docstring): the engine's ``Capturer`` for
+    the lazy-capture thread, and what the engine and its callers read of that thread."""
 
     def __init__(self, ctx: Context, alloc: Allocation, captured: Captured, live: LiveSwitch):
         # The foreground watched the first warmup; a watch in the capture thread would patch
         # torch's synchronize for the serving thread too.
         self._ctx = attrs.evolve(ctx, options=attrs.evolve(ctx.options, detectors=Watch.OFF))
-        self._stack = ctx.stack  # the engine's: a descriptor's undos join it as it goes live
+        self._stack = ctx.stack  # the engine's: each live descriptor's undo joins it
         self._alloc, self._captured, self._live = alloc, captured, live
-        self._pending = list(ctx.descriptors)
         self._touched = tuple(dict.fromkeys((
             *(b.name for b in ctx.plan.buffers if b.role in (BufferRole.INPUT, BufferRole.STATE)),
             *ctx.verify_plan.written)))
-        # Where a phase keeps what serving left in the buffers it touches (see ``_kept``):
-        # allocated once, as verify's snapshots are, not cloned per phase.
-        self._saved = Copies(alloc.buffers, self._touched)
+        # Where a phase that runs the model keeps what serving left in the buffers it
+        # touches (``_kept``): allocated at the first such phase (a CUDA engine without
+        # per-size JIT kernels has none), then reused, not cloned per phase.
+        self._saved: Copies | None = None
         self._tally = Tally()
-        self.failures: dict[Descriptor, CaptureError] = {}
-        self.started_at: float | None = None
-        self.finished_at: float | None = None
-        self._thread: threading.Thread | None = None
+        #: Each switched-in descriptor's graphs and the undo that destroys them, until it is
+        #: rolled back or the engine closes.
+        self._undos: dict[Descriptor, tuple[list, Undo]] = {}
+        self._contexts: dict[Descriptor, Context] = {}  # the descriptor under way
+        self._first_graph: dict[Descriptor, int] = {}  # where its graphs begin in ``captured.graphs``
+        self._events: Context | None = None
+        checks = ctx.options.verify is not Verify.OFF
+        if checks:
+            live.first_use = FirstUse(ctx.plan, ctx.verify_plan, alloc.buffers,
+                                      tuple((s, alloc.uncompiled[s.name]) for s in ctx.segments),
+                                      verdict=live.checked)
+        live._best = _best_holders(ctx.descriptors)
+        self._checks = checks
+        descriptors = ctx.descriptors
+        largest = max(descriptors, key=lambda d: (d.size, d.mode is Mode.FULL), default=None)
+        self.core = LazyCapture(self, descriptors, turns=live.turns, then=largest, first_step_s=FIRST_STEP_S,
+                                name="graphflow-background-capture")
+        live._core = self.core
 
     def start(self) -> None:
-        # The thread (which holds this object) is made here: an engine rolled back before
-        # its thread started leaves no cycle keeping the allocation alive.
-        self.started_at = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="graphflow-background-capture", daemon=True)
-        self._thread.start()
+        """Start the thread; returns once it has run its first warmup (``prepare``)."""
+        self.core.start()
+
+    @property
+    def started_at(self) -> float | None:
+        return self.core.started_at
+
+    @property
+    def finished_at(self) -> float | None:
+        return self.core.finished_at
 
     @property
     def done(self) -> bool:
-        return self.finished_at is not None
+        return self.core.done
+
+    @property
+    def failures(self) -> dict[Descriptor, CaptureError]:
+        return self.core.failures
+
+    @property
+    def states(self) -> dict[Descriptor, KeyState]:
+        return self.core.states
 
     @property
     def verified(self) -> list[VerifyResult]:
-        return self._tally.verified
+        """The descriptors checked so far, each on its first batch."""
+        first_use = self._live.first_use
+        return [] if first_use is None else list(first_use.verified)
 
     @property
     def times(self) -> list[DescriptorTime]:
@@ -226,75 +211,116 @@ class BackgroundCapture:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for every descriptor to be captured (or to have failed); False on timeout."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self.core.wait(timeout)
 
     def stop(self) -> None:
         """Capture nothing more; returns once the descriptor under way is done."""
-        self._live.stop()
-        self._thread.join()
+        self.core.stop()
 
-    # -- the thread ---------------------------------------------------------------------
-    def _next(self) -> Descriptor | None:
-        if not self._pending:
-            return None
-        # The descriptor that serves the first batch seen; then the largest, so that every
-        # batch from then on replays a graph (padded up) instead of running the model
-        # eagerly beside the capture; then, for each batch size asked for, first seen
-        # first, the one that serves it best (the smallest that holds it, FULL before
-        # PIECEWISE), if still pending; then the plan's order.
-        asked = self._live.demand()
-        candidates = [*self._pending, *self._live.programs]
-        largest = max(d.size for d in candidates)
-        for batch in (*asked[:1], largest, *asked[1:]) if asked else ():
-            holders = [d for d in candidates if d.size >= batch]
-            if holders:
-                best = min(holders, key=lambda d: (d.size, d.mode.value != "FULL"))
-                if best in self._pending:
-                    return best
-        return self._pending[0]
+    def check_unchecked(self) -> None:
+        """Check every captured descriptor no batch has checked yet, on verify's seeded
+        inputs in place of a first batch (``graphflow run --lazy``, which serves none);
+        one that differs is rolled back and joins ``failures``. Call it between steps."""
+        live, ctx = self._live, self._ctx
+        for descriptor in [d for d in ctx.descriptors if d in live.unchecked]:
+            with live.step():
+                views = self._alloc.buffers.views(descriptor.size)
+                fill_inputs(ctx.plan, views, descriptor.size, ctx.options.seed, strict=True)
+                live.first_use.check(descriptor, live.programs[descriptor])
 
-    def _run(self) -> None:
-        # Grad mode is per thread: the foreground's ``no_grad`` does not reach this one,
-        # and a model whose parameters require grad would refuse every ``out=`` write.
-        with torch.no_grad():
-            self._capture_all()
-
-    def _capture_all(self) -> None:
-        from graphflow.engine.jit import registry as jit_registry
-
+    # -- the Capturer, on the thread ------------------------------------------------------
+    def prepare(self) -> None:
+        """The run's first descriptor's step, eagerly once more, on this thread, before the
+        engine serves (see the module docstring)."""
         # Listeners see the thread's work as a pipeline of its own: a progress display
         # draws it as it would a foreground run.
-        events = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
-        events.emit(EventKind.PIPELINE_BEGIN, total=len(self._pending))
-        hooks = Hooks(guard=self._kept, pool=False)
+        self._events = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
+        self._events.emit(EventKind.PIPELINE_BEGIN, total=len(self._ctx.descriptors))
+        self._alloc.owned.free_snapshots()  # verify's: first use checks each descriptor instead
+        if not self._ctx.descriptors:
+            return
+        ctx, alloc, size = self._ctx, self._alloc, self._ctx.descriptors[0].size
+        began = time.perf_counter()
+        views = alloc.buffers.views(size)
+        fill_inputs(ctx.plan, views, size, ctx.options.seed, strict=False)
+        run_eager(ctx.backend, alloc.schedules[tuple(s.name for s in ctx.segments)], eager_step(ctx, alloc, size),
+                  lambda segment, call: call_segment(self._events, segment, call))
+        alloc.synchronize(ctx)
+        self._tally.times.append(DescriptorTime(Phase.WARMUP, ctx.descriptors[0], time.perf_counter() - began))
+
+    def capture(self, descriptor: Descriptor, turns: Turns, pausing: bool) -> None:
+        from graphflow.engine.jit import registry as jit_registry
+
+        ctx = self._contexts[descriptor] = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
+        self._first_graph[descriptor] = len(self._captured.graphs)
+        jit_registry.attach(ctx.locus)
+        hooks = Hooks(guard=self._kept, pool=False, first_use=True,
+                      record=functools.partial(_in_turn, turns, pausing),
+                      pause=turns.pause if pausing else None)
         try:
-            self._live.wait_for_first_step(FIRST_STEP_S)
-            while not self._live.stopping:
-                descriptor = self._next()
-                if descriptor is None:
-                    break
-                self._pending.remove(descriptor)
-                ctx = attrs.evolve(self._ctx, stack=UndoStack(), locus=Locus())
-                jit_registry.attach(ctx.locus)
-                graphs = len(self._captured.graphs)
-                try:
-                    self._one(ctx, descriptor, hooks)
-                except Exception as error:  # noqa: BLE001 - rolled back alone; serving goes on
-                    self._failed(ctx, descriptor, error)
-                    del self._captured.graphs[graphs:]  # destroyed by the rollback: not the engine's
-                finally:
-                    jit_registry.detach(ctx.locus)
+            run_descriptor(ctx, self._alloc, self._captured, descriptor, ctx.descriptors.index(descriptor) + 1,
+                           self._tally, hooks)
+            for pools in self._alloc.pool_sets.values():
+                pools.holds(descriptor)
         finally:
+            jit_registry.detach(ctx.locus)
+        del self._contexts[descriptor]
+        first = self._first_graph.pop(descriptor)
+        graphs = self._captured.graphs[first:]
+        undo = self._stack.push(f"roll back {descriptor}", functools.partial(_unwind, ctx.stack))
+        self._undos[descriptor] = (graphs, undo)
+        self._live.switch_in(descriptor, self._captured.programs[descriptor], checked=not self._checks)
+        self.core.captured(descriptor, checked=not self._checks)
+
+    def undo(self, descriptor: Descriptor, error: BaseException, final: bool) -> CaptureError:
+        """A failed capture's rollback (its graphs destroyed, its pool replaced), or a
+        descriptor its first batch rejected."""
+        held = self._undos.pop(descriptor, None)
+        if held is not None:  # switched in, then rejected by its first batch
+            graphs, undo = held
             with self._live.lock:
-                self._captured.close()  # gc unfrozen, tripwires removed
-                self._alloc.owned.free_snapshots()
-                self._saved.clear()
-                report = self._final_report()
-                self._stack.adopt(events.stack)
-                self._live.finish(report)
-            self.finished_at = time.perf_counter()
-            events.emit(EventKind.PIPELINE_END, total=len(self._ctx.descriptors), pool_bytes=report.pool_bytes)
+                self._live.programs.pop(descriptor, None)
+                self._live.version += 1
+            self._stack.run_now(undo)
+            gone = set(map(id, graphs))
+            self._captured.graphs[:] = [g for g in self._captured.graphs if id(g) not in gone]
+            self._captured.programs.pop(descriptor, None)
+            for pools in self._alloc.pool_sets.values():
+                pools.drop(descriptor)
+            with self._live.lock:
+                if self._live.done:  # the report is written: it loses the descriptor
+                    report = self._live.report
+                    self._live.report = attrs.evolve(
+                        report, descriptors=tuple(d for d in report.descriptors if d != descriptor),
+                        graphs=len(self._captured.graphs), pool_bytes=self._alloc.pool_bytes(self._ctx))
+            return error if isinstance(error, CaptureError) else CaptureError(str(error), descriptor=descriptor)
+        ctx = self._contexts.pop(descriptor)
+        where = ctx.locus.failure(error)
+        ctx.locus.forget()
+        failures = ctx.stack.unwind()
+        self._captured.programs.pop(descriptor, None)
+        del self._captured.graphs[self._first_graph.pop(descriptor):]  # destroyed by the rollback
+        for pools in self._alloc.pool_sets.values():
+            pools.failed()
+        if not isinstance(error, CaptureError):
+            error = CaptureError(f"{type(error).__name__}: {error}", phase=where.phase.value if where.phase else None,
+                                 descriptor=descriptor, segment=where.segment, rank=ctx.rank,
+                                 hint="this descriptor was rolled back; its batches are served by a larger one or "
+                                      "eagerly" if final else "captured again later, whole between two steps")
+        if failures is not None:
+            error.add_note(f"rollback: {failures}")
+        return error
+
+    def finish(self) -> None:
+        with self._live.lock:
+            self._captured.close()  # gc unfrozen where graphflow froze it, tripwires removed
+            self._saved = None
+            report = self._final_report()
+            if self._events is not None:
+                self._stack.adopt(self._events.stack)
+            self._live.finish(report)
+        if self._events is not None:
+            self._events.emit(EventKind.PIPELINE_END, total=len(self._ctx.descriptors), pool_bytes=report.pool_bytes)
 
     def _final_report(self) -> PipelineReport:
         """The engine's report with what the thread did: once ``done``, ``engine.report``
@@ -303,38 +329,19 @@ class BackgroundCapture:
         live = tuple(d for d in ctx.descriptors if d in self._live.programs)
         return attrs.evolve(report, descriptors=live, graphs=len(self._captured.graphs),
                             phases=summarize([*report.phases, *tally.phases]),
-                            verify=(*report.verify, *tally.verified), times=(*report.times, *tally.times),
+                            verify=(*report.verify, *self.verified), times=(*report.times, *tally.times),
                             pool_bytes=self._alloc.pool_bytes(ctx), pool_estimate=dict(self._captured.pool_estimate),
                             pool_probe={**tally.pool_probe, **report.pool_probe})
 
-    def _one(self, ctx: Context, descriptor: Descriptor, hooks: Hooks) -> None:
-        run_descriptor(ctx, self._alloc, self._captured, descriptor, ctx.descriptors.index(descriptor) + 1,
-                       self._tally, hooks)
-        with self._live.lock:
-            self._stack.adopt(ctx.stack)
-            self._live.switch_in(descriptor, self._captured.programs[descriptor])
-
-    def _failed(self, ctx: Context, descriptor: Descriptor, error: Exception) -> None:
-        where = ctx.locus.failure(error)
-        ctx.locus.forget()
-        failures = ctx.stack.unwind()
-        self._captured.programs.pop(descriptor, None)
-        if not isinstance(error, CaptureError):
-            error = CaptureError(f"{type(error).__name__}: {error}", phase=where.phase.value if where.phase else None,
-                                 descriptor=descriptor, segment=where.segment, rank=ctx.rank,
-                                 hint="this descriptor was rolled back; its batches are served by a larger one or "
-                                      "eagerly")
-        if failures is not None:
-            error.add_note(f"rollback: {failures}")
-        self.failures[descriptor] = error
-
     def _kept(self, descriptor: Descriptor, body: Callable[[], object]) -> Callable[[], object]:
-        """``body`` under the live switch's lock, every buffer it may touch given back as it was."""
+        """``body`` in a turn of its own (no step meanwhile), every buffer it may touch
+        given back as it was."""
 
         def kept():
             views = self._alloc.buffers.views(descriptor.size)
-            self._live.wait_for_gap(SERVING_FIRST_S)
-            with self._live.lock:
+            with self._live.turns.recording(pausing=False), self._live.lock:
+                if self._saved is None:
+                    self._saved = Copies(self._alloc.buffers, self._touched)
                 saved = self._saved.take(views, descriptor.size)
                 try:
                     return body()
@@ -343,3 +350,29 @@ class BackgroundCapture:
                         views[name].copy_(value)
 
         return kept
+
+
+def _in_turn(turns: Turns, pausing: bool, body: Callable[[], object]) -> Callable[[], object]:
+    def recorded():
+        with turns.recording(pausing=pausing, hook_modules=False):
+            return body()
+
+    return recorded
+
+
+def _unwind(stack: UndoStack) -> None:
+    failures = stack.unwind()
+    if failures is not None:
+        raise failures
+
+
+def _best_holders(descriptors: tuple[Descriptor, ...]) -> dict[int, Descriptor]:
+    """For each batch size up to the largest, the descriptor that serves it best: the
+    smallest that holds it, FULL before PIECEWISE."""
+    largest = max((d.size for d in descriptors), default=0)
+    best = {}
+    for batch in range(1, largest + 1):
+        holders = [d for d in descriptors if d.size >= batch]
+        best[batch] = min(holders, key=lambda d: (d.size, d.mode is not Mode.FULL))
+    return best
+

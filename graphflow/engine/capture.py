@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -28,11 +29,11 @@ from graphflow.engine.execute import bind, run_scheduled
 from graphflow.engine.memory import pool_estimate
 from graphflow.engine.model.returned import Placed, placeable
 from graphflow.engine.warmup import DescriptorTime, check_findings, watched
-from graphflow.errors import CaptureError
+from graphflow.errors import CaptureError, OptionFix
 from graphflow.events import EventKind, Phase
 from graphflow.engine.jit import registry as jit_registry
 from graphflow.plan import CaptureRegion, Descriptor, Segment
-from graphflow.view.units import format_bytes
+from graphflow.units import format_bytes
 
 __all__ = ["Captured", "capture", "open_capture"]
 
@@ -66,6 +67,8 @@ class Captured:
     #: descriptor -> its graphs not known ready yet (``settle``), with each one's region
     #: and place in the descriptor's program.
     _unready: dict = attrs.field(factory=dict)
+    #: Each descriptor's graphs, so that one found wrong later can be rolled back alone.
+    graphs_of: dict = attrs.field(factory=dict)
 
     def settle(self) -> None:
         """Wait until every graph captured so far can replay (the backend may still be
@@ -101,9 +104,13 @@ def open_capture(ctx: Context, *, jit: bool = False) -> Captured:
     # Everything alive now leaves the collector's generations: a collection during capture
     # scans only what capture creates, and stays short. No full collection first: in a
     # process holding a framework and a model it costs tens of milliseconds or more, and
-    # the garbage it would find is only kept until the unfreeze.
-    gc.freeze()
-    unfreeze = ctx.stack.push("unfreeze the garbage collector", gc.unfreeze)
+    # the garbage it would find is only kept until the unfreeze. A process that froze its
+    # heap itself (a server after start-up, as vLLM does) keeps it frozen: the collector
+    # cannot unfreeze part of it, so graphflow then leaves it alone.
+    unfreeze = None
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+        unfreeze = ctx.stack.push("unfreeze the garbage collector", gc.unfreeze)
     # A JIT compile or module load while a stream captures becomes a named CaptureError
     # (graphflow.engine.jit); the tripwires cost one check outside a capture and go at the end.
     tripwires = jit_registry.tripwires()
@@ -113,15 +120,18 @@ def open_capture(ctx: Context, *, jit: bool = False) -> Captured:
     keep = ctx.backend.captures_graphs and not ctx.options.lazy
     per_size = per_size_warmup(ctx.plan, ctx.segments, compiled=ctx.options.compile, jit=jit,
                                world_size=ctx.world_size)
+    undos = (untrip,) if unfreeze is None else (untrip, unfreeze)
     captured = Captured(placeable=placeable(ctx.plan, ctx.segments) if keep else frozenset(), per_size=per_size,
-                        undos=(untrip, unfreeze), ctx=ctx)
+                        undos=undos, ctx=ctx)
     ctx.stack.push("drop the step programs", captured.programs.clear)
     return captured
 
 
-def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int
-            ) -> DescriptorTime:
-    """Capture one descriptor's regions; its program goes into ``captured.programs``."""
+def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
+            pause: Callable[[], None] | None = None) -> DescriptorTime:
+    """Capture one descriptor's regions; its program goes into ``captured.programs``.
+    ``pause`` is called before each segment is recorded (a lazy capture gives way to the
+    server's steps there, ``graphflow.engine.turns``)."""
     runner = watched(ctx, alloc, Phase.CAPTURE, capturing=True, descriptor=descriptor)
     with ctx.descriptor(descriptor, index) as block:
         for device in alloc.pools:
@@ -136,8 +146,10 @@ def capture(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Des
                 program.append(bind(item, alloc.fns[item.name], views))
                 continue
             region, segments = item
-            graph = _capture_region(ctx, alloc, index, region, segments, views, runner, placed)
+            graph = _capture_region(ctx, alloc, index, region, segments, views,
+                                    runner if pause is None else _pausing(runner, pause), placed)
             captured.graphs.append(graph)
+            captured.graphs_of.setdefault(descriptor, []).append(graph)
             unready.append((len(program), region.name, graph))
             program.append(graph.replay)
         if placed is not None and placed.tensors:
@@ -178,8 +190,16 @@ def _estimate_pool(ctx: Context, alloc: Allocation, captured: Captured, descript
             f"the capture pool would grow to about {format_bytes(estimate)} for the {left} {descriptor.mode.value} "
             f"descriptors left (it holds {format_bytes(pool)} after the two largest, the second adding "
             f"{format_bytes(seen[1] - seen[0])}), but {format_bytes(free)} is free on {device}",
-            hint="capture fewer sizes (capture.sizes, RunOptions(sizes=...)), or PIECEWISE only, or free memory "
-                 "for the pool")
+            hint="capture fewer sizes (capture.sizes, {0}), or PIECEWISE only, or free memory for the pool",
+            settings=(OptionFix("sizes"),))
+
+
+def _pausing(runner, pause: Callable[[], None]):
+    def run(segment: Segment, call: Call) -> None:
+        pause()
+        runner(segment, call)
+
+    return run
 
 
 def _capture_region(ctx: Context, alloc: Allocation, index: int, region: CaptureRegion,

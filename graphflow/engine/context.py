@@ -32,8 +32,9 @@ def sample(descriptors: tuple[Descriptor, ...]) -> frozenset[Descriptor]:
     ``SAMPLE_BETWEEN`` evenly spaced between them, what ``Verify.SAMPLE`` verifies.
 
     The first is the largest (it runs every kernel at its widest), the last the smallest
-    (the padding and the shortest rows), the others the sizes between; a capture broken
-    in the code is broken at all of them.
+    (the padding and the shortest rows), the others the sizes between: a capture broken
+    in the code is broken at them before ready. One wrong at another size only is caught
+    on its first batch (``graphflow.engine.first_use``).
     """
     by_mode: dict = {}
     for descriptor in descriptors:

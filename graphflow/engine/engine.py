@@ -12,78 +12,32 @@ have.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Backend, Call
+from graphflow.engine.background import BackgroundCapture, LiveSwitch
 from graphflow.engine.buffers import StaticBuffers
 from graphflow.engine.capture import Captured
-from graphflow.engine.model.compiled import CompileReport, compile_report
+from graphflow.engine.model.compiled import compile_report
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind
+from graphflow.engine.first_use import Checks, FirstUse
+from graphflow.engine.options import Verify
 from graphflow.engine.phase import Outcome, PhaseResult
+from graphflow.engine.report import PipelineReport
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.verify import VerifyResult
 from graphflow.engine.warmup import DescriptorTime
-from graphflow.events import Phase
+from graphflow.errors import CaptureError
 from graphflow.plan import Descriptor, Plan, Segment
 
-if TYPE_CHECKING:
-    from graphflow.engine.background import BackgroundCapture, LiveSwitch
 
 __all__ = ["Engine", "Held", "Outcome", "PhaseResult", "PipelineReport", "commit", "publish"]
-
-
-@attrs.frozen
-class PipelineReport:
-    """What a committed pipeline did; ``graphflow run`` prints it.
-
-    ``times`` holds each descriptor's seconds in warmup, capture and verify, with the
-    capture pool's size after it when it was measured (a warmup left out by
-    ``capture.warmup: auto`` is there, ``skipped``); ``verify`` the descriptors verify
-    compared (``RunOptions.verify``: a sample of them by default); ``prewarm`` lists the
-    JIT specializations compiled, loaded and launched before capture; ``compile`` what
-    ``torch.compile`` did for each compiled segment during warmup. ``pool_probe``: per
-    mode, what a pool of its own reserved for one more run of its first (largest)
-    descriptor's step after its warmup, known before any capture: ``pool_forecast``
-    beside the measured ``pool_bytes``.
-    """
-
-    backend: str
-    captures_graphs: bool
-    rank: int
-    descriptors: tuple[Descriptor, ...]
-    graphs: int
-    phases: tuple[PhaseResult, ...]
-    verify: tuple[VerifyResult, ...]
-    pool_bytes: int | None
-    buffer_bytes: int
-    remapped: tuple[tuple[str, str], ...]
-    times: tuple[DescriptorTime, ...] = ()
-    prewarm: object | None = None  # the JIT registry's PrewarmReport (graphflow.engine.jit), when it prewarmed
-    pool_estimate: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.memory)
-    #: Per compiled segment, what torch.compile did (graphflow.engine.model.compiled), when the plan compiles any.
-    compile: CompileReport | None = None
-    pool_probe: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.warmup.Warmed.pool_probe_bytes)
-
-    def phase(self, phase: Phase) -> PhaseResult:
-        return next(r for r in self.phases if r.phase is phase)
-
-    @property
-    def pool_forecast(self) -> int | None:
-        """The capture pool as forecast before any capture: the largest pool probe of any
-        mode (the modes share the pool, and graphs captured one after
-        another reuse its blocks); None where the backend cannot tell (the CPU's)."""
-        return max(self.pool_probe.values(), default=None)
-
-    @property
-    def warmups_skipped(self) -> int:
-        """How many descriptors went to capture without a warmup (``capture.warmup: auto``)."""
-        return sum(1 for t in self.times if t.skipped and t.phase is Phase.WARMUP)
 
 
 @attrs.define(eq=False)
@@ -133,6 +87,9 @@ class Engine:
     _stack: UndoStack
     live: LiveSwitch | None = None
     background: BackgroundCapture | None = None
+    #: The descriptors verify did not check before ready, each checked on its first batch
+    #: (``graphflow.engine.first_use``); None with ``RunOptions(verify=False)``.
+    first_use: FirstUse | None = None
 
     @property
     def model(self) -> object:
@@ -155,6 +112,15 @@ class Engine:
     @property
     def descriptors(self) -> tuple[Descriptor, ...]:
         return tuple(self.programs)
+
+    @property
+    def checks(self) -> Checks:
+        """How many descriptors were checked against the eager step before ready, and how
+        many on their first batch since (a lazy engine checks none before ready)."""
+        before = 0 if self.live is not None else len(self._report.verify)
+        if self.first_use is None:
+            return Checks(before, 0, 0, 0)
+        return self.first_use.counts(before)
 
     def eager_calls(self, size: int, views: dict[str, torch.Tensor] | None = None) -> tuple[Call, ...]:
         """The whole step at ``size`` as bound eager calls (on the static views by default)."""
@@ -196,8 +162,30 @@ def publish(ctx: Context, alloc: Allocation, captured: Captured, report: Pipelin
             live: LiveSwitch | None = None, background: BackgroundCapture | None = None) -> Engine:
     """The committed ``Engine``, with the run's rollback stack: the engine's ``close()``
     releases exactly what rollback would have, and a rollback before the caller has the
-    engine (a listener failing at PIPELINE_END) lets go of what it holds as well."""
-    held = Held(alloc.model, tuple((s, alloc.uncompiled[s.name]) for s in ctx.segments),
-                dict(captured.programs) if live is None else live.programs)
+    engine (a listener failing at PIPELINE_END) lets go of what it holds as well.
+
+    A foreground engine checks on their first batch the descriptors verify left out
+    (``graphflow.engine.first_use``); one found wrong there is taken out of ``programs``
+    and its graphs destroyed. A lazy engine's checks are its live switch's."""
+    segments = tuple((s, alloc.uncompiled[s.name]) for s in ctx.segments)
+    held = Held(alloc.model, segments, dict(captured.programs) if live is None else live.programs)
     ctx.stack.push("unpublish the engine", held.release)
-    return Engine(ctx.plan, ctx.backend, alloc.buffers, ctx.rank, held, report, ctx.stack, live, background)
+    first_use = live.first_use if live is not None else None
+    if live is None and ctx.options.verify is not Verify.OFF:
+        verified = {r.descriptor for r in report.verify}
+        first_use = FirstUse(ctx.plan, ctx.verify_plan, alloc.buffers, segments,
+                             unchecked=[d for d in held.programs if d not in verified],
+                             verdict=functools.partial(_rejected, held.programs, captured.graphs_of))
+    return Engine(ctx.plan, ctx.backend, alloc.buffers, ctx.rank, held, report, ctx.stack, live, background,
+                  first_use)
+
+
+def _rejected(programs: dict, graphs_of: dict, descriptor: Descriptor, error: CaptureError | None) -> None:
+    """A foreground descriptor its first batch found wrong: out of service, its graphs
+    destroyed (the run's rollback stack destroys each graph once more at close, which is
+    safe)."""
+    if error is None:
+        return
+    programs.pop(descriptor, None)
+    for graph in graphs_of.pop(descriptor, ()):
+        graph.destroy()

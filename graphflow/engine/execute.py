@@ -7,7 +7,7 @@ Warmup, capture and verify all run segments the same way, so the way lives here 
   ``SegmentCall`` (what allocate resolves each segment to), that plus keyword
   arguments (``inputs``, ``objects``, ``constants``), the return value copied into the
   ``returns`` buffers, and the model's adopted tensors pointed at this size's views;
-* ``BoundSchedule``: a ``graphflow.engine.schedule.Schedule`` (which segment waits for
+* ``BoundSchedule``: a ``graphflow.plan.schedule.Schedule`` (which segment waits for
   which) bound to this run's streams and preallocated events;
 * ``run_scheduled``: fork the side streams, run each segment on its stream between its
   waits and its record, join; ``run_eager`` does that for a whole eager step, ordered
@@ -27,7 +27,7 @@ import torch
 
 from graphflow.engine.backend import Backend, Call
 from graphflow.engine.context import Context
-from graphflow.engine.schedule import Schedule
+from graphflow.plan.schedule import Schedule
 from graphflow.events import EventKind
 from graphflow.plan import Segment
 

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from graphflow.engine.host import host_available
 from graphflow.engine.snapshots import VerifyPlan
-from graphflow.errors import CaptureError
+from graphflow.errors import CaptureError, OptionFix
 from graphflow.plan import DTYPE_BYTES, Plan, eval_dim
-from graphflow.view.units import format_bytes, heaviest
+from graphflow.units import format_bytes, heaviest
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from graphflow.engine.context import Context
 
 __all__ = ["MemoryNeed", "check_fits", "check_memory", "check_plan_memory", "check_plan_on_the_host",
-           "host_available", "largest_size", "memory_need", "pool_estimate"]
+           "largest_size", "memory_need", "pool_estimate"]
 
 @attrs.frozen
 class MemoryNeed:
@@ -80,21 +81,9 @@ def check_fits(need: MemoryNeed, free: int | None, where: str) -> None:
         f"the plan needs {format_bytes(need.total)} on {where} ({format_bytes(sum(need.buffers.values()))} of static "
         f"buffers{copies}) but {format_bytes(free)} is free: {format_bytes(need.total - free)} short. The largest "
         f"buffers: {heaviest(need.buffers)}",
-        hint="capture smaller sizes (RunOptions(sizes=...)): the buffers and verify's copies are allocated "
-             "at the largest one; shrink the largest buffers (a lower capacity, a smaller cache); or use a device "
-             "with more memory")
-
-
-def host_available() -> int | None:
-    """The host memory a new allocation can take (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        hint="capture smaller sizes ({0}): the buffers and verify's copies are allocated at the largest one; "
+             "shrink the largest buffers (a lower capacity, a smaller cache); or use a device with more memory",
+        settings=(OptionFix("sizes"),))
 
 
 def check_plan_on_the_host(plan: Plan, *, sizes: Collection[int] | None = None, verify: bool = True) -> None:
@@ -114,7 +103,8 @@ def check_plan_on_the_host(plan: Plan, *, sizes: Collection[int] | None = None, 
     try:
         check_fits(need, host_available(), "the host")
     except CaptureError as error:  # placed as the pipeline places its own refusal
-        raise CaptureError(error.message, phase="allocate", rank=0, hint=error.hint) from None
+        error.phase, error.rank = "allocate", 0
+        raise
 
 
 def largest_size(ctx: Context) -> int:

@@ -38,14 +38,16 @@ def _watch(value) -> Watch:
 
 
 class Verify(enum.Enum):
-    """Which descriptors verify compares with the eager step.
+    """Which descriptors verify compares with the eager step before ready.
 
-    A broken capture is broken in the code (state outside the plan's buffers, a
-    data-dependent path, an undeclared buffer), not in one batch size, and what it breaks
-    shows at every size: ``SAMPLE`` checks each mode's first and last descriptor in
-    capture order and a few evenly spaced between, plus every descriptor the detectors
-    watch, for a few seconds instead of one replay and compare per descriptor
-    (``graphflow.engine.context.Context.verifies``). ``ALL`` checks every one.
+    Most broken captures are broken in the code (state outside the plan's buffers, a
+    data-dependent path, an undeclared buffer), and what they break shows at every size:
+    ``SAMPLE`` checks each mode's first and last descriptor in capture order and a few
+    evenly spaced between, plus every descriptor the detectors watch, for a few seconds
+    instead of one replay and compare per descriptor
+    (``graphflow.engine.context.Context.verifies``); every other descriptor is checked on
+    its first batch (``graphflow.engine.first_use``), so one wrong at a single size never
+    serves. ``ALL`` checks every one before ready; ``OFF`` none, then or later.
     """
 
     SAMPLE = "sample"  # the default

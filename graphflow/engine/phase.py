@@ -116,6 +116,15 @@ class Hooks:
     #: Whether PHASE_END events carry the capture pool's size: the pipeline's do, the
     #: capture thread's leave it to DESCRIPTOR_END.
     pool: bool = True
+    #: Wraps a capture phase that only records (a real capture): a lazy capture records
+    #: in its turn beside the server's steps, and ``pause`` before each segment it
+    #: records gives way to a waiting step.
+    record: Callable[[Callable[[], object]], Callable[[], object]] | None = None
+    pause: Callable[[], None] | None = None
+    #: Verify on first use (a lazy capture): each descriptor is checked on its first real
+    #: batch, so none is verified here, and none warms up but where the step launches
+    #: per-size JIT kernels (the first warmup ran before serving began).
+    first_use: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -139,14 +148,16 @@ def run_descriptor(ctx: Context, alloc: Allocation, captured: Captured | None, d
     (``run_verify``).
     """
     warmed, captured = warm(ctx, alloc, captured, descriptor, index, tally, hooks)
-    body = functools.partial(capture, ctx, alloc, captured, descriptor, index)
+    body = functools.partial(capture, ctx, alloc, captured, descriptor, index, hooks.pause)
     # A CUDA capture records without running the model; the CPU backend's runs the region.
-    tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE,
-                                 body if ctx.backend.captures_graphs else _guarded(hooks, descriptor, body),
-                                 pool=_pool(hooks, captured)))
+    if not ctx.backend.captures_graphs:
+        body = _guarded(hooks, descriptor, body)
+    elif hooks.record is not None:
+        body = hooks.record(body)
+    tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, body, pool=_pool(hooks, captured)))
     if hooks.guard is not None:
         captured.settle()  # before verify takes the guard: steps go on while the graphs instantiate
-    this = Waiting(descriptor, index, warmed) if ctx.verifies(descriptor) else None
+    this = Waiting(descriptor, index, warmed) if ctx.verifies(descriptor) and not hooks.first_use else None
     if not hooks.behind:
         if this is not None:
             run_verify(ctx, alloc, captured, this, tally, hooks)
@@ -165,7 +176,8 @@ def warm(ctx: Context, alloc: Allocation, captured: Captured | None, descriptor:
     A descriptor that ``Context.warms`` leaves out (``capture.warmup: auto``) goes
     straight to capture: its warmup is recorded as skipped (a ``DESCRIPTOR_SKIPPED``
     event, a ``DescriptorTime`` with ``skipped``), so no report shows a silent gap."""
-    if captured is not None and not ctx.warms(descriptor, captured.per_size is not None):
+    each = captured is not None and captured.per_size is not None
+    if captured is not None and not (each if hooks.first_use else ctx.warms(descriptor, each)):
         ctx.emit(EventKind.DESCRIPTOR_SKIPPED, phase=Phase.WARMUP, descriptor=descriptor, index=index,
                  total=len(ctx.descriptors))
         skipped = DescriptorTime(Phase.WARMUP, descriptor, 0.0, skipped=True)

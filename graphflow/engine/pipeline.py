@@ -51,10 +51,13 @@ rollback stack the moment it succeeds. The steps:
    ``close()``.
 
 A lazy run (``RunOptions(lazy=True)``) commits after the first descriptor's warmup and
-prewarm, through the same step 4, and a thread runs 3a, 3c and 3d for every descriptor
-while the engine serves (``graphflow.engine.background``). Its engine is made with a
-``LiveSwitch`` (``engine.live``), the one object the serving side and the thread share:
-the lock, the programs switched in so far, the report, and what serving asks for.
+prewarm, through the same step 4, and the lazy-capture thread (``graphflow.engine.lazy``)
+runs 3c for every descriptor while the engine serves, each checked against the eager
+step on its first real batch instead of 3d (``graphflow.engine.background``,
+``graphflow.engine.first_use``). Its engine is made with a ``LiveSwitch``
+(``engine.live``), the one object the serving side and the thread share: the turns a
+step and a recording take, the programs switched in so far, the report, and what
+serving asks for.
 
 Every phase runs under ``torch.no_grad()`` (capture is for inference; autograd would
 record every op and refuse ``out=`` writes into buffers computed from weights) and
@@ -143,12 +146,14 @@ def run_pipeline(plan: Plan, options: RunOptions = RunOptions(), *, backend: Bac
         raise ValueError("lazy (background) capture serves one rank of a plan without channels: ranks would capture "
                          "in orders their own traffic decides — capture this plan in the foreground")
     backend = backend if backend is not None else make_backend(options.backend)
-    if options.lazy:
-        backend.capture_error_mode = "thread_local"  # a serving thread runs beside the capture
     ctx = Context(plan, backend, options, rank,
                   world_size, _select(plan, options.sizes),
                   (*listeners, *(() if channels is None else (channels,))),
                   tuple(s for s in plan.segments if s.runs_on(rank)))
+    if options.lazy:  # a serving thread runs beside the capture; the caller's backend is given back as it was
+        ctx.stack.push("give the backend its capture error mode back",
+                       functools.partial(setattr, backend, "capture_error_mode", backend.capture_error_mode))
+        backend.capture_error_mode = "thread_local"
     try:
         return _run_phases(ctx, model, channels)
     except BaseException as exc:  # noqa: BLE001 - every failure rolls back; raised below

@@ -28,11 +28,11 @@ from graphflow.engine.context import Context
 from graphflow.engine.execute import call_segment, run_eager
 from graphflow.engine.model.reference import check_reference, explain
 from graphflow.engine.warmup import DescriptorTime, Warmed, eager_step, fill_inputs
-from graphflow.errors import CaptureError
+from graphflow.errors import CaptureError, OptionFix
 from graphflow.events import Phase
 from graphflow.plan import Descriptor, Plan, Segment
 
-__all__ = ["VerifyResult", "verify"]
+__all__ = ["VerifyResult", "compare", "verify"]
 
 #: What to do when replay differs from eager (``graphflow.engine.model.reference.explain`` says more).
 HINT = ("replay differs from eager: look for state outside the plan's buffers, data-dependent control flow or an "
@@ -72,8 +72,8 @@ def verify(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Desc
                 call()
         alloc.synchronize(ctx)
         try:
-            result = _compare(plan, descriptor, views, warmed.expected, needs.last_writer,
-                              compiled=needs.compiled)
+            result = compare(plan, descriptor, views, warmed.expected, needs.last_writer,
+                             compiled=needs.compiled)
         except CaptureError as error:  # name the first segment that differs, and state outside the plan
             if needs.compiled:  # compiled against uncompiled code: the tolerance is what the hint is about
                 raise
@@ -126,21 +126,23 @@ def _reference(ctx: Context, alloc: Allocation, descriptor: Descriptor, warmed: 
 #: What to do when the replay of compiled segments differs from the uncompiled step.
 COMPILED_HINT = ("the compiled segments' replay differs from the model's uncompiled code beyond the plan's tolerance: "
                  "if the difference is rounding (fusion reorders floating-point work), raise capture.verify atol/rtol; "
-                 "else set compile: false on the segment named (compare with a run of RunOptions(compile=False))")
+                 "else set compile: false on the segment named (compare with a run of {0})")
 
 
-def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-             last_writer: dict[str, str], *, compiled: bool = False) -> VerifyResult:
+def compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+            last_writer: dict[str, str], *, compiled: bool = False, against: str | None = None) -> VerifyResult:
     """Compare in order of each buffer's final write, so the first mismatch is the earliest seen.
 
     Every buffer's verdict is worked out on the device and read back in one transfer: a
     bit-exact step (the usual case) costs one synchronisation however many buffers it
     writes. Differences are measured only for the buffers that differ. ``compiled``: the
-    expected values come from the uncompiled step of a plan that compiles segments.
+    expected values come from the uncompiled step of a plan that compiles segments;
+    ``against`` names what they come from otherwise.
     """
     atol, rtol = plan.capture.atol, plan.capture.rtol
     exact = atol == 0 and rtol == 0
-    against = "the uncompiled eager step" if compiled else "the eager step"
+    said = "the uncompiled eager step" if compiled else against or "eager"
+    against = "the uncompiled eager step" if compiled else against or "the eager step"
     names = list(expected)
     if not names:
         return VerifyResult(descriptor, (), 0.0, True, (against,))
@@ -152,11 +154,12 @@ def _compare(plan: Plan, descriptor: Descriptor, views: dict[str, torch.Tensor],
             got, want = _comparable(views[name]), _comparable(expected[name])
             bad = int((got != want).sum())
             raise CaptureError(
-                f"graph replay of {descriptor} differs from {'the uncompiled eager step' if compiled else 'eager'} "
+                f"graph replay of {descriptor} differs from {said} "
                 f"in buffer {name!r} (last written by "
                 f"{last_writer[name]}; it or an earlier segment diverged): {bad} of {got.numel()} "
                 f"elements, max |diff| {diffs[name]:.3g} (allowed atol={atol}, rtol={rtol})",
-                segment=last_writer[name], hint=COMPILED_HINT if compiled else HINT)
+                segment=last_writer[name], hint=COMPILED_HINT if compiled else HINT,
+                settings=(OptionFix("compile", False),) if compiled else ())
     return VerifyResult(descriptor, tuple(names), max(diffs.values(), default=0.0), all(same), (against,))
 
 

@@ -3,8 +3,9 @@
 Warmup runs one descriptor's whole step eagerly, on the streams and schedule capture
 will use, so lazy initialization (cuBLAS's per-stream workspaces, allocator growth, a JIT
 kernel's first launch) happens outside capture; the detectors watch its graph segment
-calls, and around its last step it checks that no plain Python value the model keeps
-changed (``graphflow.engine.model.host_state``: a graph could not see it). Its inputs are
+calls, and around them it checks that graph code changes no plain Python value the model
+keeps in a way a replay could not reproduce (``graphflow.engine.model.host_state``: a
+graph runs no Python), reading one more step for that when it must. Its inputs are
 verify's random inputs, and when verify compares this descriptor it keeps what
 verify needs (``Warmed``): the buffers the step started from and the buffers it wrote.
 Verify then replays the graph from the same start and compares, so the eager reference
@@ -18,7 +19,6 @@ device's capture stream, with no communication.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import attrs
 import torch
@@ -29,10 +29,11 @@ from graphflow.engine.allocate import Allocation
 from graphflow.engine.backend import Call
 from graphflow.engine.context import Context
 from graphflow.engine.execute import bind, call_segment, run_eager
+from graphflow.engine.model.split import matching
 from graphflow.engine.model.written import checking
-from graphflow.errors import CaptureError
+from graphflow.errors import CaptureError, OptionFix
 from graphflow.events import Phase
-from graphflow.plan import BufferRole, Descriptor, Plan, Segment
+from graphflow.plan import BufferRole, Descriptor, Mode, Plan, Segment
 
 __all__ = ["DescriptorTime", "Warmed", "capture_streams", "check_findings", "eager_step", "fill_inputs", "prewarm",
            "warmup", "watched"]
@@ -127,21 +128,20 @@ def check_findings(alloc: Allocation, *, cause: BaseException | None = None, fai
         where = f" in segment {failed}" if failed is not None and failed != findings[0].segment else ""
         first = str(cause).strip().splitlines()
         message += f"; then{where} {type(cause).__name__}" + (f": {first[0]}" if first else "")
-    raise CaptureError(message, segment=findings[0].segment,
-                       hint="fix the segment or make it eager; silence a check with "
-                            f"RunOptions(disabled_checks={{'{findings[0].check.value}'}})") from cause
+    raise CaptureError(message, segment=findings[0].segment, hint="fix the segment or make it eager; silence a check "
+                       "with {0}", settings=(OptionFix("disabled_checks", {findings[0].check.value}),)) from cause
 
 
 def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) -> Warmed:
     """One descriptor: the step eagerly ``warmup_iters`` times on verify's inputs (the
     run's very first step checked for unwritten outputs, ``graphflow.engine.model.written``).
     A mode's first descriptor runs once more, in pools of its own (``pool_probe``): that
-    run is the last, the one verify's snapshots and the host-state check surround."""
+    run is the last, the one verify's snapshots surround. Where the host-state check
+    needs a second step and there was one step only, one more runs after the snapshots."""
     runner = watched(ctx, alloc, Phase.WARMUP, capturing=False, descriptor=descriptor)
     schedule = alloc.schedules[tuple(s.name for s in ctx.segments)]
     keep = ctx.verifies(descriptor) and ctx.verify_plan.reuses_warmup
-    host = ctx.watches(descriptor) and Check.HOST_STATE not in ctx.options.disabled_checks
-    state = functools.partial(host_state.snapshot, alloc.model, alloc.owned.holders)
+    host = _host_watch(ctx, alloc, descriptor)
     start: dict[str, torch.Tensor] = {}
     expected: dict[str, torch.Tensor] = {}
     probed = tuple(d for d in dict.fromkeys(alloc.devices.values()) if ctx.backend.probes_pools(d)) \
@@ -154,29 +154,55 @@ def warmup(ctx: Context, alloc: Allocation, descriptor: Descriptor, index: int) 
         iters = ctx.plan.capture.warmup_iters + bool(probed)
         # Consecutive descriptors take turns when there are two pairs (``Allocation.behind``).
         pair = alloc.snapshots[index % len(alloc.snapshots)] if keep else None
-        held = None
         for i in range(iters):
             last = i == iters - 1
             if keep and last:
                 start = pair[0].take(views, descriptor.size)
-            held = state() if host and last else None
             # The first step also checks that every segment writes what it declares.
             first = index == 1 and i == 0
+            read = host is not None and host.wants_step()
             with contextlib.ExitStack() as probing:
-                run = checking(ctx, alloc, descriptor.size, runner) if first else runner
+                run = host.runner(runner) if read else runner
+                run = checking(ctx, alloc, descriptor.size, run) if first else run
                 if probed and last:
                     probes = [probing.enter_context(ctx.backend.pool_probe(device)) for device in probed]
                     run = _probing(run, probes)
+                if read:
+                    probing.enter_context(host.stepping())
                 run_eager(ctx.backend, schedule, step, run)
         alloc.synchronize(ctx)
         check_findings(alloc)
-        if held is not None:
-            host_state.check_unchanged(held, state())
         if keep:
             expected = pair[1].take(views, descriptor.size)
+        if host is not None and host.wants_step():
+            # After the snapshots: verify's reference is one step from ``start``.
+            with host.stepping():
+                run_eager(ctx.backend, schedule, step, host.runner(runner))
+            alloc.synchronize(ctx)
+            check_findings(alloc)
+        if host is not None:
+            host.check()
     sizes = [probe.bytes for probe in probes]
     forecast = None if not sizes or None in sizes else sum(sizes)
     return Warmed(DescriptorTime(Phase.WARMUP, descriptor, block.seconds), start, expected, forecast)
+
+
+def _host_watch(ctx: Context, alloc: Allocation, descriptor: Descriptor) -> host_state.StepWatch | None:
+    """The host-state check of this descriptor's warmup, where the detectors watch it and
+    the check is on. In a PIECEWISE descriptor a graph segment's breaks run eagerly, at
+    every replay, so what they change is not the graph's: the check brackets them, except
+    in a compiled segment (hooks on its submodules would change what dynamo compiled).
+    Ranks whose collectives pair up step by step read two steps each, as decided here
+    from what every rank knows."""
+    if not ctx.watches(descriptor) or Check.HOST_STATE in ctx.options.disabled_checks:
+        return None
+    breaks = {}
+    if descriptor.mode is Mode.PIECEWISE:
+        for segment in ctx.segments:
+            if segment.is_graph and segment.breaks and not (ctx.options.compile and ctx.plan.compile_of(segment)):
+                breaks[segment.name] = [m for found in matching(alloc.model, segment.breaks).values() for m in found]
+    paired = bool(ctx.plan.channels) or max(ctx.plan.world_size, ctx.world_size) > 1
+    return host_state.StepWatch(alloc.model, alloc.owned.holders, breaks, paired=paired)
 
 
 def _probing(runner, probes):

@@ -19,6 +19,7 @@ left for the validator to name. This module imports no torch.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import re
 from collections.abc import Iterable, Mapping
@@ -148,10 +149,17 @@ class Number(_Kind):
 
 @attrs.frozen
 class Choice(_Kind):
-    """One of ``values``; with ``enum``, the member (its value string converts to it)."""
+    """One of ``values``; with ``enum``, the member (its value string converts to it).
+
+    ``aliases`` maps other spellings people use for a value (``bf16``, ``half``) to the
+    values they mean: a refused one is answered with those, where a guess by letters
+    alone would be wrong (``float`` reads closest to ``float64``, torch's ``float`` is
+    ``float32``).
+    """
 
     values: tuple[str, ...]
     enum: type[enum.Enum] | None = None
+    aliases: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict, eq=False, hash=False)
 
     @classmethod
     def of(cls, kind: type[enum.Enum]) -> Choice:
@@ -161,6 +169,21 @@ class Choice(_Kind):
     def expected(self) -> str:
         return f"one of {', '.join(self.values)}"
 
+    def closest(self, value) -> tuple[str, ...]:
+        """The values ``value`` most likely meant: by its alias, spelled in any case or
+        with a ``torch.`` prefix, else the closest by letters; none when nothing is close."""
+        if not isinstance(value, str):
+            return ()
+        word = value.strip()
+        folded = word.lower().removeprefix("torch.")
+        by_case = {v.lower(): v for v in self.values}
+        if folded in by_case and by_case[folded] != value:
+            return (by_case[folded],)
+        if folded in self.aliases:
+            return tuple(self.aliases[folded])
+        return tuple(difflib.get_close_matches(word, self.values, n=1)
+                     or [by_case[m] for m in difflib.get_close_matches(folded, list(by_case), n=1)])
+
     def convert(self, value):
         if self.enum is not None and isinstance(value, str) and value in self.values:
             return self.enum(value)
@@ -169,12 +192,13 @@ class Choice(_Kind):
     def check(self, path: str, value) -> None:
         if self.enum is not None:
             if not isinstance(value, self.enum):
-                error = FieldValueError if isinstance(value, str) else FieldTypeError
-                raise error(path, self.expected, value)
+                if isinstance(value, str):
+                    raise FieldValueError(path, self.expected, value, self.closest(value))
+                raise FieldTypeError(path, self.expected, value)
         elif not isinstance(value, str):
             raise FieldTypeError(path, self.expected, value)
         elif value not in self.values:
-            raise FieldValueError(path, self.expected, value)
+            raise FieldValueError(path, self.expected, value, self.closest(value))
 
 
 @attrs.frozen

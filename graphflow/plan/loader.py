@@ -30,7 +30,7 @@ import attrs
 import yaml
 
 from graphflow.plan import fields, templates
-from graphflow.errors import FieldError, PlanError
+from graphflow.errors import FieldError, PlanError, did_you_mean
 from graphflow.plan.model import (
     IDENTIFIER,
     Buffer,
@@ -107,11 +107,8 @@ def _compose(text: str, file: str) -> _Node | None:
     try:
         node = yaml.compose(text, Loader=_YAML_LOADER)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        message = f"YAML syntax error: {exc.problem or exc.context}"
-        if exc.problem and exc.context and exc.context_mark is not None:
-            message = f"YAML syntax error: {exc.context} at line {exc.context_mark.line + 1}, {exc.problem}"
-        raise PlanError(message, file=file, line=mark.line + 1 if mark else None) from exc
+        message, line = _syntax_error(exc)
+        raise PlanError(message, file=file, line=line) from exc
     except yaml.reader.ReaderError as exc:
         line = text.count("\n", 0, exc.position) + 1
         raise PlanError(f"unacceptable character U+{exc.character:04X}: {exc.reason}", file=file, line=line) from exc
@@ -120,6 +117,31 @@ def _compose(text: str, file: str) -> _Node | None:
     if node is None:
         return None
     return _convert(node, file, set(), [0])
+
+
+def _syntax_error(exc: yaml.MarkedYAMLError) -> tuple[str, int | None]:
+    """A YAML syntax error's message and its one line, the line to fix.
+
+    The parser notices an unclosed bracket or quote, or a key missing its colon, only on
+    a later line: the mistake is where that construct starts (PyYAML's context). A
+    block's bad indentation is where the parser stopped (its problem): the block it was
+    reading may start anywhere above. The message names no other line, so the line
+    before it and the text never disagree.
+    """
+    context = exc.context or ""
+    opened = exc.context_mark is not None and context.startswith(("while parsing", "while scanning")) \
+        and "block" not in context
+    if opened:
+        construct = context.split(" ", 2)[2].removeprefix("a ").removeprefix("an ")
+        message = f"YAML syntax error in the {construct} that starts on this line: {exc.problem or 'not closed'}"
+        return message, exc.context_mark.line + 1
+    mark = exc.problem_mark or exc.context_mark
+    problem = exc.problem or ""
+    if problem and context:
+        said = f"{problem} ({context})" if context.startswith("while") else f"{context}, {problem}"
+    else:
+        said = problem or context
+    return f"YAML syntax error: {said}", mark.line + 1 if mark is not None else None
 
 
 def _convert(node: yaml.Node, file: str, path: set[int], count: list[int]) -> _Node:
@@ -181,8 +203,11 @@ def _plain(node: _Node) -> Any:
 
 
 def _closest(word: str, choices: Iterable[str]) -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    return _suggested(tuple(difflib.get_close_matches(word, list(choices), n=1)))
+
+
+def _suggested(suggestions: tuple[str, ...]) -> str:
+    return f" ({did_you_mean(suggestions, '')})" if suggestions else ""
 
 
 # -- the format: keys of each element ---------------------------------------------------
@@ -271,7 +296,7 @@ class _Reader:
             return value
         if isinstance(kind, fields.Choice):
             if not isinstance(value, str) or value not in kind.values:
-                self.fail(f"expected {kind.expected}, got {_describe(value)}{_closest(str(value), kind.values)}",
+                self.fail(f"expected {kind.expected}, got {_describe(value)}{_suggested(kind.closest(str(value)))}",
                           node.line, where)
             return kind.enum(value) if kind.enum is not None else value
         if isinstance(kind, fields.Dimension):
@@ -541,6 +566,8 @@ class _Reader:
         for key in ("model", "world_size"):
             if key in top:
                 kwargs[key] = self.read(_kind(Plan, key), top[key], key)
+        if "model" in top:
+            self.origins["model:model"] = Origin(self.file, top["model"].line)
         if "model_args" in top and top["model_args"].value is not None:
             kwargs["model_args"] = self.read(_kind(Plan, "model_args"), top["model_args"], "model_args")
         if "for_each" in top:

@@ -74,6 +74,7 @@ __all__ = [
     "Stream",
     "Warmup",
     "WarmupPolicy",
+    "DTYPE_ALIASES",
     "DTYPE_BYTES",
     "PAD_KEEP",
     "alias_chain",
@@ -148,6 +149,23 @@ DTYPE_BYTES: Mapping[str, int] = {
     "int8": 1,
     "uint8": 1,
     "bool": 1,
+}
+
+#: Other spellings of those dtypes, in lower case: torch's own aliases (``torch.half``,
+#: ``torch.float``, ``torch.long``...) and the short names of papers and model configs
+#: (``bf16``, ``fp8``), each to the dtypes it may mean. A plan names one dtype one way;
+#: these only answer a refused spelling with what it meant.
+DTYPE_ALIASES: Mapping[str, tuple[str, ...]] = {
+    "double": ("float64",), "fp64": ("float64",), "f64": ("float64",),
+    "float": ("float32",), "fp32": ("float32",), "f32": ("float32",), "single": ("float32",),
+    "half": ("float16",), "fp16": ("float16",), "f16": ("float16",),
+    "bf16": ("bfloat16",), "bfloat": ("bfloat16",), "brain_float16": ("bfloat16",),
+    "fp8": ("float8_e4m3fn", "float8_e5m2"), "float8": ("float8_e4m3fn", "float8_e5m2"),
+    "e4m3": ("float8_e4m3fn",), "fp8_e4m3": ("float8_e4m3fn",), "float8_e4m3": ("float8_e4m3fn",),
+    "e5m2": ("float8_e5m2",), "fp8_e5m2": ("float8_e5m2",),
+    "long": ("int64",), "i64": ("int64",), "int": ("int32",), "i32": ("int32",), "short": ("int16",),
+    "i16": ("int16",), "char": ("int8",), "i8": ("int8",), "byte": ("uint8",), "u8": ("uint8",),
+    "boolean": ("bool",),
 }
 
 #: A shape dimension: an int, a symbol (``"B"``) or a product of both (``"2*B"``).
@@ -246,7 +264,7 @@ class Buffer:
 
     name: str = field(_NAME)
     shape: tuple[Dim, ...] = field(Items(Dimension(DIM_PATTERN), "dimensions (ints or symbols like B, 2*B)"))
-    dtype: str = field(Choice(tuple(DTYPE_BYTES)), doc="torch's dtype name, without 'torch.'")
+    dtype: str = field(Choice(tuple(DTYPE_BYTES), aliases=DTYPE_ALIASES), doc="torch's dtype name, without 'torch.'")
     device: str = field(_DEVICE)
     role: BufferRole = field(Choice.of(BufferRole), default=BufferRole.INTERNAL)
     capacity: Mapping[str, int] = field(Table(_SYMBOL, Integer(minimum=1), "symbols to the rows the buffer holds", sort=True),
@@ -756,6 +774,14 @@ class Plan:
         plan (validation's rules, ``show`` and the engine all ask) and frozen, so no
         caller can change what the others read."""
         return self._dag
+
+    @functools.cached_property
+    def _reports(self) -> dict:
+        """The validator's reports of this plan (``graphflow.plan.rules.validate``), by the
+        rules left out and the device memory given: a plan never changes, so a run that
+        asks twice (the command line before torch loads, the pipeline before capture)
+        checks it once."""
+        return {}
 
     @functools.cached_property
     def _dag(self) -> nx.DiGraph:

@@ -43,7 +43,7 @@ from graphflow.plan.model import (
     WarmupPolicy,
     dim_symbols,
 )
-from graphflow.view.units import format_bytes, heaviest
+from graphflow.units import format_bytes, heaviest
 
 __all__ = ["Diagnostic", "Violation", "MEMORY_CEILING", "RETIRED", "Report", "Rule", "RULES", "Severity",
            "rules_markdown", "unknown_codes", "validate"]
@@ -205,7 +205,8 @@ class Report:
 
 
 def validate(plan: Plan, *, disable: Iterable[str] = (), device_memory: int | None = None) -> Report:
-    """Run every rule except the ``disable``d codes.
+    """Run every rule except the ``disable``d codes, once per plan and arguments (a plan
+    is immutable: asked again, the same report).
 
     ``device_memory`` is the memory of one GPU in bytes, for GF303; without it, only
     plans beyond any GPU (GF304) are flagged. Raises ValueError on an unknown or
@@ -218,9 +219,13 @@ def validate(plan: Plan, *, disable: Iterable[str] = (), device_memory: int | No
     if device_memory is not None and (not isinstance(device_memory, int) or isinstance(device_memory, bool)
                                       or device_memory <= 0):
         raise ValueError(f"device_memory must be a positive number of bytes, got {device_memory!r}")
-    found = [d for rule in RULES if rule.code not in disabled for d in rule.check(plan, device_memory=device_memory)]
-    found.sort(key=_sort_key)
-    return Report(plan.name, tuple(found))
+    key = (frozenset(disabled), device_memory)
+    if key not in plan._reports:  # noqa: SLF001 - the plan keeps its reports, computed here
+        found = [d for rule in RULES if rule.code not in disabled
+                 for d in rule.check(plan, device_memory=device_memory)]
+        found.sort(key=_sort_key)
+        plan._reports[key] = Report(plan.name, tuple(found))  # noqa: SLF001
+    return plan._reports[key]  # noqa: SLF001
 
 
 def unknown_codes(codes: Iterable[str]) -> str:

@@ -6,7 +6,7 @@ A picture must stay readable at any plan size, so it is computed in two steps:
   one lane per stream, segments placed left to right in the order the engine can run
   them (a segment starts after everything it depends on and after the previous segment
   of its lane; PIECEWISE regions and eager breaks follow one another), every DAG edge,
-  the cross-stream event waits the engine inserts (``graphflow.engine.schedule``), the
+  the cross-stream event waits the engine inserts (``graphflow.plan.schedule``), the
   capture regions as boxes. Copies of one ``for_each`` block collapse into one drawn
   block marked ``×61``; copies whose structure differs from their neighbours' are drawn
   apart. Everything is sized in inches and kept within ``MAX_PIXELS``: what does not fit
@@ -30,11 +30,11 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from graphflow.engine import schedule
+from graphflow.plan import schedule
 from graphflow.plan import CaptureRegion, Mode, Plan, Segment
 from graphflow.view.render import kind_counts, shown_mode
 from graphflow.view.style import EAGER, REGION_EDGE, REGION_FILL, family_colors, lighten
-from graphflow.view.units import compact_sizes, group_by_template, plural
+from graphflow.units import compact_sizes, group_by_template, plural
 
 __all__ = ["Cut", "Expand", "ImageFormat", "Layout", "MAX_PIXELS", "draw", "layout", "parse_layers"]
 

@@ -43,15 +43,29 @@ from rich.progress import (
 )
 
 from graphflow.events import Event, EventKind, Phase
-from graphflow.view.units import format_bytes, plural
+from graphflow.units import format_bytes, plural
 
-__all__ = ["HEARTBEAT_S", "NO_GRAPH", "ProgressDisplay"]
+__all__ = ["HEARTBEAT_S", "NO_GRAPH", "ProgressDisplay", "starting"]
 
 #: Seconds of long work without a line before a line says what is still running.
 HEARTBEAT_S = 5.0
 
 #: What a timing on a backend that records no graph says beside its numbers.
 NO_GRAPH = "no graph: the CPU backend replays the calls"
+
+
+def starting(command: str, source: str, plan_name: str, then: str, *, json: bool = False,
+             file: TextIO | None = None) -> None:
+    """The first line of a command that captures: what it starts, said before the seconds
+    (tens, on a busy machine) of loading torch, starting ranks and building the model, in
+    which a person who sees nothing thinks it hung. Plain text whether or not stderr is a
+    terminal (the live bar comes later), or one JSON line (``event: starting``)."""
+    message = f"{command}: {source} ({plan_name}): {then}"
+    file = file or sys.stderr
+    if json:
+        message = json_module.dumps({"event": "starting", "plan": plan_name, "file": source, "message": message})
+    file.write(message + "\n")
+    file.flush()
 
 
 class _Mode:

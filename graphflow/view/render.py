@@ -18,7 +18,7 @@ import attrs
 
 from graphflow.plan import Buffer, Mode, Plan, Segment
 from graphflow.view.style import EAGER, REGION_EDGE, REGION_FILL, family_colors, lighten
-from graphflow.view.units import compact_sizes, format_bytes, group_by_template, plural
+from graphflow.units import compact_sizes, format_bytes, group_by_template, plural
 
 __all__ = [
     "Section",

@@ -166,7 +166,7 @@ def draw_report(document: dict[str, Any], path: str | os.PathLike, fmt: str) -> 
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    from graphflow.view.units import format_bytes
+    from graphflow.units import format_bytes
 
     rows = _ordered(document["descriptors"])
     tail = None

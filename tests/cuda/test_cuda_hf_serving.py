@@ -181,7 +181,7 @@ def test_lazy_serves_while_it_captures(model, prompts):
         step = processor._generation_step
 
         def counted(model_):
-            capturing.append(serving._thread.is_alive())
+            capturing.append(serving.capturing)
             step(model_)
 
         processor._generation_step = counted

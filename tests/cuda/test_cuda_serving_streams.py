@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from graphflow.integrations.hf.batching.serving import eager_then_replay
+from graphflow.integrations.hf.batching.capture import eager_then_replay
 
 #: Device cycles a step sleeps before it writes: tens of milliseconds, far longer than the
 #: host takes to queue everything after it.

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import sys
 from collections.abc import Callable, Mapping
 
-from graphflow.errors import PlanError
+from graphflow.errors import PlanError, did_you_mean
 from graphflow.plan import Plan
+from graphflow.plan.factory import closest_name, search_dirs
 
 __all__ = ["FACTORY_KEYWORDS", "build_model", "import_factory", "resolve"]
 
@@ -34,9 +34,9 @@ def import_factory(ref: str, *, plan: Plan | None = None) -> Callable[..., objec
     if not sep or not module_name or not attr:
         raise PlanError(f"model {ref!r} must be 'package.module:factory'", **where)
     try:
-        obj = _import(module_name, _search_dirs(plan))
+        obj = _import(module_name, search_dirs(plan))
     except ImportError as exc:
-        tried = ", ".join(_search_dirs(plan))
+        tried = ", ".join(search_dirs(plan))
         raise PlanError(f"cannot import module {module_name!r} for model {ref!r}: {exc} (also looked in {tried}) — "
                         "put the module beside the plan or in the current directory, install its package, or add "
                         "its directory to PYTHONPATH", **where) from exc
@@ -44,17 +44,11 @@ def import_factory(ref: str, *, plan: Plan | None = None) -> Callable[..., objec
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
-            raise PlanError(f"module {module_name!r} has no attribute {attr!r} (model {ref!r})", **where) from exc
+            meant = did_you_mean(closest_name(part, dir(obj)), "; ")
+            raise PlanError(f"module {module_name!r} has no attribute {attr!r} (model {ref!r}{meant})", **where) from exc
     if not callable(obj):
         raise PlanError(f"model {ref!r} is not callable", **where)
     return obj
-
-
-def _search_dirs(plan: Plan | None) -> list[str]:
-    """The plan file's directory (when it came from a file), then the current directory."""
-    origin = plan.origin("plan", plan.name) if plan is not None else None
-    dirs = [os.path.dirname(os.path.abspath(origin.file))] if origin is not None and os.path.isfile(origin.file) else []
-    return list(dict.fromkeys([*dirs, os.getcwd()]))
 
 
 def _import(module_name: str, dirs: list[str]):

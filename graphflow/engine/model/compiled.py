@@ -355,7 +355,8 @@ def _refusal(exc: BaseException) -> CaptureError | None:
         seen.add(id(current))
         if isinstance(current, CaptureError):
             return CaptureError(current.message, phase=current.phase, descriptor=current.descriptor,
-                                segment=current.segment, rank=current.rank, hint=current.hint)
+                                segment=current.segment, rank=current.rank, hint=current.hint_text,
+                                settings=current.settings)
         current = current.__cause__ or current.__context__
     return None
 

@@ -28,7 +28,12 @@ shapes are read off one eager step of the model itself, so nothing is computed b
 
 from __future__ import annotations
 
-from graphflow.integrations.hf.cache import static_cache
-from graphflow.integrations.hf.plan import decode_plan, greedy
+from graphflow.exports import lazy_names
 
-__all__ = ["decode_plan", "greedy", "static_cache"]
+#: Each name and its module, imported on first use: a subpackage (``batching``, and the
+#: server's entry point in it) is reached through this package, and must not wait for
+#: transformers and torch to load before it can say anything.
+_NAMES = {"decode_plan": "plan", "greedy": "plan", "static_cache": "cache"}
+
+__all__ = sorted(_NAMES)
+__getattr__ = lazy_names(__name__, _NAMES)

@@ -15,6 +15,7 @@ import threading
 
 import attrs
 
+from graphflow.engine.lazy import KeyState
 from graphflow.integrations.hf.batching.keys import ServingKey
 
 __all__ = ["FALLBACK_WARN", "Coverage", "Fallback", "KeyCoverage"]
@@ -34,8 +35,6 @@ class Fallback(enum.StrEnum):
 @attrs.define
 class KeyCoverage:
     key: ServingKey
-    #: planned, captured (not yet checked against the engine's eager step), live, failed.
-    state: str = "planned"
     graph_steps: int = 0
     eager: collections.Counter = attrs.field(factory=collections.Counter)
     tokens: int = 0
@@ -48,18 +47,32 @@ class KeyCoverage:
 
 
 class Coverage:
-    """Counts, safe to read from another thread while the engine serves."""
+    """Counts, safe to read from another thread while the engine serves.
 
-    def __init__(self, keys: tuple[ServingKey, ...]) -> None:
+    ``states`` is where each key stands (``KeyState``): the lazy-capture thread's own
+    table when capture is lazy, so that what it writes is what coverage reads."""
+
+    def __init__(self, keys: tuple[ServingKey, ...], states: dict[ServingKey, KeyState] | None = None) -> None:
         self._lock = threading.Lock()
         self._keys: dict[ServingKey, KeyCoverage] = {key: KeyCoverage(key) for key in keys}
+        self.states = states if states is not None else dict.fromkeys(keys, KeyState.PLANNED)
 
     def entry(self, key: ServingKey) -> KeyCoverage:
         with self._lock:
             found = self._keys.get(key)
             if found is None:
-                found = self._keys[key] = KeyCoverage(key, state="unplanned")
+                found = self._keys[key] = KeyCoverage(key)
+                self.states.setdefault(key, KeyState.UNPLANNED)
             return found
+
+    def state(self, key: ServingKey) -> KeyState:
+        return self.states.get(key, KeyState.UNPLANNED)
+
+    def mark(self, key: ServingKey, state: KeyState, failure: str | None = None) -> None:
+        """A foreground capture's verdict on ``key`` (a lazy one's states are the thread's)."""
+        entry = self.entry(key)
+        self.states[key] = state
+        entry.failure = failure
 
     def served(self, key: ServingKey, tokens: int, fallback: Fallback | None) -> None:
         entry = self.entry(key)
@@ -76,16 +89,19 @@ class Coverage:
         padded tokens, why it failed; and the totals."""
         with self._lock:
             entries = list(self._keys.values())
-        keys = {str(e.key): {"state": e.state, "graph_steps": e.graph_steps,
+        state = {e.key: self.state(e.key) for e in entries}
+        keys = {str(e.key): {"state": str(state[e.key]), "graph_steps": e.graph_steps,
                              "eager_steps": {str(reason): n for reason, n in e.eager.items()},
                              "tokens": e.tokens, "padded_tokens": e.padded, "failure": e.failure}
                 for e in entries}
         steps = sum(e.steps for e in entries)
         eager = sum(sum(e.eager.values()) for e in entries)
+        # A graph captured and never replayed served nothing for its memory, checked or not.
+        unused = [str(e.key) for e in entries if state[e.key] in (KeyState.LIVE, KeyState.CAPTURED)
+                  and e.graph_steps == 0]
         return {"keys": keys, "steps": steps, "graph_steps": steps - eager, "eager_steps": eager,
                 "fallback_rate": eager / steps if steps else 0.0,
-                "captured": sum(e.state == "live" for e in entries),
-                "unused": [str(e.key) for e in entries if e.state == "live" and e.steps == 0]}
+                "captured": sum(state[e.key] is KeyState.LIVE for e in entries), "unused": unused}
 
     def warnings(self) -> list[str]:
         summary = self.as_dict()
@@ -109,10 +125,11 @@ class Coverage:
             entries = sorted(self._keys.values(), key=lambda e: (-e.steps, e.key))
         rows = [("key", "state", "graph steps", "eager steps (why)", "tokens", "padded")]
         for e in entries:
-            if e.steps == 0 and e.state in ("planned", "live"):
+            state = self.state(e.key)
+            if e.steps == 0 and state in (KeyState.PLANNED, KeyState.LIVE, KeyState.CAPTURED):
                 continue
             why = ", ".join(f"{n} {reason}" for reason, n in e.eager.items()) or "-"
-            rows.append((str(e.key), e.state if e.failure is None else f"failed: {e.failure}",
+            rows.append((str(e.key), str(state) if e.failure is None else f"failed: {e.failure}",
                          str(e.graph_steps), why, str(e.tokens), f"{e.padded / max(e.tokens + e.padded, 1):.0%}"))
         summary = self.as_dict()
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

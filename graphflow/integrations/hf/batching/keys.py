@@ -17,15 +17,21 @@ count alone.
 
 from __future__ import annotations
 
+import enum
 import itertools
 
 import attrs
 
-__all__ = ["DECODE", "VARLEN", "ServingKey", "key_of", "serving_keys"]
+__all__ = ["DECODE", "VARLEN", "ForwardPath", "ServingKey", "key_of", "serving_keys"]
 
-#: The engine's two forward paths: prefill and mixed batches, and decode-only batches.
-VARLEN = "varlen"
-DECODE = "decode"
+class ForwardPath(enum.StrEnum):
+    """The engine's two forward paths: prefill and mixed batches, and decode-only batches."""
+
+    VARLEN = "varlen"
+    DECODE = "decode"
+
+
+VARLEN, DECODE = ForwardPath.VARLEN, ForwardPath.DECODE
 
 
 @attrs.frozen(order=True)
@@ -36,7 +42,7 @@ class ServingKey:
     (full attention first, then sliding), as the engine orders them.
     """
 
-    path: str = attrs.field(validator=attrs.validators.in_((VARLEN, DECODE)))
+    path: ForwardPath = attrs.field(converter=ForwardPath)
     q: int = attrs.field(validator=attrs.validators.ge(1))
     kv: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     seqlens: tuple[int, ...] = attrs.field(default=(), converter=tuple)
@@ -77,12 +83,19 @@ def serving_keys(processor, longest: int | None = None) -> tuple[ServingKey, ...
     # scheduler lets one read (a sliding-window model's window) or holds (``longest``).
     per_request = min(n for n in (getattr(processor.scheduler, "read_cache_limit", None), longest, pages) if n)
     kv_most = min(pages, config.max_requests_per_batch * per_request)
+    # A full-attention layer keeps a request's every token in its own blocks, so a batch's
+    # query and past fit in the pages, unless blocks are shared: with ``allow_block_sharing``
+    # requests that share a prefix, and the children a request with ``num_return_sequences``
+    # forks (even on a hybrid model, where prefix sharing is off), each read the shared
+    # blocks. A sliding-only cache keeps one window's ring of blocks per request whatever its
+    # length (``SlidingAttentionCacheAllocator``): ``max_batch_tokens`` alone bounds its query.
+    query_in_pages = cache.num_full_attention_groups > 0 and not cache.allow_block_sharing
     keys = []
     layer_types = list(processor.inputs_and_outputs.cumulative_seqlens_k)
     window = getattr(processor.config, "sliding_window", None) or pages
     for (q, q_least), (kv, kv_least) in itertools.product(qs, kvs):
-        if kv_least > kv_most or (q_least + kv_least > pages and not cache.use_prefix_sharing):
-            continue  # the scheduler never makes its smallest batch (requests sharing a prefix read it twice)
+        if kv_least > kv_most or (query_in_pages and q_least + kv_least > pages):
+            continue  # the scheduler never makes its smallest batch
         per_type = []
         for layer_type in layer_types:
             # A request's keys: its past and its query (a sliding layer keeps window - 1 of the past).

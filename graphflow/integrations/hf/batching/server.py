@@ -17,13 +17,18 @@ reaches that manager, so ``install`` wraps two methods of the class, for the who
 The engine is left as the server configured it, except asynchronous batching: graphflow
 serves the synchronous engine, and the server has no flag for it (transformers turns it on
 by itself with CUDA graphs and flash attention), so an attached manager runs without it,
-and the log says so.
+and the log says so. A manager on the CPU backend is served lazily even when a foreground
+capture was asked for: that backend captures no graph (each key's "graph" replays the
+same calls), so capturing every key before the first step (hundreds, each run and
+checked) would only keep the server from answering for minutes.
 
 ``python -m graphflow.integrations.hf.batching.server [transformers serve arguments]``
 is ``transformers serve`` with the hook installed (``GRAPHFLOW_SERVE=lazy|foreground``,
-default lazy). transformers' server leaves its manager's thread running when it shuts down
-(which keeps the process alive after Ctrl-C); this entry point stops it, so the coverage
-is logged and the process exits.
+default lazy). It refuses bad arguments and says what it starts before it imports
+transformers and the model (seconds; torch has loaded with this package). transformers' server leaves its manager's thread running when
+it shuts down (which keeps the process alive after Ctrl-C); this entry point stops it, so
+the coverage is logged and the process exits: 130 after Ctrl-C, 143 after SIGTERM (128 and
+the signal's number, as a shell reports a process the signal ended).
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from graphflow.integrations.hf.batching.serving import Serving, serve
+if TYPE_CHECKING:
+    from graphflow.integrations.hf.batching.serving import Serving
 
 __all__ = ["ENV", "MODES", "Installed", "install", "main"]
 
@@ -86,16 +91,25 @@ class Installed:
         self._cls.start, self._cls.stop = start, stop
 
     def _attach(self, manager) -> None:
+        import torch
+
+        from graphflow.integrations.hf.batching.serving import serve
+
         config = manager.continuous_batching_config
         if manager.batch_processor is None and config.use_async_batching:
             config.use_async_batching = False
             log.info("graphflow: asynchronous batching off (graphflow serves the engine's synchronous batching)")
         device = manager.model.device
+        options = self.options
+        if not options["lazy"] and _on_the_cpu_backend(options.get("backend", "auto")):
+            options = {**options, "lazy": True}
+            log.info("graphflow: the CPU backend captures no graph, so no key is captured before serving: serving "
+                     "at once, keys recorded beside it (GRAPHFLOW_SERVE=foreground captures first on a GPU)")
         try:
             # The first request's handler thread starts the manager: the model's device, as
             # the engine's own thread sets it.
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                serving = serve(manager, **self.options)
+                serving = serve(manager, **options)
         except Exception as exc:
             # The server would queue requests on a manager that never starts: marked dead,
             # its requests and /health answer 503 with why.
@@ -136,13 +150,22 @@ class Installed:
 def install(*, lazy: bool = True, **options) -> Installed:
     """graphflow attached to every ``ContinuousBatchingManager`` this process starts (see
     the module docstring); ``lazy`` and ``options`` (``verify``, ``backend``, ``longest``,
-    ``keys``) go to ``serve``."""
+    ``keys``) go to ``serve``, ``lazy`` always on the CPU backend."""
     global _installed
     if _installed is not None:
         raise RuntimeError("graphflow is already installed in transformers' continuous batching "
                            "(uninstall() the first one)")
     _installed = Installed({"lazy": lazy, **options})
     return _installed
+
+
+def _on_the_cpu_backend(backend) -> bool:
+    """Whether ``serve`` will run on the CPU backend: asked for, or automatic on a machine
+    with no GPU (``graphflow.engine.backend.make_backend``)."""
+    import torch
+
+    kind = getattr(backend, "value", backend)
+    return kind == "cpu" or (kind == "auto" and not torch.cuda.is_available())
 
 
 def _close(serving: Serving) -> None:
@@ -156,22 +179,29 @@ def _close_after(manager, serving: Serving) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``transformers serve`` with graphflow installed, in this process."""
+    """``transformers serve`` with graphflow installed, in this process: the arguments
+    checked and the first line said before transformers and the model load."""
     argv = sys.argv[1:] if argv is None else argv
     mode = os.environ.get(ENV, "lazy")
     if mode not in MODES:
         print(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}", file=sys.stderr)
         raise SystemExit(2)
-    if "--help" not in argv and not _continuous_batching(argv):
+    helping = "--help" in argv
+    if not helping and not _continuous_batching(argv):
         print("graphflow serves transformers' continuous batching: add --continuous-batching to the serve arguments",
               file=sys.stderr)
         raise SystemExit(2)
     _log_to_stderr()
+    if not helping:
+        log.info("graphflow: starting transformers serve, graphs captured %s; loading transformers and the model",
+                 "in the background" if MODES[mode] else "before serving")
     installed = install(lazy=MODES[mode])
-    # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: an
-    # exit, not the default kill, so that the managers below are stopped.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+    # uvicorn shuts down on SIGINT and SIGTERM, then raises the signal again with the
+    # handler it found: an exit, not click's "Aborted!" (status 1) or the default kill,
+    # so that the managers below are stopped and the status says which signal it was.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, _exit_on_signal)
     from transformers.cli.transformers import app
 
     try:

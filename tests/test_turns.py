@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from graphflow.integrations.hf.batching.turns import Turns
+from graphflow.engine.turns import Turns
 
 LAYERS = 6
 

@@ -1,15 +1,19 @@
-"""Steps before recordings: a lazy capture's recording gives way to the engine's steps.
+"""Steps before recordings: a lazy capture's recording gives way to the server's steps.
 
-The engine's steps and a lazy capture's recording are both Python driving one device from
-two threads of one process. Beside a step, a recording takes about half the host from it
+A server's steps and a lazy capture's recording are both Python driving one device from
+two threads of one process, and they never run at once: a step runs only while no
+recording runs, and a recording only while no step does (what may overlap, and why, is
+in ``graphflow.engine.lazy``). Beside a step, a recording takes about half the host from it
 under the interpreter lock (an eager step of a host-bound engine then takes up to twice
 as long); recorded strictly between steps, it makes the next step wait a whole forward's
 recording; and one that gives way to every step as soon as it waits never ends while the
 engine is busy (on the H200, no key of 32 went live in 144 back-to-back steps). So a
-recording takes slices: before each module call it records, once it has run ``slice_s``
-since it last began or resumed, it looks whether a step is waiting, and if one is, it
-pauses until the steps waiting then have had their turn. A step then waits for one slice
-and one module's recording at most; the caller sizes the slice to its steps.
+recording takes slices: at each of its pause points (``pause``: the engine calls it
+between the segments it records; with ``hook_modules``, every module call of the
+recording thread is one), once it has run ``slice_s`` since it last began or resumed, it
+looks whether a step is waiting, and if one is, it pauses until the steps waiting then
+have had their turn. A step then waits for one slice
+and one segment's or module's recording at most; the caller sizes the slice to its steps.
 
 A recording that wants to begin or resume lets the steps go first for one slice, then
 goes before the steps that ask after that, once the step in progress ends. Waiting for a
@@ -27,6 +31,8 @@ step does reaches the capture: the graph is recorded in thread-local capture mod
 stream and pool of its own (the step's syncs and allocations are then its own), and the
 step runs no random op (the device's generator counts itself inside a capture while one
 is open, whichever thread draws). The caller says whether both hold (``pausing``).
+A turn that does not pause is the way to run anything else beside the steps that must
+not interleave with them (a warm run on the server's buffers).
 """
 
 from __future__ import annotations
@@ -38,7 +44,12 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["Turns"]
+__all__ = ["SLICE_OF_EAGER", "Turns"]
+
+#: A recording runs this share of the server's eager step (its recent ones, averaged:
+#: ``eager_took``) before it gives way to a waiting step: a step beside the recordings
+#: then waits that long at most, and takes under 1.5x an eager step.
+SLICE_OF_EAGER = 0.4
 
 
 class Turns:
@@ -46,9 +57,10 @@ class Turns:
 
     def __init__(self, slice_s: float = 0.0, clock=time.perf_counter) -> None:
         #: How long a recording runs before it gives way to a waiting step (may change
-        #: while recording: the caller sizes it to the steps it serves).
+        #: while recording: ``eager_took`` sizes it to the steps served).
         self.slice_s = slice_s
         self._clock = clock
+        self._eager_s: float | None = None
         self._resumed = 0.0
         self._changed = threading.Condition()
         self._waiting = 0  # steps that asked for their turn and have not had it yet
@@ -58,6 +70,12 @@ class Turns:
         self._recorder: int | None = None  # the recording thread, while one records with pauses
         #: How many times recordings paused for a step, over this object's life.
         self.pauses = 0
+
+    def eager_took(self, seconds: float) -> None:
+        """A step the server ran eagerly took ``seconds`` of the host: the slice follows
+        the eager steps' recent average."""
+        self._eager_s = seconds if self._eager_s is None else 0.8 * self._eager_s + 0.2 * seconds
+        self.slice_s = SLICE_OF_EAGER * self._eager_s
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -77,13 +95,16 @@ class Turns:
                 self._changed.notify_all()
 
     @contextlib.contextmanager
-    def recording(self, *, pausing: bool) -> Iterator[None]:
-        """One graph's recording, begun after the steps have had one slice (``_take_turn``);
-        with ``pausing``, after each slice it gives way at its next module call to the
-        steps waiting then, and resumes as it began."""
+    def recording(self, *, pausing: bool, hook_modules: bool = True) -> Iterator[None]:
+        """One graph's recording (or any turn that must not interleave with the steps),
+        begun after the steps have had one slice (``_take_turn``); with ``pausing``, after
+        each slice it gives way at its next pause point to the steps waiting then, and
+        resumes as it began. ``hook_modules``: every module call of this thread is a pause
+        point (for a caller that cannot call ``pause`` itself)."""
         with self._changed:
             self._take_turn()
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(self._pause) if pausing else None
+        hook = (torch.nn.modules.module.register_module_forward_pre_hook(self._module_call)
+                if pausing and hook_modules else None)
         self._resumed = self._clock()
         self._recorder = threading.get_ident() if pausing else None
         try:
@@ -96,9 +117,13 @@ class Turns:
                 self._recording = False
                 self._changed.notify_all()
 
-    def _pause(self, module, args) -> None:
-        """A module pre-hook on every module of the process while a recording pauses:
-        it acts only on the recording thread, once the slice is run, and only when a step waits."""
+    def _module_call(self, module, args) -> None:
+        """A module pre-hook on every module of the process while a recording pauses."""
+        self.pause()
+
+    def pause(self) -> None:
+        """A pause point of a recording that pauses: it acts only on the recording thread,
+        once the slice is run, and only when a step waits."""
         if (threading.get_ident() != self._recorder or not self._waiting
                 or self._clock() - self._resumed < self.slice_s):
             return

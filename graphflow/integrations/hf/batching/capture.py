@@ -1,0 +1,421 @@
+"""The capture side of graphflow's serving: how one key of transformers' continuous
+batching is captured, foreground or lazily, into pools a failed capture replaces.
+
+* **Foreground** (``capture_all``): every key of the plan before serving, largest first,
+  each a transaction on the engine's own warmup batch for that key: eager step, capture,
+  verify against the eager step (``eager_then_replay``), or undone: a key that fails is
+  rolled back alone, logged with why, and served eagerly.
+* **Lazy**: this is the ``Capturer`` that the lazy-capture thread
+  (``graphflow.engine.lazy``, the engine's own) drives: it says how one key is warmed and
+  recorded in its turn beside the engine's steps, and how a failed key is undone. The
+  thread owns the order, the turns, the retries and the key states; the engine's steps
+  check each new graph on its first batch (``graphflow.integrations.hf.batching.runner``).
+
+Graphs are captured into the newest pool of a ``PoolSet``: a failed capture may leave its
+pool unusable, so the next captures go to a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import time
+
+import attrs
+import torch
+
+from graphflow.engine.lazy import KeyState
+from graphflow.engine.pools import PoolSet
+from graphflow.engine.rollback import UndoStack
+from graphflow.engine.turns import Turns
+from graphflow.errors import CaptureError
+from graphflow.integrations.hf.batching.coverage import Coverage
+from graphflow.integrations.hf.batching.keys import DECODE, ServingKey
+from graphflow.integrations.hf.batching.plan import ServingPlan
+
+__all__ = ["KeyGraph", "KeyCapture", "eager_then_replay"]
+
+log = logging.getLogger("graphflow.serving")
+
+#: A foreground capture of a plan this large takes minutes; it says so first.
+AHEAD_MOST = 256
+
+
+@attrs.define(eq=False)
+class KeyGraph:
+    """One key's graph; ``checked`` once its replay matched the engine's eager step."""
+
+    key: ServingKey
+    graph: object
+    checked: bool
+
+
+class KeyCapture:
+    """Captures keys of one engine (see the module docstring); made by ``serve``."""
+
+    def __init__(self, model, processor, plan: ServingPlan, backend, stream, stack: UndoStack,
+                 graphs: dict[ServingKey, KeyGraph], coverage: Coverage, *, lazy: bool, verify: bool) -> None:
+        self.model, self.processor, self.plan = model, processor, plan
+        self.coverage = coverage
+        self.verify = verify
+        self.memory: dict[str, int | None] = {}
+        #: Foreground: device memory allocated before and after each key's transaction.
+        self.key_memory: dict[ServingKey, tuple[int, int]] = {}
+        self._backend, self._stream, self._stack = backend, stream, stack
+        self.pools = PoolSet(backend, self._device(), stack)
+        #: The graphs steps may replay, by key: added here, and taken out by the step whose
+        #: first batch rejects one.
+        self.graphs = graphs
+        self._mine: dict[ServingKey, KeyGraph] = {}  # every graph captured and not yet destroyed
+        #: Lazy on a GPU: IO tensors of the engine's sizes for warm runs (``_scratch_io``).
+        self._scratch = _scratch_io(processor) if lazy and backend.captures_graphs else None
+        self.core = None  # the lazy-capture thread, once ``serve`` made it
+        self.started = time.perf_counter()
+        #: Seconds from ``serve`` until every key was captured or failed (lazy: a captured
+        #: key's first step then checks it).
+        self.all_captured_s: float | None = None
+
+    # -- foreground --------------------------------------------------------------------------
+
+    def capture_all(self, progress=None) -> None:
+        """Foreground: every key, largest first, each a transaction on the engine's own
+        warmup batch for it.
+
+        The warmup requests read cache slots nobody wrote: the cache is filled with seeded
+        random values first (before serving it holds nothing), so verify compares steps
+        that attend to something. Left as allocated it may hold NaN, and an eager step and
+        a wrong replay would then agree on every token."""
+        generator = torch.Generator(device=self._device()).manual_seed(0)
+        for tensor in (*self.processor.cache.key_cache, *self.processor.cache.value_cache):
+            tensor.normal_(generator=generator)
+        if len(self.plan.keys) > AHEAD_MOST:
+            log.warning("graphflow: capturing all %d keys of %s before serving; lazy=True captures the keys steps "
+                        "ask for first, and longest= or the padding intervals bound the plan", len(self.plan.keys),
+                        self.plan.name)
+        device = self._device()
+        _warm_stream(self._stream, device)
+        for index, key in enumerate(self.plan.keys):
+            began = time.perf_counter()
+            before = self._backend.memory_allocated(device)
+            self._capture_foreground(key, first=index == 0)
+            self.key_memory[key] = (before, self._backend.memory_allocated(device))
+            line = (f"[{index + 1}/{len(self.plan.keys)}] {key}: {self.coverage.state(key)} in "
+                    f"{time.perf_counter() - began:.2f} s, pool {_mib(self.pools.nbytes())}")
+            (progress or log.info)(line)
+        self.processor.inputs_and_outputs.reset()
+        self._measured()
+
+    def _capture_foreground(self, key: ServingKey, first: bool) -> None:
+        processor = self.processor
+        io, cache = processor.inputs_and_outputs, processor.cache
+        states = _warmup_batch(processor, key)
+        held = None
+        try:
+            if not states:
+                raise RuntimeError("the cache has no room for a batch of this key")
+            decode = key.path == DECODE
+            io.prepare_batch_tensors(states, processor.logit_processor, decode, key.q, key.kv, use_padding=True)
+            call = self._call(key)
+            self._eager(call)
+            if first:
+                self._probe_pool(call)
+            held = KeyGraph(key, self._captured(key, call), checked=False)
+            held.graph.ready()
+            if self.verify and eager_then_replay(processor, functools.partial(self._eager, call),
+                                                 functools.partial(self.replay, held), lambda: io.output_ids):
+                raise RuntimeError("its replay's tokens differ from the engine's eager step on the same batch")
+            held.checked = True
+            self._mine[key] = self.graphs[key] = held
+            self.coverage.mark(key, KeyState.LIVE)
+        except Exception as exc:  # noqa: BLE001 - any failure of one key is that key's: it serves eagerly
+            if held is not None:
+                held.graph.destroy()
+                self.pools.drop(key)
+            self.coverage.mark(key, KeyState.FAILED, _reason(exc))
+            log.warning("graphflow: %s serves eagerly: %s", key, _reason(exc))
+        finally:
+            for state in states:
+                cache.free_blocks(state.state.request_id)
+
+    def _probe_pool(self, call) -> None:
+        """The pool's forecast before anything is captured: the first (largest) key's step
+        once more, warm, every allocation in a pool of its own (``Backend.pool_probe``), whose
+        reserved bytes a capture reserves the same way; the smaller keys' graphs reuse its
+        blocks. The peak of allocated bytes said 113 MiB for a 130 MiB pool on the H200."""
+        device = self._device()
+        if not self._backend.probes_pools(device):
+            return
+        with self._backend.pool_probe(device) as probe, probe.route():
+            self._eager(call)
+        self.memory["estimated_pool_bytes"] = probe.bytes
+
+    # -- lazy: the lazy-capture thread's Capturer --------------------------------------------
+
+    def prepare(self) -> None:
+        """The capture stream's cuBLAS workspace, made before any capture (``_warm_stream``),
+        in a turn of its own: no step allocates meanwhile."""
+        with self.core.turns.recording(pausing=False):
+            _warm_stream(self._stream, self._device())
+
+    def capture(self, key: ServingKey, turns: Turns, pausing: bool) -> None:
+        """One key: warmed on the scratch IOs (``_warm``), recorded in its turn, giving way
+        to waiting steps at module calls when ``pausing`` (a first try; see
+        ``graphflow.engine.lazy`` for when that is safe), then instantiated beside the
+        steps. The CPU backend's capture runs the step, and leaves every tensor the step
+        writes as it found it: never beside a step."""
+        call = self._call(key)
+        self._warm(key, turns)
+        with turns.recording(pausing=pausing), contextlib.nullcontext() if self._backend.captures_graphs \
+                else _restored(self.processor):
+            graph = self._captured(key, call)
+        graph.ready()  # instantiation: beside the steps
+        held = KeyGraph(key, graph, checked=not self.verify)
+        self._mine[key] = self.graphs[key] = held
+        self.core.captured(key, checked=held.checked)
+        log.debug("captured %s", key)
+
+    def undo(self, key: ServingKey, error: BaseException, final: bool) -> CaptureError:
+        """A capture that failed (its pool replaced), or a graph its first batch rejected
+        (destroyed); either way the key's steps run eagerly until it is captured again, or
+        for good once ``final``."""
+        why = error.message if isinstance(error, CaptureError) else _reason(error)
+        held = self._mine.pop(key, None)
+        if held is not None:
+            self.graphs.pop(key, None)
+            held.graph.destroy()
+            self.pools.drop(key)
+        if not final:
+            log.info("graphflow: capturing %s failed (%s); trying again later, recorded between two steps", key, why)
+        else:
+            self.coverage.entry(key).failure = why
+            log.warning("graphflow: %s serves eagerly: %s", key, why)
+        return error if isinstance(error, CaptureError) else CaptureError(why, hint="the key is served eagerly")
+
+    def finish(self) -> None:
+        self._measured()
+
+    def _warm(self, key: ServingKey, turns: Turns) -> None:
+        """Lazy: the key's step once, eagerly, on this thread and the capture stream, before
+        its capture. Libraries keep per-thread state made at a first call: cuDNN's handle
+        and its attention plans for each shape, made inside a capture, fail the capture
+        (``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`` on the H200, for every
+        lazy capture). The run is on the scratch IOs, giving way to the steps as a
+        recording does. Decode keys (the flash-only fast path) index the cache through a
+        block table, which has no scratch block: they are not warmed."""
+        if self._scratch is None or key.path == DECODE:
+            return
+        with turns.recording(pausing=True), torch.no_grad(), torch.cuda.stream(self._stream):
+            self._call(key, self._scratch)()
+
+    # -- both --------------------------------------------------------------------------------
+
+    def _call(self, key: ServingKey, io=None):
+        """The engine's forward for ``key``, on views of its static tensors the key sizes
+        (or of ``io``'s, another IO object of the engine's class).
+
+        The views come from the engine's own ``get_model_kwargs`` on a shallow copy of its
+        IOs set to the key, so the live IOs (which a step may be filling) are not touched.
+        """
+        processor = self.processor
+        io = copy.copy(io if io is not None else processor.inputs_and_outputs)
+        io.use_block_table = key.path == DECODE
+        io.num_q_tokens = key.q
+        io.max_kv_read = 0 if io.use_block_table else key.kv
+        io.max_seqlen_k = dict(zip(io.max_seqlen_k, key.seqlens)) if key.seqlens else dict(io.max_seqlen_k)
+        batch_data = io.get_model_kwargs(use_padding=True)
+        runner = processor.model_runner
+        model = self.model
+        if runner.supports_logits_to_keep(model):
+            batch_data["logits_to_keep"] = batch_data["logits_indices"]
+        forward, _ = runner._get_forward_fn(use_block_table=io.use_block_table)
+        return functools.partial(forward, model, batch_data, *io.get_cb_kwargs())
+
+    def _eager(self, call) -> None:
+        """``call`` on the engine's compute stream, without autograd (as the engine's steps run)."""
+        with torch.no_grad(), compute_stream(self.processor):
+            call()
+
+    def replay(self, held: KeyGraph) -> None:
+        with compute_stream(self.processor):
+            held.graph.replay()
+
+    def _captured(self, key: ServingKey, call):
+        """``call`` captured into the current pool, without autograd (as the engine's steps
+        run: with autograd on, the KV cache written in place would keep every capture's
+        activations alive). A capture that fails may leave its pool unusable for another
+        capture: the next ones go to a new pool (``PoolSet.failed``)."""
+        try:
+            with torch.no_grad():
+                graph = self._backend.capture([call], call, self._stream, self.pools.current)
+        except BaseException:
+            self.pools.failed()
+            raise
+        self.pools.holds(key)
+        return graph
+
+    def _measured(self) -> None:
+        self.all_captured_s = time.perf_counter() - self.started
+        self.memory["pool_bytes"] = self.pools.nbytes()
+
+    def _device(self) -> torch.device:
+        return self.processor.inputs_and_outputs.device
+
+    def destroy_all(self) -> None:
+        for held in self._mine.values():
+            held.graph.destroy()
+        self._mine.clear()
+        self.graphs.clear()
+
+
+def _warmup_batch(processor, key: ServingKey) -> list:
+    """Fake requests for a batch of ``key`` (the engine's own warmup states), their blocks
+    allocated in the cache. The batch is padded to the key whatever it holds, so its
+    shapes are the key's: one request of as many query tokens, reading as much of the
+    cache as one request may (a sliding window's worth at most) and the cache has room for."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+    from transformers.generation.continuous_batching.utils import create_warmup_future_states
+
+    cache = processor.cache
+    if key.path == DECODE:
+        return create_warmup_future_states(key.q, RequestStatus.DECODING, 1, cache.block_size, cache)
+    limit = getattr(processor.scheduler, "read_cache_limit", None)
+    kv = min(key.kv, cache.num_pages - key.q, (limit - 1) if limit else key.kv)
+    while True:
+        states = create_warmup_future_states(1, RequestStatus.PREFILLING, key.q, max(kv, 0), cache)
+        if states or kv <= 0:
+            return states
+        kv //= 2
+
+
+def _scratch_io(processor):
+    """The engine's IO tensors once more, of the same sizes, holding no batch: every
+    index points at the cache's trash blocks (padding reads the zeroed one and writes the
+    one nothing reads). A warm run on them writes these tensors and that write-only block,
+    never what the engine's steps use, so it may run beside them. Token ids, positions and
+    masks are zeros, not what the memory held: a token id out of range would fail on the
+    device."""
+    io = processor.inputs_and_outputs
+    scratch = type(io)(cache=processor.cache, config=io.config, continuous_batching_config=processor.cb_config,
+                       device=io.device, model_dtype=io.model_dtype, logit_processor=processor.logit_processor)
+    scratch.input_ids.zero_()
+    scratch.position_ids.zero_()
+    for mask in (scratch.attention_mask or {}).values():
+        mask.zero_()
+    return scratch
+
+
+def eager_then_replay(processor, eager, replay, outputs) -> tuple[list, list] | None:
+    """The engine's eager step, then a graph's replay from the same start: None if
+    ``outputs()`` held the same after both, else the first row of each (replayed, eager).
+    Either way ``outputs()`` and the KV slots the step writes are left as the eager step
+    left them: the slots are put back before the replay (``_Written``) and the eager
+    step's after it.
+
+    All of it on the engine's compute stream, where its steps write the outputs and the
+    cache, and the comparison on the host waits for all of it. Run on the caller's
+    stream, the copies could read the outputs before the step wrote them, and the slots'
+    index, freed there while its last write still waited on the compute stream, was
+    handed to the next allocation and overwritten: an out-of-bounds ``index_copy_`` on
+    the H200, and every later CUDA call failed."""
+    with compute_stream(processor):
+        written = _Written(processor)
+        start = written.read()
+        eager()
+        expected = outputs().clone()
+        after = written.read()
+        written.write(start)
+        replay()
+        got = outputs().clone()
+        written.write(after)
+        if torch.equal(got, expected):
+            return None
+        outputs().copy_(expected)
+        return got[0].tolist(), expected[0].tolist()
+
+
+def compute_stream(processor):
+    """The engine's compute stream, where its steps run, as the current stream (no stream on the CPU)."""
+    stream = processor.inputs_and_outputs.compute_stream
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+class _Written:
+    """The KV cache slots the batch in the IOs writes, every layer: read before a step and
+    written back, so that a second run of the step starts where the first did. Made and
+    used on the stream the steps run on (``eager_then_replay``'s), so that its tensors are
+    that stream's: freed there, no other stream's allocation takes them while a write
+    waits.
+
+    A step is not idempotent: a sliding-window layer reads the old KV before it writes the
+    new (``PagedAttentionCache.update``), and a chunk longer than the window writes over
+    slots that same chunk reads. Run twice, the second run reads what the first wrote and
+    computes other KV, and other tokens (on a 40-token prompt with a window of 8: a good
+    graph failed, or a live request's cache left with the second run's KV and later tokens
+    wrong). The decode fast path writes through a block table, not these indices: flash's
+    KV-cache kernel writes the new KV and then reads, so a second run reads what the first
+    did; nothing is kept for it."""
+
+    def __init__(self, processor) -> None:
+        io, cache = processor.inputs_and_outputs, processor.cache
+        self._tensors = (*cache.key_cache, *cache.value_cache)
+        # Every group's indices index every layer tensor (the groups share them); padding
+        # rows point at the write-only trash slot. A copy: the live indices change with the
+        # next batch.
+        self._index = None if io.use_block_table else \
+            io.write_index_storage[:, :io.num_q_tokens].reshape(-1).to(torch.long, copy=True)
+
+    def read(self) -> tuple[torch.Tensor, ...]:
+        if self._index is None:
+            return ()
+        return tuple(t.index_select(0, self._index) for t in self._tensors)
+
+    def write(self, rows: tuple[torch.Tensor, ...]) -> None:
+        for tensor, saved in zip(self._tensors, rows):
+            tensor.index_copy_(0, self._index, saved)
+
+
+def _warm_stream(stream, device: torch.device) -> None:
+    """One matmul on the capture stream before its first capture: cuBLAS makes the
+    stream's workspace at its first call there, which must not be inside a capture. Made
+    inside, the workspace (32 MiB on the H200) is allocated from the graph pool and kept
+    by cuBLAS for good: foreground pools read 130 MiB for a forecast and a lazy pool of 98."""
+    if device.type != "cuda":
+        return
+    with torch.cuda.stream(stream):
+        a = torch.ones(8, 8, device=device, dtype=torch.bfloat16)
+        (a @ a).sum()
+    stream.synchronize()
+
+
+class _restored:
+    """The CPU backend's capture runs the step on whatever the engine's tensors hold: they
+    are put back as they were after it (outputs, inputs and the KV cache)."""
+
+    def __init__(self, processor) -> None:
+        io, cache = processor.inputs_and_outputs, processor.cache
+        self._io = io
+        self._tensors = [io._bulk_input_tensor, io.output_ids, io.write_index_storage, io.read_index_storage,
+                         *(io.attention_mask or {}).values(), *cache.key_cache, *cache.value_cache]
+
+    def __enter__(self) -> None:
+        self._saved = [t.clone() for t in self._tensors]
+        # Indices and masks of no batch (every row padding), as after the engine's own reset,
+        # so the step reads only within the cache; on a copy, the engine's sizes untouched.
+        blank = copy.copy(self._io)
+        blank.max_seqlen_k, blank.total_seqlen_k = dict(blank.max_seqlen_k), dict(blank.total_seqlen_k)
+        blank._reset_static_tensors(full_reset=True)
+
+    def __exit__(self, *exc_info) -> None:
+        for tensor, saved in zip(self._tensors, self._saved):
+            tensor.copy_(saved)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**20:.1f} MiB"
