@@ -57,15 +57,24 @@ class TestModes:
         assert planned({"max_num_seqs": 8, "optimization_level": "-O1"}).cudagraph_mode == "PIECEWISE"
         assert planned({"max_num_seqs": 8, "optimization_level": 3}).cudagraph_mode == "FULL_AND_PIECEWISE"
 
-    def test_drafter_graphs_are_named_as_not_predicted(self):
-        def notes(**inputs):
+    def test_eagle_drafter_graphs_are_predicted_and_the_others_named_unknown(self):
+        def drafter(**inputs):
             plan = planned({"max_num_seqs": 8, "num_speculative_tokens": 2, **inputs})
-            return [u for u in plan.unknowns if u.startswith("not predicted: drafter graphs")]
+            return plan.family("drafter"), [u for u in plan.unknowns if u.startswith("not predicted: drafter graphs")]
 
-        assert len(notes(speculative_method="eagle")) == 1
-        assert notes(speculative_method="ngram") == []
+        graphs, notes = drafter(speculative_method="eagle")
+        assert notes == [] and {d.mode for d in graphs} == {Mode.PIECEWISE, Mode.FULL}
+        assert {d.uniform_query_len for d in graphs if d.mode is Mode.FULL} == {1, 3}  # draft decodes, draft prefill
+        graphs, notes = drafter(speculative_method="eagle", num_speculative_tokens=1)
+        assert {d.uniform_query_len for d in graphs if d.mode is Mode.FULL} == {2}  # one step: no draft decode graph
+        graphs, notes = drafter(speculative_method="mtp")
+        assert graphs == () and len(notes) == 1 and "from the draft model's config" in notes[0]
+        assert drafter(speculative_method="ngram") == ((), [])
+        assert drafter(speculative_method="draft_model") == ((), [])  # V2's draft-model speculator captures none
         # V1 runs the drafter with graphs only inside the target's PIECEWISE captures
-        assert notes(speculative_method="eagle", cudagraph_mode="FULL", runner="v1") == []
+        assert drafter(speculative_method="eagle", cudagraph_mode="FULL", runner="v1") == ((), [])
+        graphs, notes = drafter(speculative_method="draft_model", runner="v1")
+        assert notes == [] and graphs and {d.mode for d in graphs} == {Mode.PIECEWISE}
 
     def test_without_vllm_compile_the_piecewise_half_is_dropped(self):
         assert planned({"max_num_seqs": 8, "compilation_mode": 0}).cudagraph_mode == "FULL_DECODE_ONLY"

@@ -8,9 +8,10 @@ graphflow's findings; ``--json`` prints the same as one document. Exit status: 0
 1 the plugin would refuse this capture, 2 vLLM is not importable here or rejects the
 arguments, or a setting or file cannot be read.
 
-The command line sits below the integrations in graphflow's layers: this module only
-declares the command, and imports the integration that does its work when it runs (one
-of the two upward imports tests/test_architecture.py allows, by name).
+The command line sits above the integrations in graphflow's layers: this module declares
+the command, imports the integration that does its work only when it runs (so other
+commands load none of it), and turns the integration's ``CheckError`` into the command's
+one line and exit status 2 (the integration does not import the command line).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def register(subparsers) -> None:
         "check", help="print the graphs vLLM will capture, what that cannot know, and the plugin's settings",
         description=__doc__.split("\n\n", 2)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="graphflow vllm check [--json] [--hf-config PATH] [--attention-support S] [--device-capability N] "
-              "-- MODEL [vllm serve options]")
+              "[--gpu-memory-gib G] -- MODEL [vllm serve options]")
     check.add_argument("--json", action="store_true", help="print one JSON document")
     check.add_argument("--hf-config", metavar="PATH",
                        help="the model's Hugging Face config.json (or a directory holding one): layers, experts, "
@@ -39,6 +40,9 @@ def register(subparsers) -> None:
                             "UNIFORM_SINGLE_TOKEN_DECODE, UNIFORM_BATCH or ALWAYS (default: assumed ALWAYS)")
     check.add_argument("--device-capability", type=int, default=90, metavar="N",
                        help="the GPU's compute capability as vLLM writes it (90 Hopper, 100 Blackwell; default 90)")
+    check.add_argument("--gpu-memory-gib", type=float, default=80, metavar="G",
+                       help="one GPU's memory in GiB, from which vllm serve picks max_num_batched_tokens and "
+                            "max_num_seqs when the line leaves them out (default 80, an H100; 141 H200, 180 B200)")
     check.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_ARGS",
                        help="the arguments of 'vllm serve', after '--'")
     check.set_defaults(func=run_check)
@@ -46,5 +50,9 @@ def register(subparsers) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     import graphflow.integrations.vllm.check as check
+    from graphflow.cli import CommandError
 
-    return check.run(args)
+    try:
+        return check.run(args)
+    except check.CheckError as error:
+        raise CommandError(str(error)) from error

@@ -60,3 +60,26 @@ def test_steps_served_while_the_thread_captures_equal_the_models_own_step(full):
         assert all(r.bit_exact for r in engine.background.verified)
     finally:
         engine.close()
+
+
+def test_a_lazy_run_on_the_gpu_leaves_the_callers_frozen_heap_frozen():
+    """A server freezes its heap after start-up (vLLM does); a lazy run once left every
+    object of the process unfrozen (205,272 before it, 0 after, on the GPU too)."""
+    import gc
+
+    heap = [{"server": "state"}]
+    gc.freeze()
+    try:
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cuda", lazy=True),
+                              model=build_toy(2, device="cuda"))
+        try:
+            runner = Runner(engine)
+            runner.run(torch.randn(3, 32, device="cuda"))
+            assert engine.background.wait(60) and engine.background.failures == {}
+            runner.run(torch.randn(3, 32, device="cuda"))  # its first batch: the check
+        finally:
+            engine.close()
+        assert not any(o is heap for o in gc.get_objects()), "the caller's frozen heap was unfrozen"
+        assert torch.is_grad_enabled()
+    finally:
+        gc.unfreeze()

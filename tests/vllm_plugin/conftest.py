@@ -84,6 +84,37 @@ def vllm_output(monkeypatch):
 
 
 @pytest.fixture
+def vllm_logging_later(monkeypatch, capsys):
+    """This process as vLLM's CLI starts it: vLLM's logging not set up yet (``vllm serve``
+    loads general plugins while it builds its parser, then sets logging up from the parsed
+    arguments). Yields that set-up, ``configure_logging_from_args`` at INFO, which returns
+    what vLLM's handler wrote to stdout, its default stream; undone after."""
+    import logging
+    import types
+
+    import vllm.logger
+    from vllm.config.logging import LoggingConfig
+
+    vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "handlers", [])
+    for name in ("propagate", "level"):
+        monkeypatch.setattr(vllm_logger, name, getattr(vllm_logger, name))
+    monkeypatch.setattr(vllm.logger, "_last_configured_logging_config", None)
+    factory = logging.getLogRecordFactory()
+
+    def configure() -> str:
+        capsys.readouterr()
+        config = LoggingConfig(log_level="INFO", configure_logging=True, pylogging_config_file=None)
+        vllm.logger.configure_logging_from_args(types.SimpleNamespace(logging_config=config))
+        logging.getLogger("vllm.entrypoints.cli.main").info("vLLM's first line after its logging set-up")
+        return capsys.readouterr().out
+
+    yield configure
+    logging.setLogRecordFactory(factory)
+    logging.getLogger("vllm.graphflow").manager._clear_cache()
+
+
+@pytest.fixture
 def plugin_log(caplog, vllm_output):
     """caplog under vLLM's logging: pytest hands its handler to the loggers that do not
     propagate (vLLM's, and so the plugin's, a child of it) when the test starts."""

@@ -53,6 +53,9 @@ CASES = [
     ("spec-3-seqs-64", dict(max_num_seqs=64, max_num_batched_tokens=8192,
                             speculative_config={**NGRAM, "num_speculative_tokens": 3}),
      {"num_speculative_tokens": 3}, "ALWAYS"),
+    ("spec-3-seqs-300", dict(max_num_seqs=300, max_num_batched_tokens=8192,
+                             speculative_config={**NGRAM, "num_speculative_tokens": 3}),
+     {"num_speculative_tokens": 3}, "ALWAYS"),
     ("spec-1-sizes", dict(max_num_seqs=16, max_num_batched_tokens=2048,
                           speculative_config={**NGRAM, "num_speculative_tokens": 1},
                           compilation_config={"cudagraph_capture_sizes": [1, 2, 3, 5, 8, 13]}),
@@ -90,13 +93,16 @@ def resolved_engine(config, runner: str, support: str, *, drafter: bool = False)
     """What a worker holds after resolving the config: V1's dispatcher or V2's graph manager.
 
     ``drafter`` gives V1 an EAGLE drafter's dispatcher, its keys set by vLLM's own
-    ``EagleProposer.initialize_cudagraph_keys`` (the proposer's model is not needed).
+    ``EagleProposer.initialize_cudagraph_keys``, and V2 an EAGLE speculator's graph
+    managers, made by vLLM's own ``EagleSpeculator.init_cudagraph_manager`` (neither needs
+    the drafter's model).
     """
     import torch
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.spec_decode.eagle import EagleProposer
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 
     config = copy.deepcopy(config)
     mode = config.compilation_config.resolve_cudagraph_mode_and_sizes(
@@ -112,7 +118,12 @@ def resolved_engine(config, runner: str, support: str, *, drafter: bool = False)
         return types.SimpleNamespace(vllm_config=config, cudagraph_dispatcher=dispatcher, drafter=proposer,
                                      encoder_cudagraph_manager=None, device=torch.device("cuda:0"))
     manager = CudaGraphManager(config, torch.device("cuda:0"), mode, config.uniform_decode_query_len)
-    return types.SimpleNamespace(vllm_config=config, cudagraph_manager=manager, speculator=None, model_state=None,
+    speculator = None
+    if drafter:
+        speculator = types.SimpleNamespace(vllm_config=config, device=torch.device("cuda:0"),
+                                           num_speculative_steps=config.num_speculative_tokens)
+        EagleSpeculator.init_cudagraph_manager(speculator, mode)
+    return types.SimpleNamespace(vllm_config=config, cudagraph_manager=manager, speculator=speculator, model_state=None,
                                  device=torch.device("cuda:0"))
 
 
@@ -225,15 +236,34 @@ def test_v1_captures_drafter_graphs_only_inside_the_targets_piecewise_captures(v
     assert plan.plan.capture.modes[0].value == "PIECEWISE"
 
 
-def test_a_prediction_says_it_does_not_predict_drafter_graphs(configs):
-    eagle = {"max_num_seqs": 300, "max_num_batched_tokens": 8192, "num_speculative_tokens": 4,
-             "speculative_method": "eagle"}
-    notes = [u for u in plan_from_vllm_config(eagle, model_plan=MODEL_PLAN, runner="v2").unknowns
+SPECULATIVE = [c[0] for c in CASES if c[0].startswith("spec-")]
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_an_eagle_drafters_graphs_are_predicted_as_vllm_makes_them(vllm_world, configs, runner, name):
+    """V1: PIECEWISE at the target's PIECEWISE sizes; V2: the draft prefill's graphs as the
+    target's, and with more than one step the draft decodes', FULL at query length 1."""
+    _, engine_kwargs, extra, support = next(c for c in CASES if c[0] == name)
+    truth = keys(plan_from_engine(resolved_engine(configs[name], runner, support, drafter=True)).family("drafter"))
+    predicted = plan_from_vllm_config({**inputs(engine_kwargs, extra), "speculative_method": "eagle"},
+                                      model_plan=MODEL_PLAN, runner=runner, attention_support=support)
+    assert keys(predicted.family("drafter")) == truth and not any("drafter" in u for u in predicted.unknowns)
+    if runner == "v2" and name == "spec-3-seqs-300":  # graphflow vllm check's eagle example
+        assert predicted.counts() == {("target", "PIECEWISE"): 51, ("target", "FULL"): 49,
+                                      ("drafter", "PIECEWISE"): 51, ("drafter", "FULL"): 86}
+
+
+def test_a_prediction_says_which_drafters_it_cannot_predict(configs):
+    mtp = {"max_num_seqs": 300, "max_num_batched_tokens": 8192, "num_speculative_tokens": 4,
+           "speculative_method": "deepseek_mtp"}
+    notes = [u for u in plan_from_vllm_config(mtp, model_plan=MODEL_PLAN, runner="v2").unknowns
              if u.startswith("not predicted: drafter graphs")]
-    assert len(notes) == 1 and "eagle with 4 speculative tokens" in notes[0] and "number unknown" in notes[0]
+    assert len(notes) == 1 and "deepseek_mtp with 4 speculative tokens" in notes[0] and "number unknown" in notes[0]
+    assert "vLLM picks the MTP drafter" in notes[0]
     # V1 runs the drafter with graphs only inside PIECEWISE target captures: under FULL it knows there are none
-    v1_full = plan_from_vllm_config({**eagle, "cudagraph_mode": "FULL"}, model_plan=MODEL_PLAN, runner="v1")
-    assert not any("drafter" in u for u in v1_full.unknowns)
+    v1_full = plan_from_vllm_config({**mtp, "cudagraph_mode": "FULL"}, model_plan=MODEL_PLAN, runner="v1")
+    assert not any("drafter" in u for u in v1_full.unknowns) and not v1_full.family("drafter")
     # n-gram proposals run no model, so no drafter graph
     assert not any("not predicted: drafter" in u for u in
                    plan_from_vllm_config(configs["spec-2"], model_plan=MODEL_PLAN, attention_support="ALWAYS").unknowns)

@@ -15,10 +15,11 @@ def hooked():
     from vllm.distributed.device_communicators.custom_all_reduce import CustomAllreduce
     from vllm.v1.worker import gpu_model_runner as v1
     from vllm.v1.worker.gpu import cudagraph_utils, model_runner as v2
+    from vllm.v1.worker.gpu_worker import Worker
 
     return (CustomAllreduce.__dict__["custom_all_reduce"], v1.GPUModelRunner.__dict__["capture_model"],
             v1.GPUModelRunner.__dict__["profile_cudagraph_memory"], v2.GPUModelRunner.__dict__["capture_model"],
-            cudagraph_utils.CudaGraphManager.__dict__["capture"])
+            cudagraph_utils.CudaGraphManager.__dict__["capture"], Worker.__dict__["shutdown"])
 
 
 @pytest.fixture

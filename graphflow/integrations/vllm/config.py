@@ -28,10 +28,17 @@
    FULL capture different sizes. With the default FULL_AND_PIECEWISE at 256 sequences:
    51 PIECEWISE and 35 FULL graphs.
 
+6. **The drafter** (``speculative_method``): V1 runs every model-running drafter with
+   graphs only inside the target's PIECEWISE captures, PIECEWISE at the same sizes; V2's
+   EAGLE speculator captures its draft prefill as the target (mode, sizes, query length)
+   and, with more than one step and FULL target decode graphs, its draft decodes FULL at
+   query length 1; V2's draft-model and hidden-state speculators, and proposers that run
+   no model, capture none.
+
 A post-init ``VllmConfig`` has applied rules 1 and 2 already (all but V1's stock
-``torch.compile``, which this function applies to it); only 3 to 5 are left.
-Only the target family is predicted: the drafter's graphs (EAGLE, MTP, draft models)
-depend on the speculator vLLM builds. Dynamic speculative decoding
+``torch.compile``, which this function applies to it); only 3 to 6 are left.
+A drafter vLLM picks from the draft model's config (V2's MTP and DFlash variants) or from
+code it loads (a custom proposer) is not predicted. Dynamic speculative decoding
 (``num_speculative_tokens_per_batch_size``) is not modelled either: V2 lists the
 target's decode graphs once per draft width, and its drafter's ``capture`` rewrites the
 decode list while capturing, once per width. Those, and run-time downgrades this function cannot see,
@@ -80,7 +87,26 @@ _RUNTIME_UNKNOWNS = (
     "models without a compiled or breakable piecewise path change the graphs at run time",
 )
 #: ``speculative_config.method``s whose proposer runs no model, so captures no drafter graph.
-_MODEL_FREE_METHODS = frozenset({"ngram", "suffix"})
+_MODEL_FREE_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
+#: Model runner V1: the methods whose drafter ``GPUModelRunner._dummy_run`` runs with graphs
+#: inside the target's PIECEWISE captures (``use_eagle``, ``uses_draft_model``,
+#: ``uses_extract_hidden_states``), keyed PIECEWISE at the target's sizes by the drafter's
+#: ``initialize_cudagraph_keys``. MTP model types (``deepseek_mtp``...) are read as ``mtp``.
+_V1_GRAPH_DRAFTERS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark", "draft_model", "extract_hidden_states"})
+#: Model runner V2 (``init_speculator``): EAGLE's ``EagleSpeculator`` keeps the managers
+#: ``TargetDependentARSpeculator.init_cudagraph_manager`` makes: the draft prefill's, of the
+#: target's mode, sizes and query length, and the draft decodes', FULL at query length 1
+#: when the target's decode graphs are FULL, captured only with more than one step.
+_V2_EAGLE = frozenset({"eagle", "eagle3"})
+#: V2 speculators that capture no graph (their ``init_cudagraph_manager`` makes none).
+_V2_NO_GRAPHS = frozenset({"draft_model", "extract_hidden_states"})
+#: Why a drafter's graphs cannot be predicted from the settings, per method (V2, and V1's custom class).
+_UNKNOWN = {
+    "mtp": "vLLM picks the MTP drafter (one module, several modules, Gemma 4's) from the draft model's config",
+    "dflash": "vLLM picks the DFlash drafter (DFlash, DFlash2, XPress, LiLiCorr) from the draft model's architectures",
+    "dspark": "DSpark's drafter keeps graph managers of its own, not modelled here",
+    "custom_class": "a custom proposer class captures what it chooses",
+}
 
 
 def plan_from_vllm_config(
@@ -107,7 +133,8 @@ def plan_from_vllm_config(
     ``ATTENTION_SUPPORT`` when known.
 
     The returned plan's ``capture`` gives each mode the target family's sizes; its
-    ``descriptors`` are vLLM's full keys. Raises PlanError for a config vLLM refuses.
+    ``descriptors`` are vLLM's full keys, the drafter's too where they follow from the
+    settings. Raises PlanError for a config vLLM refuses.
     """
     settings = _Inputs.read(config, inputs)
     if runner is None:
@@ -128,18 +155,19 @@ def plan_from_vllm_config(
     else:
         mode, sizes = (settings.mode, settings.sizes) if settings.resolved else settings.resolve()
     mode = _resolve_at_run_time(mode, str(attention_support).upper(), settings)
-    # V1 captures drafter graphs only inside the target's PIECEWISE captures (GPUModelRunner._dummy_run)
-    drafting = _ROUTINES[mode][1] == "PIECEWISE" or (runner == "v2" and mode != "NONE")
-    if drafting and settings.num_speculative_tokens and settings.speculative_method not in _MODEL_FREE_METHODS:
-        unknowns.append(f"not predicted: drafter graphs ({settings.speculative_method or 'speculative decoding'} "
-                        f"with {settings.num_speculative_tokens} speculative tokens), number unknown: they follow "
-                        "the speculator vLLM builds; plan_from_engine reads them")
-    if settings.speculative_schedule and settings.num_speculative_tokens and mode != "NONE":
+    dynamic = bool(settings.speculative_schedule and settings.num_speculative_tokens and mode != "NONE")
+    if dynamic:
         unknowns.append(_dynamic_unknown(settings))
     q = settings.q
     if mode != "NONE" and runner == "v1" and _ROUTINES[mode][0] == "FULL" and q > 1:
         sizes = _round_for_speculation(sizes, q)
     descriptors = _descriptors(mode, sizes, settings, runner)
+    drafter, why = _drafter(mode, sizes, settings, runner, descriptors, dynamic)
+    if why:
+        unknowns.append(f"not predicted: drafter graphs ({settings.speculative_method or 'speculative decoding'} "
+                        f"with {settings.num_speculative_tokens} speculative tokens), number unknown: {why}; "
+                        "plan_from_engine reads them")
+    descriptors = capture_order((*descriptors, *drafter))
     modes = sizes_by_mode(descriptors)
     capture = attrs.evolve(model_plan.capture, modes=tuple(modes), sizes=(), mode_sizes=modes) if modes else \
         attrs.evolve(model_plan.capture, modes=(), sizes=(), mode_sizes={})
@@ -365,12 +393,44 @@ def _round_for_speculation(sizes: Sequence[int], q: int) -> tuple[int, ...]:
     return tuple(rounded)
 
 
-def _descriptors(mode: str, sizes: Sequence[int], settings: _Inputs, runner: str) -> tuple[VllmDescriptor, ...]:
-    """The target family's keys: V1's ``CudagraphDispatcher`` or V2's ``CudaGraphManager``."""
+def _drafter(mode: str, sizes: Sequence[int], settings: _Inputs, runner: str, target: Sequence[VllmDescriptor],
+             dynamic: bool) -> tuple[tuple[VllmDescriptor, ...], str | None]:
+    """The drafter's graphs, or why they cannot be known from the settings (then none).
+
+    V1 runs the drafter with graphs only inside the target's PIECEWISE captures
+    (``GPUModelRunner._dummy_run``), at the drafter's key for each size: the same sizes. V2
+    builds a speculator per method (``init_speculator``); EAGLE's graphs follow the
+    settings, and some speculators capture none (``_V2_NO_GRAPHS``)."""
+    method = settings.speculative_method
+    method = "mtp" if method.endswith("mtp") else method
+    if mode == "NONE" or not settings.num_speculative_tokens or method in _MODEL_FREE_METHODS:
+        return (), None
+    if dynamic:
+        return (), "dynamic speculative decoding, above"
+    if not method:
+        return (), "the speculative method is not given"
+    if runner == "v1":
+        if method not in _V1_GRAPH_DRAFTERS:
+            return (), _UNKNOWN.get(method, f"method {method!r} is not modelled")
+        return tuple(attrs.evolve(d, family="drafter") for d in target if d.mode is Mode.PIECEWISE), None
+    if method in _V2_NO_GRAPHS:
+        return (), None
+    if method not in _V2_EAGLE:
+        return (), _UNKNOWN.get(method, f"method {method!r} is not modelled")
+    prefill = _descriptors(mode, sizes, settings, runner, family="drafter")
+    if settings.num_speculative_tokens == 1 or _ROUTINES[mode][0] != "FULL":
+        return prefill, None
+    return (*prefill, *_descriptors("FULL_DECODE_ONLY", sizes, settings, runner, family="drafter", q=1)), None
+
+
+def _descriptors(mode: str, sizes: Sequence[int], settings: _Inputs, runner: str, *, family: str = "target",
+                 q: int | None = None) -> tuple[VllmDescriptor, ...]:
+    """One family's keys, ``q`` query tokens per decode request (default: the target's):
+    V1's ``CudagraphDispatcher`` or V2's ``CudaGraphManager``."""
     if mode == "NONE" or not sizes:
         return ()
     decode, mixed = _ROUTINES[mode]
-    q = settings.q
+    q = settings.q if q is None else q
     separate = mode in _SEPARATE
     if decode == "FULL" and settings.max_num_seqs is None:
         raise PlanError(f"cudagraph_mode {mode} fixes the request count of FULL graphs (and caps decode graphs at "
@@ -379,18 +439,18 @@ def _descriptors(mode: str, sizes: Sequence[int], settings: _Inputs, runner: str
     found: dict[VllmDescriptor, None] = {}
     for size in sorted(sizes):
         if mixed == "PIECEWISE":
-            found[VllmDescriptor("target", Mode.PIECEWISE, size)] = None
+            found[VllmDescriptor(family, Mode.PIECEWISE, size)] = None
         elif mixed == "FULL":
-            found[VllmDescriptor("target", Mode.FULL, size, num_reqs=min(size, seqs))] = None
+            found[VllmDescriptor(family, Mode.FULL, size, num_reqs=min(size, seqs))] = None
         if not (separate and decode == "FULL"):
             continue
         if runner == "v1":
             if q <= size <= q * seqs:
-                found[VllmDescriptor("target", Mode.FULL, size, min(size // q, seqs), q)] = None
+                found[VllmDescriptor(family, Mode.FULL, size, min(size // q, seqs), q)] = None
         else:
             tokens = -(-size // q) * q
             if tokens <= q * seqs and tokens <= max(sizes) and tokens // q <= seqs:
-                found[VllmDescriptor("target", Mode.FULL, tokens, tokens // q, q)] = None
+                found[VllmDescriptor(family, Mode.FULL, tokens, tokens // q, q)] = None
     return capture_order(found)
 
 

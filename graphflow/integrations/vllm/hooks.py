@@ -14,7 +14,9 @@ moved one does: ``register`` logs it and leaves vLLM running without the plugin)
   ``create_forward_fn``: descriptor, phase, family);
 * the vision encoder's ``EncoderCudaGraphManager._capture_budget_graph`` (family
   ``encoder``);
-* ``CustomAllreduce.custom_all_reduce`` (``graphflow.integrations.vllm.allreduce``).
+* ``CustomAllreduce.custom_all_reduce`` (``graphflow.integrations.vllm.allreduce``);
+* the GPU worker's ``shutdown`` (``vllm.v1.worker.gpu_worker.Worker``): vLLM's own end of
+  an engine's worker, after which the plugin closes its trace (``Plugin.close_trace``).
 
 ``Patches`` applies them and undoes them exactly (the original attribute of each owner,
 or its absence). ``transaction_for(runner)`` lists what capture changes in vLLM's state.
@@ -69,6 +71,7 @@ def install_hooks(patches: Patches, plugin: Any) -> None:
     from vllm.v1.worker.encoder_cudagraph import EncoderCudaGraphManager
     from vllm.v1.worker.gpu import cudagraph_utils as v2_graphs
     from vllm.v1.worker.gpu import model_runner as v2
+    from vllm.v1.worker.gpu_worker import Worker
 
     from graphflow.integrations.vllm.allreduce import traced_custom_all_reduce
 
@@ -81,6 +84,7 @@ def install_hooks(patches: Patches, plugin: Any) -> None:
     patches.replace(v2.GPUModelRunner, "capture_model", lambda f: _session(plugin, f, "capture"))
     patches.replace(v2_graphs.CudaGraphManager, "capture", lambda f: _v2_manager(plugin, f))
     patches.replace(EncoderCudaGraphManager, "_capture_budget_graph", lambda f: _encoder_budget(plugin, f))
+    patches.replace(Worker, "shutdown", lambda f: _closing_trace(plugin, f))
 
 
 def _proposers() -> Iterator[type]:
@@ -147,6 +151,17 @@ def _family(plugin: Any, original: Callable, family: str) -> Callable:
             return original(self, *args, **kwargs)
 
     return run
+
+
+def _closing_trace(plugin: Any, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def shutdown(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            plugin.close_trace()
+
+    return shutdown
 
 
 def _v2_manager(plugin: Any, original: Callable) -> Callable:

@@ -33,10 +33,13 @@ through vLLM's: ``logs.py``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import itertools
 import json
+import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,7 +48,7 @@ from graphflow.errors import CaptureError, DivergenceError, PlanError
 from graphflow.integrations.vllm.descriptors import VllmDescriptor, VllmPlan
 from graphflow.integrations.vllm.group import EngineGroup, engine_group
 from graphflow.integrations.vllm.session import CaptureSession
-from graphflow.integrations.vllm.logs import log
+from graphflow.integrations.vllm.logs import forget_startup, log, release, startup
 from graphflow.integrations.vllm.settings import ANY_VERSION_ENV, PREFIX, RAY_PREFIXES_ENV, PluginSettings, \
     SettingsError, carry_to_ray_workers
 from graphflow.dist.trace import TraceLog, Tracer
@@ -74,8 +77,11 @@ def register() -> None:
 
     Never raises for a bad setting, another vLLM version or a hook it cannot install: vLLM
     calls it unguarded in every process, so raising would stop the engine; each logs one
-    line instead and the plugin stays off. Idempotent per process: a second call (vLLM
-    calls it in the engine core and again in each worker it forks) changes nothing.
+    line instead and the plugin stays off, having changed nothing (not even the Ray
+    variable, which only a plugin that is on needs). Idempotent per process: a second call
+    (vLLM calls it in the engine core and again in each worker it forks) changes nothing.
+    Its lines are start-up lines (``logs.startup``): vLLM loads general plugins before it
+    sets its logging up, so they are logged with vLLM's first lines, once per process.
     """
     global _PLUGIN
     if _PLUGIN is not None:
@@ -83,39 +89,41 @@ def register() -> None:
     try:
         settings = PluginSettings.from_env()
     except SettingsError as error:
-        log.error("%s; plugin off", error)
+        startup(logging.ERROR, "%s; plugin off", error)
         return
     if not settings.enabled:
         return
-    if carry_to_ray_workers():
-        log.info("added %s to %s: the Ray actors vLLM starts from this process get the plugin's settings",
-                 PREFIX, RAY_PREFIXES_ENV)
     import vllm
 
     version = str(getattr(vllm, "__version__", "unknown"))
     if not _supported(version):
         if not settings.any_version:
-            log.warning("vLLM %s is not %s.x, the version this plugin wraps: plugin off (%s=1 tries anyway)",
-                        version, SUPPORTED_VLLM, ANY_VERSION_ENV)
+            startup(logging.WARNING, "vLLM %s is not %s.x, the version this plugin wraps: plugin off (%s=1 tries "
+                    "anyway)", version, SUPPORTED_VLLM, ANY_VERSION_ENV)
             return
-        log.warning("vLLM %s is not %s.x, the version this plugin wraps: trying anyway (%s)",
-                    version, SUPPORTED_VLLM, ANY_VERSION_ENV)
+        startup(logging.WARNING, "vLLM %s is not %s.x, the version this plugin wraps: trying anyway (%s)",
+                version, SUPPORTED_VLLM, ANY_VERSION_ENV)
     plugin = Plugin(settings)
     try:
         plugin.install()
     except Exception as error:  # an attribute another vLLM moved: vLLM runs on without the plugin
         plugin.uninstall()
-        log.error("cannot wrap vLLM %s (%s: %s): plugin off", version, type(error).__name__, error)
+        startup(logging.ERROR, "cannot wrap vLLM %s (%s: %s): plugin off", version, type(error).__name__, error)
         return
     _PLUGIN = plugin
-    log.info("vLLM plugin enabled on vLLM %s (warmup %s, on failure %s, barrier timeout %g s%s)",
-             version, _policies(settings), settings.on_failure, settings.timeout_s,
-             f", trace in {settings.trace_dir}" if settings.trace_dir else "")
+    if carry_to_ray_workers():  # the processes this one starts inherit the variable: logged here only
+        startup(logging.INFO, "added %s to %s: the Ray actors vLLM starts from this process get the plugin's "
+                "settings", PREFIX, RAY_PREFIXES_ENV, every_process=False)
+    startup(logging.INFO, "vLLM plugin enabled on vLLM %s (warmup %s, on failure %s, barrier timeout %g s%s)",
+            version, _policies(settings), settings.on_failure, settings.timeout_s,
+            f", trace in {settings.trace_dir}" if settings.trace_dir else "")
 
 
 def unregister() -> None:
-    """Undo ``register``: every wrapped vLLM attribute back as it was."""
+    """Undo ``register``: every wrapped vLLM attribute back as it was, its trace closed,
+    and its start-up lines not logged yet dropped."""
     global _PLUGIN
+    forget_startup()
     if _PLUGIN is not None:
         _PLUGIN.uninstall()
         _PLUGIN = None
@@ -146,6 +154,7 @@ class Plugin:
         self.session: CaptureSession | None = None
         self.plans: list[VllmPlan] = []
         self._log: TraceLog | None = None
+        self._trace_pid: int | None = None  # the process that opened the trace
         self._validated = False
         self._prepared: set[tuple] = set()
         self._failed_at: tuple | None = None
@@ -159,7 +168,18 @@ class Plugin:
 
     def uninstall(self) -> None:
         self.patches.undo()
-        if self._log is not None and self._log.sink is not None:
+        self.close_trace()
+        atexit.unregister(self.close_trace)
+
+    def close_trace(self) -> None:
+        """Close this process's trace file, ending one that lost events with its
+        ``trace_incomplete`` record. Under vLLM nothing unregisters the plugin, so this runs
+        when vLLM shuts its worker down (the engine ends; a forked worker then leaves
+        through ``os._exit``, which runs no exit handler) and at interpreter exit (a
+        spawned worker, a script). Closing twice is harmless, and a trace closed before a
+        later capture reopens for it. A forked child's copy of its parent's file is left
+        alone: closing it would write the parent's buffered events twice."""
+        if self._log is not None and self._log.sink is not None and self._trace_pid == os.getpid():
             self._log.sink.close()
 
     def active(self) -> Plugin | None:
@@ -170,6 +190,7 @@ class Plugin:
     def run_capture(self, runner: Any, capture: Callable[[], Any], *, profile: bool) -> Any:
         if self.session is not None:  # V2's profiling calls capture_model inside its own run
             return capture()
+        release()  # start-up lines still held (vLLM has not logged since its set-up) come before the capture's
         import torch.distributed as dist
 
         from graphflow.integrations.vllm.engine import plan_from_engine, runner_kind
@@ -254,7 +275,9 @@ class Plugin:
             store = dist.distributed_c10d._get_default_store()
         if self._log is None:
             tracer = Tracer(self.settings.trace_dir, rank) if self.settings.trace_dir else None
-            self._log = TraceLog(rank, tracer)
+            self._log, self._trace_pid = TraceLog(rank, tracer), os.getpid()
+            if tracer is not None:
+                atexit.register(self.close_trace)
         return CaptureSession(rank=rank, world=world, store=store, log=self._log, timeout_s=self.settings.timeout_s,
                               namespace=group.namespace(next(_SESSIONS)), agree_calls=self.settings.agree_calls)
 
