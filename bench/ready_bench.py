@@ -68,6 +68,7 @@ step within 2 s of the model being built and no step served while it captures sl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import pathlib
@@ -258,15 +259,7 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
                 steps.append((batch, time.perf_counter() - began))
             if check:
                 checked_at = time.perf_counter()
-                with engine.live.step():  # no phase of the thread between the reference's copies
-                    after = {n: engine.buffers.tensors[n].clone() for n in touched}
-                    for name, t in kept.items():
-                        engine.buffers.tensors[name].copy_(t)
-                    want = eager_reference(runner, batch, inputs, descriptor)
-                    for name, t in after.items():
-                        engine.buffers.tensors[name].copy_(t)
-                    exact = exact and torch.equal(got, want)
-                    del after
+                exact = exact and torch.equal(got, eager_from(runner, kept, batch, inputs, descriptor))
                 checks += 1
                 checked.add(descriptor)
                 checking_s += time.perf_counter() - checked_at
@@ -331,6 +324,22 @@ def _inputs(runner, batch, generator, device, vocab, max_len):
               "positions": torch.randint(0, max_len, (batch,), generator=generator)}
     values["positions_host"] = values["positions"].clone()
     return tuple(values[name].to(device) if name != "positions_host" else values[name] for name in runner.inputs)
+
+
+def eager_from(runner, kept: dict, batch, inputs, descriptor) -> torch.Tensor:
+    """``eager_reference`` from the buffers ``kept`` before the step served, in a step's
+    turn of its own (no phase of a lazy engine's thread between the copies); the buffers
+    the served step left are put back after."""
+    engine = runner.engine
+    tensors = engine.buffers.tensors
+    with engine.live.step() if engine.live is not None else contextlib.nullcontext():
+        after = {name: tensors[name].clone() for name in kept}
+        for name, value in kept.items():
+            tensors[name].copy_(value)
+        want = eager_reference(runner, batch, inputs, descriptor)
+        for name, value in after.items():
+            tensors[name].copy_(value)
+    return want
 
 
 def eager_reference(runner, batch, inputs, descriptor) -> torch.Tensor:

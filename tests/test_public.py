@@ -9,7 +9,9 @@ import sys
 
 import graphflow
 
-OPTIONAL_PACKAGES = {"triton", "cutlass", "vllm", "transformers"}
+#: Packages an integration imports that only its extra installs: ``cuda`` (cuda-python's
+#: bindings) and ``cutlass`` come with the cutedsl extra, which the test extra leaves out.
+OPTIONAL_PACKAGES = {"triton", "cutlass", "cuda", "vllm", "transformers"}
 
 
 def test_every_exported_name_resolves():
