@@ -48,6 +48,7 @@ from graphflow.integrations.hf.batching.keys import VARLEN, key_of
 from graphflow.integrations.hf.batching.serving import LAZY_TRIES
 from tests.serving_models import (
     WINDOW,
+    cb_config,
     build,
     fill_cache,
     hf_generate,
@@ -242,6 +243,39 @@ def test_a_batch_reading_shared_prefix_blocks_has_a_planned_key():
         io = processor.inputs_and_outputs
         assert sorted(f.state.request_id for f in io.requests_in_batch) == ["A", "B"]
         assert (io.total_seqlen_q, key_of(io).kv) == (9, 48)
+        if key_of(io) not in full_plan:
+            raise KeyMissing(f"{key_of(io)} is not in the plan")
+    finally:
+        serving.close()
+
+
+def test_a_batch_with_forked_requests_on_a_hybrid_model_has_a_planned_key():
+    """``num_return_sequences`` forks a request after its prefill: the children share the
+    parent's complete blocks (``allow_block_sharing``) even on a model whose sliding layers
+    turn prefix sharing off. A parent of 41 tokens decoding with its 2 children beside a
+    new 30-token prompt batched 32 query tokens reading 120 KV tokens of 128 pages, more
+    than a batch of unshared blocks can; the plan missed its key."""
+    from transformers import GenerationConfig
+
+    model, _ = shared("qwen2")
+    generation = GenerationConfig(max_new_tokens=2, do_sample=True, num_return_sequences=3, eos_token_id=None,
+                                  pad_token_id=0)
+    mgr = model.init_continuous_batching(generation_config=generation, continuous_batching_config=cb_config(
+        block_size=8, num_blocks=16, max_batch_tokens=64, max_requests_per_batch=6, q_padding_interval_size=8,
+        kv_padding_interval_size=8))
+    serving = serve(mgr, keys=[])  # the plan is read in full; nothing captured: quick
+    processor = mgr.batch_processor
+    assert not processor.cache.use_prefix_sharing and processor.cache.allow_block_sharing
+    full_plan = set(serving_keys(processor))
+    try:
+        mgr.current_batch = 0
+        mgr.add_request(list(range(3, 44)), request_id="A")
+        mgr._generation_loop_body(processor, bootstrapping=False)  # A's prefill, then its forks
+        mgr.add_request(list(range(50, 80)), request_id="C")
+        mgr._generation_loop_body(processor, bootstrapping=False)  # A and its children decode beside C
+        io = processor.inputs_and_outputs
+        assert sorted(f.state.request_id for f in io.requests_in_batch) == ["A", "A__child#0", "A__child#1", "C"]
+        assert (io.total_seqlen_q, key_of(io).kv) == (32, 120)
         if key_of(io) not in full_plan:
             raise KeyMissing(f"{key_of(io)} is not in the plan")
     finally:
