@@ -81,7 +81,8 @@ def register(subparsers) -> None:
                         help="the same as --detectors off")
     parser.add_argument("--lazy", action="store_true",
                         help="be ready after the first warmup, serving eagerly, and capture the descriptors in a "
-                             "background thread, each switched in once verified (one rank, no channels); "
+                             "background thread, each switched in and checked against the eager step on its first "
+                             "batch (here, once all are captured, on verify's inputs; one rank, no channels); "
                              "reports when all are live")
     parser.add_argument("--disable-check", action="append", default=[], metavar="NAME",
                         help="turn off one capture-safety check (repeat), e.g. host_sync")
