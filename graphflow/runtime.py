@@ -165,7 +165,7 @@ class Runner:
         for rows, saved in program.keeps:
             saved.copy_(rows)
         checks = self.engine.first_use
-        if checks is not None and program.descriptor in checks.unchecked:
+        if checks is not None and checks.unchecked and program.descriptor in checks.unchecked:
             # The eager step's results are served either way; a descriptor found wrong is
             # out of the engine's programs, and the batches it served go elsewhere now.
             if not checks.check(program.descriptor, program.calls) and live is None:

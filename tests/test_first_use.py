@@ -7,6 +7,7 @@ value does (tests/cuda/test_cuda_first_use.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from graphflow.engine import RunOptions, run_pipeline
@@ -118,3 +119,22 @@ def test_graphflow_run_says_how_many_were_checked_before_ready_and_how_many_wait
     document = json.loads(capsys.readouterr().out)
     assert document["checks"] == {"before_ready": 5, "on_first_use": 0, "waiting": 5, "failed": 0}
     assert [d["size"] for d in document["descriptors"] if d["verify"] is None] == [9, 7, 5, 4, 2]
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_closed_engine_holds_no_model_through_its_checks(lazy):
+    """The checks keep the model's callables; closing lets go of them, so a caller that
+    still holds the engine holds no model."""
+    import gc
+    import weakref
+
+    model = build_toy(2)
+    alive = weakref.ref(model)
+    engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=lazy), model=model)
+    if lazy:
+        assert engine.background.wait(60)
+    Runner(engine).run(torch.randn(3, 32))
+    engine.close()
+    del model
+    gc.collect()
+    assert alive() is None and engine.first_use.unchecked == set()

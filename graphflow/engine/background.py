@@ -93,10 +93,14 @@ class LiveSwitch:
         self._core: LazyCapture | None = None
         self._best: dict[int, Descriptor] = {}
 
+    def attach(self, core: LazyCapture, best: dict[int, Descriptor]) -> None:
+        """The capture thread serving asks, and the descriptor that serves each batch size best."""
+        self._core, self._best = core, best
+
     # -- what serving says -------------------------------------------------------------
     def asked(self, batch: int) -> None:
         """A batch of this size is served: capture the descriptor that holds it best sooner."""
-        if self._core is not None:
+        if self._core is not None and not self.done:
             self._core.ask(self._best.get(batch))
 
     @contextlib.contextmanager
@@ -163,13 +167,13 @@ class BackgroundCapture:
             live.first_use = FirstUse(ctx.plan, ctx.verify_plan, alloc.buffers,
                                       tuple((s, alloc.uncompiled[s.name]) for s in ctx.segments),
                                       verdict=live.checked)
-        live._best = _best_holders(ctx.descriptors)
+            ctx.stack.push("drop the first-use checks", live.first_use.release)
         self._checks = checks
         descriptors = ctx.descriptors
         largest = max(descriptors, key=lambda d: (d.size, d.mode is Mode.FULL), default=None)
         self.core = LazyCapture(self, descriptors, turns=live.turns, then=largest, first_step_s=FIRST_STEP_S,
                                 name="graphflow-background-capture")
-        live._core = self.core
+        live.attach(self.core, _best_holders(descriptors))
 
     def start(self) -> None:
         """Start the thread; returns once it has run its first warmup (``prepare``)."""

@@ -176,6 +176,7 @@ def publish(ctx: Context, alloc: Allocation, captured: Captured, report: Pipelin
         first_use = FirstUse(ctx.plan, ctx.verify_plan, alloc.buffers, segments,
                              unchecked=[d for d in held.programs if d not in verified],
                              verdict=functools.partial(_rejected, held.programs, captured.graphs_of))
+        ctx.stack.push("drop the first-use checks", first_use.release)
     return Engine(ctx.plan, ctx.backend, alloc.buffers, ctx.rank, held, report, ctx.stack, live, background,
                   first_use)
 

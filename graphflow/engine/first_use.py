@@ -86,6 +86,12 @@ class FirstUse:
             self._verdict(descriptor, None)
         return True
 
+    def release(self) -> None:
+        """Let go of the model's callables and the buffers (at close, on the run's rollback
+        stack): a caller that still holds the engine holds no model through its checks."""
+        self._segments, self._buffers = (), None
+        self.unchecked.clear()
+
     def counts(self, before_ready: int) -> Checks:
         return Checks(before_ready, len(self.verified), len(self.unchecked), len(self.failures))
 

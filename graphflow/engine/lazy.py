@@ -138,14 +138,17 @@ class LazyCapture(Generic[K]):
     def ask(self, key: K | None) -> None:
         """A step wanted ``key``'s graph (None: a step that no key serves). The first call
         also lets the thread begin."""
+        if self._ended:  # nothing more is captured: a step's cost stays a flag read
+            return
         with self._changed:
-            if key is not None and self.states.get(key) in (KeyState.PLANNED, None):
+            counted = key is not None and self.states.get(key) in (KeyState.PLANNED, None)
+            if counted:
                 if key not in self.states:
                     self.states[key] = KeyState.UNPLANNED
                 self._asked[key] = self._asked.get(key, 0) + 1
                 if self._first is None:
                     self._first = key
-            if not self._stepped or key is not None:
+            if counted or not self._stepped:  # the thread wakes only when its order may change
                 self._stepped = True
                 self._changed.notify_all()
 

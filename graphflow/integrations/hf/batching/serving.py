@@ -160,8 +160,7 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
             pausing = chosen.captures_graphs and chosen.capture_error_mode == "thread_local" and not sampling
             core = LazyCapture(capture, plan.keys, turns=turns, ahead=len(plan.keys) <= AHEAD_MOST, pausing=pausing,
                                name="graphflow-serving-capture")
-            core.states.update(coverage.states)
-            coverage.states = core.states
+            coverage.states = core.states  # the thread's table, the plan's keys planned: what coverage reads
             capture.core = core
         runner = StepRunner(processor, capture, graphs, coverage, turns)
         model_runner = processor.model_runner
