@@ -1,67 +1,144 @@
 """Serving under transformers' continuous batching: the engine eager, the engine with its own
 graphs, graphflow foreground and graphflow lazy, side by side in one process.
 
-    PYTHONPATH=. python3 bench/serve_bench.py --out DIR            # GPU: 64 and 256 requests
-    PYTHONPATH=. python3 bench/serve_bench.py --out DIR --smoke    # CPU, tiny: checks the script
+    PYTHONPATH=. python3 bench/serve_bench.py --out DIR                 # GPU: 8 layers, 64 and 256 requests
+    PYTHONPATH=. python3 bench/serve_bench.py --out DIR --shape 8b      # GPU: Llama-3-8B's shape, 128 requests
+    PYTHONPATH=. python3 bench/serve_bench.py --out DIR --smoke         # CPU, tiny: checks the script
 
-One random Llama (``--layers`` x ``--hidden``, bf16, nothing downloaded), attention
-``paged|sdpa``, one workload per ``--requests`` (prompt and output lengths drawn once, the
-same for every row), greedy. For each row a fresh manager over the same model:
+``--shape`` picks the model, the engine's settings, the workload and the rows (each can be
+overridden by its own flag):
+
+* ``default``: a random Llama, 8 layers, hidden 1024; block 32 x 512 blocks, 512 batch
+  tokens; 64 and 256 requests, prompts of 16-384 tokens, 16-128 new tokens; all five rows;
+* ``12l``: a random Llama, 12 layers, hidden 1536; the settings and workload of ``8b``;
+* ``8b``: a random Qwen2 of Llama-3-8B's shape (32 layers, hidden 4096, intermediate 14336,
+  32 heads, 8 KV heads, vocab 128256), its bf16 weights made on the GPU where they live;
+  block 32 x 2048 blocks, 1024 batch tokens, 64 requests a batch, q padded to 64, KV to
+  4096; 128 requests, prompts of 16-1024 tokens, 32-128 new tokens; four rows (no padded eager).
+
+Nothing is downloaded. Attention ``paged|sdpa``, greedy; one workload per ``--requests``
+(prompt and output lengths drawn once, the same for every row). The model is built once;
+each row is a fresh manager over it that serves the workload **twice**: a cold wave, then
+the same prompts again, warm (the graphs of the first wave are there).
 
 * **engine eager**: ``use_cuda_graph=False``, padding off: the reference tokens;
-* **engine eager padded**: the same with the padding the graphs need turned on: the
-  engine's eager steps on the very batches every graph row replays (bf16 kernels sum in
-  another order at another size, so padding alone can change a random model's tokens);
+* **engine eager padded** (the default shape's rows, or ``--rows``): the same with the
+  padding the graphs need turned on: the engine's eager steps on the very batches every
+  graph row replays (bf16 kernels sum in another order at another size, so padding alone
+  can change a random model's tokens);
 * **engine graphs**: ``use_cuda_graph=True`` after ``manager.warmup()`` (what it pre-captures);
   every other key is captured inline the first time a step asks for it;
 * **graphflow foreground**: ``serve(manager)`` before ``start()``: every key captured and
   verified first;
 * **graphflow lazy**: ``serve(manager, lazy=True)``: serving at once, keys captured beside it.
 
-Columns: tokens identical to the eager row (y/n), to the padded eager row (``=pad``: the
-exact reference of every graph row) and to the engine's own graphs (``=own``), generated tokens per second over the
-serving time, time to first token p50 and p99 (from ``add_requests``), the median step,
-the worst step while graphs were being captured (engine graphs: a step that captured
-inline; lazy: a step while the capture thread was alive; foreground: capture is over
-before serving, so its worst step), the time until every key was ready (engine graphs:
-its warmup; foreground: its capture; lazy: from ``serve`` until every key was live or
-failed), the graph memory (reserved bytes after the run over those once the manager's
-cache and tensors were built), and for lazy how many times its recordings paused for a
-step and how many keys were recorded again whole after a failed capture.
-Targets (issue): identical tokens in every row; graphflow's
-tokens/s at or above the engine's own graphs; lazy's worst step while capturing under 2x
-the eager row's median step; everything live sooner than the engine's own warmup.
+Columns: tokens identical (both waves) to the eager row, to the padded eager row
+(``=pad``) and to the engine's own graphs (``=own``; ``n:cold``/``n:warm`` say which wave
+differs); the **cold start**: seconds from the row's setup (``serve``, the engine's
+``warmup`` for its own graphs, nothing for eager) to the last answer of the cold wave,
+and its ratio to the engine's own graphs; generated tokens per second over each wave
+(from its first ``add_request`` to its last answer), each with its ratio to the engine's
+own graphs; the warm wave's median step; the worst step while graphs were being captured
+(engine graphs: a step that captured inline; graphflow: a step while its capture thread
+was alive, less the steps that checked a new graph, an eager step and a replay by design,
+whose median and worst are in the JSON) and its ratio to the eager row's median step; the time until every key was ready (engine graphs: its warmup; foreground:
+its capture; lazy: from ``serve`` until every key was live or failed, waited for up to
+``--lazy-wait`` seconds after the warm wave); keys captured of planned; and the graph
+memory (the bytes of the engine's own graph pool, or graphflow's pools and static
+attention buffers, after the warm wave) with its ratio to the engine's own graph pool.
+The JSON has every wave's TTFT p50/p99, step counts and the coverage of each graphflow row.
+Targets: identical tokens in every row; graphflow's cold start shorter than the engine's
+own graphs' and its warm tokens/s at or above theirs; lazy's worst step while capturing at
+most 1.5x the eager row's median step; graph memory at most the engine's own pool.
+
+Writes ``serve.txt``/``serve.json`` (``serve-SHAPE.*`` for another shape) into ``--out``,
+with the device's name in both, after every row (a run stopped by a time limit keeps the
+rows it finished); progress lines go to stdout as it runs. A row that raises is recorded
+with its error, the other rows still run, and the script exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import logging
 import pathlib
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from graphflow.integrations.hf.batching import serve  # noqa: E402
+from graphflow.integrations.hf.batching import serve
 
 ROWS = ("engine eager", "engine eager padded", "engine graphs", "graphflow foreground", "graphflow lazy")
+WAVES = ("cold", "warm")
+
+#: The issue's settings and workload for the large shapes.
+_LARGE_SETTINGS = {"block_size": 32, "num_blocks": 2048, "max_batch_tokens": 1024, "max_requests_per_batch": 64,
+                   "q_padding_interval_size": 64, "kv_padding_interval_size": 4096}
+_LARGE = {"settings": _LARGE_SETTINGS, "requests": "128", "prompt": "16,1024", "output": "32,128",
+          "rows": "engine eager,engine graphs,graphflow foreground,graphflow lazy"}
+SHAPES = {
+    "default": {"family": "llama", "layers": 8, "hidden": 1024, "vocab": 32000, "requests": "64,256",
+                "prompt": "16,384", "output": "16,128", "rows": ",".join(ROWS),
+                "settings": {"block_size": 32, "num_blocks": 512, "max_batch_tokens": 512,
+                             "max_requests_per_batch": 64, "q_padding_interval_size": 64,
+                             "kv_padding_interval_size": 4096}},
+    "12l": {"family": "llama", "layers": 12, "hidden": 1536, "vocab": 32000, **_LARGE},
+    "8b": {"family": "qwen2", "layers": 32, "hidden": 4096, "vocab": 128256, **_LARGE},
+}
+SMOKE = {"layers": 2, "hidden": 128, "vocab": 512, "requests": "6", "prompt": "4,40", "output": "4,12",
+         "settings": {"block_size": 16, "num_blocks": 32, "max_batch_tokens": 64, "max_requests_per_batch": 8,
+                      "q_padding_interval_size": 16, "kv_padding_interval_size": 256}}
+
+_BEGAN = time.perf_counter()
 
 
-def build_model(layers: int, hidden: int, vocab: int, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def say(line: str) -> None:
+    print(f"[{time.perf_counter() - _BEGAN:7.1f} s] {line}", flush=True)
 
+
+def build_model(family: str, layers: int, hidden: int, vocab: int, device: str):
+    """A random model made where it runs, in its serving dtype: no weights on the CPU to copy
+    (8 B parameters take seconds to draw on a GPU, minutes on its host)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=max(hidden // 256, 1), max_position_embeddings=4096)
+    if family == "qwen2":  # Llama-3-8B's shape: head_dim 128, 8 KV heads, intermediate 3.5x hidden
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
+
+        heads = max(hidden // 128, 1)
+        config = Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 7 // 2,
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=min(8, heads),
+                        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False)
+    else:
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
+
+        config = Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                        num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                        num_key_value_heads=max(hidden // 256, 1), max_position_embeddings=4096)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = LlamaForCausalLM(config).to(device, dtype).eval()
+    with torch.device(device):
+        model = Model._from_config(config, dtype=dtype)
+    model.eval()
     model.set_attn_implementation("paged|sdpa")
     return model
+
+
+def describe(model) -> str:
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    return (f"random {type(model).__name__.removesuffix('ForCausalLM')}, {config.num_hidden_layers} layers, hidden "
+            f"{config.hidden_size}, intermediate {config.intermediate_size}, {config.num_attention_heads} heads, "
+            f"{config.num_key_value_heads} KV heads, vocab {config.vocab_size}, "
+            f"{f'{params / 1e9:.2f} B' if params >= 1e9 else f'{params / 1e6:.1f} M'} parameters, "
+            f"{str(model.dtype).removeprefix('torch.')}")
 
 
 def workload(requests: int, vocab: int, prompt: tuple[int, int], output: tuple[int, int], seed: int):
@@ -74,86 +151,182 @@ def workload(requests: int, vocab: int, prompt: tuple[int, int], output: tuple[i
     return prompts, news
 
 
-def run_row(row: str, model, prompts, news, settings: dict, longest: int) -> dict:
+class _Progress:
+    """A foreground capture's lines, one in ``every`` (and every failure) printed."""
+
+    def __init__(self, label: str, every: int = 16) -> None:
+        self.label, self.every, self.count = label, every, 0
+
+    def __call__(self, line: str) -> None:
+        self.count += 1
+        if self.count == 1 or self.count % self.every == 0 or "fail" in line.lower():
+            say(f"{self.label}: {line}")
+
+
+def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_wait: float, label: str) -> dict:
+    """One row: a fresh manager over ``model``, set up as ``row`` says, serving the workload
+    twice; everything it made is given back before it returns, or raises."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cuda = next(model.parameters()).is_cuda
-    graphs = row == "engine graphs"
-    config = ContinuousBatchingConfig(use_cuda_graph=graphs, use_async_batching=False, **settings)
+    label = f"{label}: {row}"
+    config = ContinuousBatchingConfig(use_cuda_graph=row == "engine graphs", use_async_batching=False, **settings)
     generation = GenerationConfig(max_new_tokens=max(news), do_sample=False, eos_token_id=None, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
+    state = {"serving": None}
+    try:
+        return _serve_row(row, manager, state, prompts, news, longest, lazy_wait, label, cuda)
+    finally:
+        if manager.is_running():
+            manager.stop(block=True, hard_stop=True)
+        if state["serving"] is not None:
+            state["serving"].close()
+        if manager.batch_processor is not None:
+            manager.batch_processor.__dict__.pop("_generation_step", None)
+        model.destroy_cached_continuous_batching_manager()
+        manager = None  # the engine and its cache go before the next row
+        _sync(cuda)
+        if cuda:
+            torch.cuda.empty_cache()
+        say(f"{label}: done")
+
+
+def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy_wait: float, label: str,
+               cuda: bool) -> dict:
+    graphs = row == "engine graphs"
     manager.batch_processor = manager._create_batch_processor()
     processor = manager.batch_processor
     if row == "engine eager padded":
         processor.model_runner.pad_inputs = processor.inputs_and_outputs.use_cuda_graph_varlen = True
     _sync(cuda)
-    reserved_built = torch.cuda.memory_reserved() if cuda else 0
     serving = None
+    say(f"{label}: manager built, setting up")
     began = time.perf_counter()
     if graphs:
         manager.warmup()
     elif row == "graphflow foreground":
-        serving = serve(manager, longest=longest, progress=lambda line: None)
+        serving = state["serving"] = serve(manager, longest=longest, progress=_Progress(label))
     elif row == "graphflow lazy":
-        serving = serve(manager, lazy=True, longest=longest)
-    ready_s = time.perf_counter() - began if row != "graphflow lazy" else None
+        serving = state["serving"] = serve(manager, lazy=True, longest=longest)
+    setup_s = time.perf_counter() - began
+    if serving is not None:
+        say(f"{label}: {len(serving.plan.keys)} keys planned; serve returned in {setup_s:.2f} s")
+    elif graphs:
+        say(f"{label}: engine warmup {setup_s:.2f} s")
+    # (seconds, capturing, wave, checking: whether graphflow checked a new graph in the step,
+    # an eager step and a replay by design)
     steps = []
     step = processor._generation_step
+    wave_now = [0]
 
     def timed(model_):
         capturing = serving is not None and serving.capturing
         keys_before = len(processor.inputs_and_outputs.graphs._storage) if graphs else 0
+        checks_before = _checks_done(serving)
         start = time.perf_counter()
         step(model_)  # synchronous batching: the step's tokens are on the host when it returns
         took = time.perf_counter() - start
         if graphs:
             capturing = len(processor.inputs_and_outputs.graphs._storage) > keys_before
-        steps.append((took, capturing))
+        steps.append((took, capturing, wave_now[0], _checks_done(serving) > checks_before))
 
     processor._generation_step = timed
     manager.start()
-    submitted = time.perf_counter()
-    ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True) for p, n in zip(prompts, news)]
-    outputs = {}
-    while len(outputs) < len(ids):
-        result = manager.get_result(timeout=600)
-        if result is None:
-            raise RuntimeError(f"{row}: no result within 600 s")
-        outputs[result.request_id] = result
-    served_s = time.perf_counter() - submitted
+    waves = []
+    for index, wave in enumerate(WAVES):
+        wave_now[0] = index
+        submitted = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n, record_timestamps=True) for p, n in zip(prompts, news)]
+        outputs = {}
+        while len(outputs) < len(ids):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError(f"{label}: {wave} wave: no result within 600 s")
+            if result.error is not None:
+                raise RuntimeError(f"{label}: {wave} wave: request {result.request_id} failed: {result.error}")
+            outputs[result.request_id] = result
+        answered = time.perf_counter()
+        served_s = answered - submitted
+        tokens = [outputs[rid].generated_tokens for rid in ids]
+        first = [outputs[rid].timestamps[0] - submitted for rid in ids if outputs[rid].timestamps]
+        ours = [s for s, _, w, _ in steps if w == index]
+        generated = sum(len(t) for t in tokens)
+        waves.append({"wave": wave, "tokens": tokens, "generated": generated, "served_s": served_s,
+                      "tokens_per_s": generated / served_s, "ttft_p50_s": _quantile(first, 0.5),
+                      "ttft_p99_s": _quantile(first, 0.99), "steps": len(ours),
+                      "median_step_s": statistics.median(ours) if ours else None,
+                      "worst_step_s": max(ours, default=None)})
+        if index == 0:
+            cold_start_s = answered - began
+        say(f"{label}: {wave} wave: {len(ids)} answers, {generated} tokens in {served_s:.2f} s "
+            f"({generated / served_s:.0f} tok/s), {len(ours)} steps"
+            + (f"; cold start {cold_start_s:.2f} s" if index == 0 else ""))
     manager.stop(block=True)
-    if serving is not None and serving.lazy:
-        serving.wait_captured(600)
+    lazy_done = None
+    if serving is not None and row == "graphflow lazy":
+        if serving.capturing:
+            say(f"{label}: waiting up to {lazy_wait:.0f} s for the lazy capture to finish the plan")
+        lazy_done = _wait_captured(serving, lazy_wait)
     _sync(cuda)
-    memory = (torch.cuda.memory_reserved() - reserved_built) if cuda else None
-    tokens = {rid: outputs[rid].generated_tokens for rid in ids}
-    first = [outputs[rid].timestamps[0] - submitted for rid in ids if outputs[rid].timestamps]
-    generated = sum(len(t) for t in tokens.values())
-    result = {"row": row, "tokens": tokens, "generated": generated, "tokens_per_s": generated / served_s,
-              "served_s": served_s, "ttft_p50_s": _quantile(first, 0.5), "ttft_p99_s": _quantile(first, 0.99),
-              "steps": len(steps), "median_step_s": statistics.median(s for s, _ in steps),
-              "worst_step_capturing_s": max((s for s, c in steps if c), default=None),
-              "worst_step_s": max(s for s, _ in steps), "ready_s": ready_s, "graph_memory_bytes": memory}
+    memory = _graph_memory(processor, serving) if cuda else None
+    checking = [s for s, _, _, check in steps if check]
+    result = {"row": row, "waves": waves, "setup_s": setup_s, "cold_start_s": cold_start_s,
+              "steps": len(steps), "median_step_s": statistics.median(s for s, _, _, _ in steps),
+              "worst_step_capturing_s": max((s for s, c, _, checking in steps if c and not checking), default=None),
+              "worst_step_s": max(s for s, _, _, _ in steps),
+              "checking_steps": len(checking), "median_checking_step_s": statistics.median(checking) if checking
+              else None, "worst_checking_step_s": max(checking, default=None),
+              "ready_s": setup_s if graphs else None, "graph_memory_bytes": memory}
     if graphs:
         result["keys_captured"] = len(processor.inputs_and_outputs.graphs._storage)
     if serving is not None:
         result["ready_s"] = serving.all_captured_s
         summary = serving.coverage.as_dict()
-        result.update(keys_captured=summary["captured"], keys_planned=len(serving.plan.keys),
-                      graph_steps=summary["graph_steps"], eager_steps=summary["eager_steps"],
-                      unused_keys=len(summary["unused"]), pool_bytes=serving.memory.get("pool_bytes"),
-                      estimated_pool_bytes=serving.memory.get("estimated_pool_bytes"), report=serving.report())
-        if serving.lazy:
-            result.update(recording_pauses=serving.turns.pauses, retried_keys=serving.retried)
+        memory_info = getattr(serving, "memory", None) or {}
+        result.update(keys_captured=summary.get("captured"), keys_planned=len(serving.plan.keys),
+                      graph_steps=summary.get("graph_steps"), eager_steps=summary.get("eager_steps"),
+                      unused_keys=len(summary.get("unused", ())), pool_bytes=memory_info.get("pool_bytes"),
+                      estimated_pool_bytes=memory_info.get("estimated_pool_bytes"), coverage=summary,
+                      report=serving.report())
+        if row == "graphflow lazy":
+            turns = getattr(serving, "turns", None)
+            result.update(lazy_finished=lazy_done, recording_pauses=getattr(turns, "pauses", None),
+                          retried_keys=getattr(serving, "retried", None))
+        state["serving"] = None
         serving.close()
-    processor.__dict__.pop("_generation_step", None)
-    model.destroy_cached_continuous_batching_manager()
-    manager = processor = None  # the engine and its cache go before the next row
-    _sync(cuda)
-    if cuda:
-        torch.cuda.empty_cache()
     return result
+
+
+def _checks_done(serving) -> int:
+    """How many new graphs graphflow's steps have checked against the engine's eager step."""
+    if serving is None:
+        return 0
+    checks = serving.checks
+    return checks.on_first_use + checks.failed
+
+
+def _graph_memory(processor, serving) -> int:
+    """The bytes the row's graphs hold, read while it holds them: graphflow's pools and its
+    static attention buffers, or the segments of the engine's own graph pool (its
+    ``graph_pool_id``, where its captures and their warmups allocate); 0 for eager."""
+    if serving is not None:
+        cut = serving.capture.cut
+        return (serving.capture.pools.nbytes() or 0) + (0 if cut is None else cut.buffers.nbytes)
+    pool = getattr(processor.model_runner, "graph_pool_id", None)
+    if pool is None:
+        return 0
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+
+
+def _wait_captured(serving, timeout: float) -> bool:
+    wait = getattr(serving, "wait_captured", None)
+    if wait is not None:
+        return bool(wait(timeout))
+    deadline = time.perf_counter() + timeout
+    while serving.capturing and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    return not serving.capturing
 
 
 def _sync(cuda: bool) -> None:
@@ -168,28 +341,62 @@ def _quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def table(results: list[dict], requests: int) -> str:
-    eager = next(r for r in results if r["row"] == "engine eager")
-    own = next((r for r in results if r["row"] == "engine graphs"), None)
-    padded = next((r for r in results if r["row"] == "engine eager padded"), None)
-    lines = [f"{requests} requests; the eager row's worst step {_ms(eager['worst_step_s'])}",
-             f"{'row':22} {'same':>4} {'=pad':>4} {'=own':>4} {'tok/s':>8} {'vs own':>7} {'ttft p50':>9} {'ttft p99':>9} {'step':>8} "
-             f"{'worst capturing':>15} {'vs eager step':>13} {'ready s':>8} {'keys':>9} {'graph MiB':>9}"]
+def compare(results: list[dict]) -> None:
+    """Each row's tokens against the eager, padded eager and own-graphs rows, and its ratios to
+    the engine's own graphs and the eager step, written into the row."""
+    results = [r for r in results if "error" not in r]
+    by_row = {r["row"]: r for r in results}
+    eager, padded, own = (by_row.get(name) for name in ("engine eager", "engine eager padded", "engine graphs"))
     for r in results:
-        same = "y" if r["tokens"] == eager["tokens"] else "n"
-        as_own = "-" if own is None else "y" if r["tokens"] == own["tokens"] else "n"
-        as_padded = "-" if padded is None else "y" if r["tokens"] == padded["tokens"] else "n"
-        worst = r["worst_step_capturing_s"]
+        for name, other in (("eager", eager), ("padded", padded), ("own", own)):
+            r[f"identical_{name}"] = None if other is None else {
+                w["wave"]: w["tokens"] == o["tokens"] for w, o in zip(r["waves"], other["waves"])}
+        r["cold_start_vs_own"] = _over(r["cold_start_s"], own and own["cold_start_s"])
+        for w, o in zip(r["waves"], own["waves"] if own else [None] * len(r["waves"])):
+            w["tokens_per_s_vs_own"] = _over(w["tokens_per_s"], o and o["tokens_per_s"])
+        r["graph_memory_vs_own"] = _over(r["graph_memory_bytes"], own and own["graph_memory_bytes"])
+        r["worst_capturing_vs_eager_step"] = _over(r["worst_step_capturing_s"], eager and eager["median_step_s"])
+
+
+def _over(value, reference) -> float | None:
+    return None if value is None or not reference else value / reference
+
+
+def table(results: list[dict], requests: int) -> str:
+    eager = next((r for r in results if r["row"] == "engine eager" and "error" not in r), None)
+    lines = [f"{requests} requests, served twice (cold, then warm)"
+             + (f"; the eager row's median step {_ms(eager['median_step_s'])}, worst {_ms(eager['worst_step_s'])}"
+                if eager else ""),
+             (f"{'row':22} {'=eager':>6} {'=pad':>6} {'=own':>6} {'cold start':>10} {'vs own':>6} "
+              f"{'cold tok/s':>10} {'vs own':>6} {'warm tok/s':>10} {'vs own':>6} {'warm step':>9} "
+              f"{'worst capturing':>15} {'vs eager step':>13} {'ready s':>8} {'keys':>9} {'graph MiB':>9} "
+              f"{'vs own':>6}")]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['row']:22} failed: {r['error']}")
+            continue
+        cold, warm = r["waves"]
+        ready = "-" if r["ready_s"] is None else format(r["ready_s"], ".2f")
+        if r["row"] == "graphflow lazy" and r.get("lazy_finished") is False:
+            ready = "not yet"
         keys = f"{r.get('keys_captured', '-')}" + (f"/{r['keys_planned']}" if "keys_planned" in r else "")
         lines.append(
-            f"{r['row']:22} {same:>4} {as_padded:>4} {as_own:>4} {r['tokens_per_s']:8.0f} "
-            f"{_ratio(r['tokens_per_s'] / own['tokens_per_s'] if own else None):>7} "
-            f"{_ms(r['ttft_p50_s']):>9} {_ms(r['ttft_p99_s']):>9} {_ms(r['median_step_s']):>8} "
-            f"{_ms(worst):>15} {_ratio(worst / eager['median_step_s'] if worst else None):>13} "
-            f"{'-' if r['ready_s'] is None else format(r['ready_s'], '.2f'):>8} {keys:>9} "
-            f"{(r['graph_memory_bytes'] or 0) / 2**20:9.1f}"
-            + (f"  pauses {r['recording_pauses']}, retried {r['retried_keys']}" if "recording_pauses" in r else ""))
+            f"{r['row']:22} {_same(r['identical_eager']):>6} {_same(r['identical_padded']):>6} "
+            f"{_same(r['identical_own']):>6} {r['cold_start_s']:10.2f} {_ratio(r['cold_start_vs_own']):>6} "
+            f"{cold['tokens_per_s']:10.0f} {_ratio(cold['tokens_per_s_vs_own']):>6} "
+            f"{warm['tokens_per_s']:10.0f} {_ratio(warm['tokens_per_s_vs_own']):>6} {_ms(warm['median_step_s']):>9} "
+            f"{_ms(r['worst_step_capturing_s']):>15} {_ratio(r['worst_capturing_vs_eager_step']):>13} "
+            f"{ready:>8} {keys:>9} {(r['graph_memory_bytes'] or 0) / 2**20:9.1f} {_ratio(r['graph_memory_vs_own']):>6}"
+            + (f"  pauses {r['recording_pauses']}, retried {r['retried_keys']}"
+               if r.get("recording_pauses") is not None else ""))
     return "\n".join(lines)
+
+
+def _same(identical: dict | None) -> str:
+    if identical is None:
+        return "-"
+    differing = [wave for wave, same in identical.items() if not same]
+    return "y" if not differing else "n" if len(differing) == len(identical) else f"n:{differing[0]}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -203,56 +410,99 @@ def _ratio(value: float | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out")
-    parser.add_argument("--requests", default="64,256")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prompt", default="16,384", help="prompt lengths, least,most")
-    parser.add_argument("--output", default="16,128", help="new tokens, least,most")
-    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="default",
+                        help="model, engine settings, workload and rows (see the module docstring)")
+    parser.add_argument("--requests", help="request counts, one workload each (default: the shape's)")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--prompt", help="prompt lengths, least,most")
+    parser.add_argument("--output", help="new tokens, least,most")
+    parser.add_argument("--rows", help=f"some of: {', '.join(ROWS)}")
+    parser.add_argument("--lazy-wait", type=float, default=60.0,
+                        help="seconds the lazy row waits after its warm wave for the rest of the plan (default 60)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and workload: checks the script")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    shape = dict(SHAPES[args.shape])
     if args.smoke:
-        args.requests, args.layers, args.hidden, args.vocab = "6", 2, 128, 512
-        args.prompt, args.output = "4,40", "4,12"
+        shape.update(SMOKE)
+    for name in ("requests", "layers", "hidden", "vocab", "prompt", "output", "rows"):
+        if getattr(args, name) is None:
+            setattr(args, name, shape[name])
+    settings = shape["settings"]
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     prompt = tuple(int(x) for x in args.prompt.split(","))
     output = tuple(int(x) for x in args.output.split(","))
-    settings = (dict(block_size=16, num_blocks=32, max_batch_tokens=64, max_requests_per_batch=8,
-                     q_padding_interval_size=16, kv_padding_interval_size=256) if args.smoke else
-                dict(block_size=32, num_blocks=512, max_batch_tokens=512, max_requests_per_batch=64,
-                     q_padding_interval_size=64, kv_padding_interval_size=4096))
     rows = [r.strip() for r in args.rows.split(",")]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(unknown)} (one of: {', '.join(ROWS)})")
     if device == "cpu":
         rows = [r for r in rows if r != "engine graphs"]  # the engine captures only on CUDA
-    model = build_model(args.layers, args.hidden, args.vocab, device)
+    logger = logging.getLogger("graphflow")
+    if not logger.handlers:  # graphflow's own lines (keys planned, a failed key) among the progress
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("  [%(name)s] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    say(f"serve_bench --shape {args.shape}{' --smoke' if args.smoke else ''} on {device_name}: building the model")
+    built = time.perf_counter()
+    model = build_model(shape["family"], args.layers, args.hidden, args.vocab, device)
+    _sync(device == "cuda")
+    say(f"model: {describe(model)}, built on {device} in {time.perf_counter() - built:.1f} s")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    everything = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                  "torch": torch.__version__, "model": f"random Llama, {args.layers} layers, hidden {args.hidden}",
-                  "settings": settings, "workloads": {}}
-    tables = []
+    everything = {"device": device_name, "torch": torch.__version__,
+                  "transformers": importlib.metadata.version("transformers"), "shape": args.shape,
+                  "smoke": args.smoke, "model": describe(model), "attention": "paged|sdpa", "settings": settings,
+                  "prompt": prompt, "output": output, "rows": rows, "workloads": {}}
+    stem = "serve" if args.shape == "default" else f"serve-{args.shape}"
+    header = (f"# bench/serve_bench.py --shape {args.shape}{' --smoke' if args.smoke else ''} on {device_name}, "
+              f"torch {everything['torch']}, transformers {everything['transformers']}\n"
+              f"# {everything['model']}, paged|sdpa; engine {settings}; prompts {prompt[0]}-{prompt[1]} tokens, "
+              f"{output[0]}-{output[1]} new\n")
+    tables: dict[int, str] = {}
+    failed = False
     for requests in (int(n) for n in args.requests.split(",")):
         prompts, news = workload(requests, args.vocab, prompt, output, seed=requests)
         longest = prompt[1] + output[1]
         results = []
         for row in rows:
-            print(f"== {requests} requests: {row}", flush=True)
-            results.append(run_row(row, model, prompts, news, settings, longest))
+            say(f"== {requests} requests: {row}")
+            try:
+                results.append(run_row(row, model, prompts, news, settings, longest, args.lazy_wait,
+                                       f"{requests} requests"))
+            except Exception as exc:  # noqa: BLE001 - the other rows still run; this one says why it failed
+                traceback.print_exc()
+                results.append({"row": row, "error": f"{type(exc).__name__}: {exc}"})
+                failed = True
             if "report" in results[-1]:
                 print(results[-1]["report"], flush=True)
-        tables.append(table(results, requests))
-        print(tables[-1], flush=True)
-        eager = results[0]["tokens"]
-        padded = next((r["tokens"] for r in results if r["row"] == "engine eager padded"), None)
-        everything["workloads"][requests] = [{k: v for k, v in r.items() if k != "tokens"} | {
-            "identical": r["tokens"] == eager, "identical_padded": r["tokens"] == padded} for r in results]
-    text = (f"# bench/serve_bench.py on {everything['device']}, torch {everything['torch']}, "
-            f"{everything['model']}, paged|sdpa, bf16\n" + "\n\n".join(tables) + "\n")
-    (out / "serve.txt").write_text(text)
-    (out / "serve.json").write_text(json.dumps(everything, indent=1, default=str))
-    print(text)
-    return 0
+            # Written after every row: a run stopped by a time limit keeps the rows it finished.
+            compare(results)
+            tables[requests] = table(results, requests)
+            everything["workloads"][requests] = [_recorded(r) for r in results]
+            _write(out, stem, header + "\n\n".join(tables.values()) + "\n", everything)
+        print(tables[requests], flush=True)
+    text = header + "\n\n".join(tables.values()) + "\n"
+    print(text, flush=True)
+    say(f"wrote {out / stem}.txt and .json")
+    return 1 if failed else 0
+
+
+def _recorded(r: dict) -> dict:
+    """A row as the JSON keeps it: everything but the tokens."""
+    if "waves" not in r:
+        return r
+    return {k: v for k, v in r.items() if k != "waves"} | {
+        "waves": [{k: v for k, v in w.items() if k != "tokens"} for w in r["waves"]]}
+
+
+def _write(out: pathlib.Path, stem: str, text: str, everything: dict) -> None:
+    (out / f"{stem}.txt").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(everything, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark, on the device machine (carry .whl for CuTe DSL):
+# Every GPU test and benchmark, on the device machine (carry .whl for CuTe DSL and, from
+# scripts/serving_wheels.sh, transformers' server packages):
 #   bash scripts/gpu_check.sh            # the CUDA tests, then every benchmark
 #   bash scripts/gpu_check.sh tests      # the CUDA tests only
 #   bash scripts/gpu_check.sh benches    # the benchmarks only (scripts/gpu_benches.txt)
@@ -21,6 +22,11 @@ status=0
 if [ -f .whl/cute-cu13-cp312.tar.xz ]; then
   mkdir -p /tmp/site && tar -xJf .whl/cute-cu13-cp312.tar.xz -C /tmp/site &&
     export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+fi
+# transformers' server packages, missing on the GPU image (scripts/serving_wheels.sh): for the server test.
+if compgen -G '.whl/serving/*.whl' > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serving-site \
+    .whl/serving/*.whl && export PYTHONPATH=/tmp/serving-site:$PYTHONPATH
 fi
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
 if [ "$stage" != benches ]; then

@@ -114,7 +114,8 @@ class Run:
     tokens: list[list[int]]
     steps: int  # the engine's generation steps
     serving: object  # graphflow's Serving (closed), or None
-    keys: list  # the key of each step, in order (graphflow's key_of)
+    keys: list  # the keys of each step, in order (graphflow's batch_keys: its FULL key if any, its covering key)
+    reads: list  # the KV tokens each step's batch read, padded (its ``max_kv_read``)
     processor: object
     manager: object
 
@@ -127,8 +128,9 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
     ``mode``: None (the engine alone), "fg" (``serve(manager)``) or "lazy"
     (``serve(manager, lazy=True)``). ``queue_first`` adds the requests before ``start()``
     (the first batch then holds them all, so the batches, and their keys, are the same
-    every run); otherwise they are added after, as a server does. ``settle`` (lazy):
-    each step waits until the capture thread has dealt with its key (the thread begins
+    every run); otherwise they are added after, as a server does. ``settle`` (keys
+    captured beside serving: lazy, or a foreground capture's FULL keys in the background):
+    each step waits until the capture thread has dealt with its keys (the thread begins
     only once a step has asked for one, and records only between steps), so the first
     step of each key is eager ("no graph yet") and later ones are not left to timing. ``ahead`` (lazy): after the
     engine's first step, the next waits until every key of the plan is captured, so each
@@ -138,7 +140,7 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
     """
     from graphflow.engine.lazy import KeyState
     from graphflow.integrations.hf.batching import serve
-    from graphflow.integrations.hf.batching.keys import key_of
+    from graphflow.integrations.hf.batching.keys import batch_keys
 
     mgr = manager(model, new_tokens, **settings)
     serving = None
@@ -149,18 +151,19 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
         serving = serve(mgr, lazy=mode == "lazy", **(serve_kwargs or {}))
     processor = mgr.batch_processor
     engine_step = processor._generation_step
-    keys = []
+    keys, reads = [], []
 
     def counted(model_):
         engine_step(model_)
         io = processor.inputs_and_outputs
-        keys.append(key_of(io))
+        keys.append(batch_keys(io))
+        reads.append(io.max_kv_read)
         waiting_for = ()
-        if serving is not None and serving.lazy:
+        if serving is not None and serving.core is not None:
             if ahead and len(keys) == 1:
                 waiting_for = serving.plan.keys
-            elif settle and keys[-1] in serving.plan.keys:
-                waiting_for = (keys[-1],)
+            elif settle:
+                waiting_for = tuple(k for k in keys[-1] if k in serving.plan.keys)
         deadline = time.monotonic() + 30
         while any(serving.coverage.state(k) is KeyState.PLANNED for k in waiting_for) \
                 and time.monotonic() < deadline:
@@ -188,7 +191,7 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
     for result in results.values():
         assert result.error is None, result.error
     tokens = [results[f"req_{i}"].generated_tokens for i in range(len(prompt_list))]
-    return Run(tokens, len(keys), serving, keys, processor, mgr)
+    return Run(tokens, len(keys), serving, keys, reads, processor, mgr)
 
 
 def fill_cache(value: float):

@@ -14,19 +14,15 @@ on the CPU backend.
   tokenizer; six concurrent greedy chat completions over HTTP give the same texts on all
   three, the graphflow servers say first what they start, log that they serve and, when
   stopped by a signal, their coverage, with steps on graphs, and exit by themselves with
-  the signal's status (130 after SIGINT, 143 after SIGTERM).
+  the signal's status (130 after SIGINT, 143 after SIGTERM) (``tests/hf_server_run.py``'s
+  ``compare_servers``); and the GPU test's comparison (tests/cuda/test_cuda_hf_server.py:
+  its 4-layer model, 1,016 words, settings and two rounds) on the CPU, with 16 requests.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import importlib.util
 import logging
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,27 +32,19 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from graphflow.integrations.hf.batching import server
+from tests.hf_server_run import COVERAGE, WORDS, compare_servers, llama, prompts
 
-WORDS = ["<unk>", "<s>", "</s>", "<pad>", *(f"w{i}" for i in range(120)),
-         "the", "a", "cat", "dog", "sat", "on", "mat", "hello", "world", "how", "are", "you"]
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + ' ' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
-MODEL = {"vocab_size": len(WORDS), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
-         "initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
 PROMPTS = ["hello world", "the cat sat on the mat", "how are you", "a dog", "w5 w17 w99 w3 w42 w8 w61",
            "you are the dog on the mat hello"]
 MAX_TOKENS = 12
-COVERAGE = re.compile(r"(\d+) of (\d+) steps on graphs")
 
 
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**MODEL)).eval()
+def _model():
+    return llama()
 
 
 # -- the hook, in this process -------------------------------------------------------------
@@ -107,7 +95,7 @@ def test_install_serves_every_manager_started(restored, caplog, lazy):
     steps = COVERAGE.search(caplog.text)
     assert steps is not None, caplog.text
     assert int(steps[2]) > 0
-    if not lazy and torch.cuda.is_available():  # every key was captured before the first step
+    if not lazy and torch.cuda.is_available():  # the keys covering every batch were captured before the first step
         assert steps[1] == steps[2]
     installed.uninstall()
     caplog.clear()
@@ -184,123 +172,28 @@ def test_entry_point_refuses_before_transformers_is_imported():
             "except SystemExit as exit:\n"
             "    assert 'transformers' not in sys.modules, 'transformers was imported'\n"
             "    raise\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().endswith("add --continuous-batching to the serve arguments")
 
 
 # -- the server ------------------------------------------------------------------------------
 
-SERVING_DEPENDENCIES = ("fastapi", "uvicorn", "openai", "pydantic", "accelerate", "requests", "httpx")
-
-
-def _save_model(path) -> None:
-    """The tiny Llama and a word-level tokenizer with a chat template, built here: nothing
-    is downloaded."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece()  # words joined by spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    model = _model()
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3)
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Server:
-    """One server subprocess, its output in a file (a pipe left unread would block it)."""
-
-    def __init__(self, name: str, command: list[str], env: dict, log_path) -> None:
-        self.name, self.port, self.log_path = name, _free_port(), log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - the process writes it until kill() closes it
-        self.process = subprocess.Popen([*command, "--port", str(self.port)], env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def wait_ready(self, client, deadline: float) -> None:
-        import httpx
-
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.process.returncode} before it was ready:\n{self.log()}")
-            with contextlib.suppress(httpx.TransportError):  # not listening yet
-                if client.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.3)
-        pytest.fail(f"{self.name} not ready in time:\n{self.log()}")
-
-    def chat(self, client, prompt: str) -> str:
-        response = client.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS, "temperature": 0})
-        assert response.status_code == 200, (self.name, response.text)
-        return response.json()["choices"][0]["message"]["content"]
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
-        self._log.close()
+@pytest.mark.slow
+def test_transformers_serve_with_graphflow(tmp_path):
+    """Six concurrent chats on the tiny model, on the three servers (tests/hf_server_run.py)."""
+    compare_servers(tmp_path, serve_args=["--continuous-batching", "--attn-implementation", "sdpa", "--device", "cpu",
+                                          "--cb-block-size", "16", "--cb-num-blocks", "32",
+                                          "--cb-max-batch-tokens", "32"],
+                    questions=PROMPTS, max_tokens=MAX_TOKENS)
 
 
 @pytest.mark.slow
-def test_transformers_serve_with_graphflow(tmp_path):
-    missing = [name for name in SERVING_DEPENDENCIES if importlib.util.find_spec(name) is None]
-    if missing:
-        pytest.fail(f"the server test needs {', '.join(missing)} (the test extra: pip install -e '.[test]')")
-    import httpx
+def test_the_gpu_server_comparison_on_the_cpu(tmp_path):
+    """tests/cuda/test_cuda_hf_server.py's comparison (its model, vocabulary, settings and
+    two rounds) with ``--device cpu`` and fewer requests: its wiring, proven without a GPU."""
+    from tests.cuda import test_cuda_hf_server as gpu
 
-    model_dir = tmp_path / "model"
-    _save_model(model_dir)
-    serve_args = [str(model_dir), "--continuous-batching", "--attn-implementation", "sdpa", "--device", "cpu",
-                  "--host", "127.0.0.1", "--cb-block-size", "16", "--cb-num-blocks", "32",
-                  "--cb-max-batch-tokens", "32"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"}
-    entry = [sys.executable, "-m", "graphflow.integrations.hf.batching.server", *serve_args]
-    servers = []
-    try:
-        # All three start at once: most of a server's start is importing torch and transformers.
-        servers.append(_Server("transformers serve", [sys.executable, "-m", "transformers.cli.transformers", "serve",
-                                                      *serve_args], env, tmp_path / "plain.log"))
-        for mode in server.MODES:
-            servers.append(_Server(f"graphflow {mode}", entry, {**env, server.ENV: mode}, tmp_path / f"{mode}.log"))
-        deadline = time.monotonic() + 180
-        texts = {}
-        with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            for each in servers:
-                each.wait_ready(client, deadline)
-            for each in servers:
-                texts[each.name] = list(pool.map(lambda prompt, s=each: s.chat(client, prompt), PROMPTS))
-        plain = texts["transformers serve"]
-        assert all(plain), plain
-        assert len(set(plain)) > 1, plain  # the prompts lead to different texts: the comparison means something
-        for mode in server.MODES:
-            assert texts[f"graphflow {mode}"] == plain, mode
-
-        for each, stop in zip(servers[1:], (signal.SIGTERM, signal.SIGINT)):
-            each.process.send_signal(stop)
-            status = each.process.wait(timeout=60)  # it stops transformers' manager, so it exits by itself
-            log = each.log()
-            assert status == 128 + stop, log
-            assert log.startswith("[graphflow.serving] graphflow: starting transformers serve"), log
-            assert "[graphflow.serving] graphflow serves llama-serving" in log, log
-            assert "[graphflow.serving] graphflow coverage of llama-serving" in log, log
-            steps = COVERAGE.search(log)
-            assert steps is not None and int(steps[1]) > 0, log
-        assert "graphflow" not in servers[0].log()
-    finally:
-        for each in servers:
-            each.kill()
+    print(compare_servers(tmp_path, serve_args=gpu.serve_args("cpu"),
+                          questions=prompts(16, gpu.WORDS, least=4, most=40, seed=1), max_tokens=gpu.MAX_TOKENS,
+                          words=gpu.WORDS, config=gpu.MODEL, rounds=("cold", "warm")))

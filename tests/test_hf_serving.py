@@ -7,7 +7,8 @@ the engine's; nothing about CUDA itself.
 
 * keys: every padded key a batch of the engine can have (from the engine's own
   ``pad_to_interval``/``pad_to_pow2`` applied to random batches, and from real batches the
-  engine's ``prepare_batch_tensors`` builds) is in ``serving_keys``;
+  engine's ``prepare_batch_tensors`` builds) is in ``serving_keys``: each batch's
+  PIECEWISE key, and a decode-only batch's FULL key;
 * tokens: greedy tokens through the manager with graphflow (foreground and lazy) are the
   engine's own and Hugging Face's ``generate``, prompt by prompt, for Llama and for the
   sliding-window and hybrid models the engine runs (Mistral, Qwen2, Gemma-2, Gemma-3);
@@ -42,10 +43,12 @@ from transformers.generation.continuous_batching.utils import (
 )
 
 from graphflow.engine.backend import CpuBackend, PoolProbe
+from graphflow.engine.first_use import Checks
 from graphflow.errors import PlanError
 from graphflow.integrations.hf.batching import Fallback, ServingKey, serve, serving_keys
-from graphflow.integrations.hf.batching.keys import VARLEN, key_of
+from graphflow.integrations.hf.batching.keys import VARLEN, batch_keys, decode_only
 from graphflow.integrations.hf.batching.serving import LAZY_TRIES
+from graphflow.plan import Mode
 from tests.serving_models import (
     WINDOW,
     cb_config,
@@ -97,12 +100,13 @@ def engine_settings(draw):
                 kv_padding_interval_size=kv_interval, allow_block_sharing=sharing)
 
 
-def _batch(processor, wanted, longest=None):
+def _batch(processor, wanted, longest=None, decoding=False):
     """Requests as the scheduler admits them, each with its query tokens and its past:
     ``wanted`` gives each request's query tokens and its past as a share of the room
-    left. Within the token, request, KV-read, cache (and ``longest``) budgets; a request
-    that does not fit is left out, as the scheduler leaves it waiting. Their blocks are
-    allocated in the cache; the caller frees them. Returns [(FutureRequestState, query, past)]."""
+    left (``decoding``: one query token each, and a past of one token at least). Within
+    the token, request, KV-read, cache (and ``longest``) budgets; a request that does not
+    fit is left out, as the scheduler leaves it waiting. Their blocks are allocated in the
+    cache; the caller frees them. Returns [(FutureRequestState, query, past)]."""
     from transformers.generation.continuous_batching.requests import (
         FutureRequestState,
         RequestState,
@@ -115,6 +119,7 @@ def _batch(processor, wanted, longest=None):
     groups = cache.num_full_attention_groups + cache.num_sliding_attention_groups  # they share the blocks
     chosen = []
     for index, (query, share) in enumerate(wanted[: processor.model_runner.cb_config.max_requests_per_batch]):
+        query = 1 if decoding else query
         if sliding_only:
             # Its layers keep a ring of one window's blocks whatever its length
             # (``SlidingAttentionCacheAllocator``): the cache bounds neither its query nor its
@@ -125,8 +130,9 @@ def _batch(processor, wanted, longest=None):
             room = cache.get_num_free_blocks() * cache.block_size // groups
             query = min(query, token_budget, room, longest or room)
             past = int(share * (min(room, longest or room) - query))
+        past = max(past, 1) if decoding else past
         read = min(past, WINDOW) if sliding_only else past  # the scheduler's read_cache_needed
-        if query <= 0 or read > kv_budget:
+        if query <= 0 or read > kv_budget or (longest is not None and past + query > longest):
             continue
         state = RequestState(request_id=f"r{index}", initial_tokens=[1] * (past + query), max_new_tokens=1)
         state._status = RequestStatus.PREFILLING
@@ -144,7 +150,7 @@ def _batch(processor, wanted, longest=None):
 
 
 def _independent_key(processor, batch) -> ServingKey:
-    """The key of ``batch`` from the engine's own padding functions, computed here."""
+    """The FULL key of ``batch`` from the engine's own padding functions, computed here."""
     cache, config = processor.cache, processor.model_runner.cb_config
     sliding_only = not cache.num_full_attention_groups
     query = sum(q for _, q, _ in batch)
@@ -164,21 +170,25 @@ def _independent_key(processor, batch) -> ServingKey:
        batches=st.lists(st.lists(st.tuples(st.integers(1, 48), st.floats(0, 1)), min_size=1, max_size=6),
                         min_size=1, max_size=4),
        fractions=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=12),
-       longest=st.one_of(st.none(), st.integers(1, 3000)))
+       longest=st.one_of(st.none(), st.integers(1, 3000)), decoding=st.booleans())
 # A sliding-only cache holds one block per request here: 17 query tokens in 16 pages.
 @example(kind="mistral", engine={"block_size": 8, "num_blocks": 2, "max_batch_tokens": 17, "max_requests_per_batch": 2,
                                  "q_padding_interval_size": 2, "kv_padding_interval_size": 0,
                                  "allow_block_sharing": False},
-         batches=[[(9, 0.0), (8, 0.0)]], fractions=[(0.0, 0.0)], longest=None)
-def test_every_key_a_batch_can_have_is_planned(kind, engine, batches, fractions, longest):
-    """``longest``: the most tokens a request holds on the server (``serve(longest=...)``),
+         batches=[[(9, 0.0), (8, 0.0)]], fractions=[(0.0, 0.0)], longest=None, decoding=False)
+def test_every_key_a_batch_can_have_is_planned(kind, engine, batches, fractions, longest, decoding):
+    """Every batch's PIECEWISE key is planned, and a decode-only batch's FULL key too.
+    ``longest``: the most tokens a request holds on the server (``serve(longest=...)``),
     when known; the requests then hold no more."""
     model, _ = shared(kind)
     processor = manager(model, 1, **engine)._create_batch_processor()
     cache, io = processor.cache, processor.inputs_and_outputs
     keys = serving_keys(processor, longest=longest)
     assert keys and len(set(keys)) == len(keys)
-    assert list(keys) == sorted(keys, reverse=True)  # largest first
+    piecewise = [k for k in keys if k.mode is Mode.PIECEWISE]
+    full = [k for k in keys if k.mode is Mode.FULL]
+    assert list(keys) == sorted(piecewise, reverse=True) + sorted(full, reverse=True)  # coverage first, largest first
+    assert all(k.path == VARLEN and k.kv == 0 and not k.seqlens for k in piecewise)
     planned = set(keys)
 
     # Sizes alone: any query count, KV read and longest sequence the budgets allow.
@@ -191,13 +201,15 @@ def test_every_key_a_batch_can_have_is_planned(kind, engine, batches, fractions,
             query = max(1, round(fq * min(cache.max_batch_tokens, longest or cache.max_batch_tokens)))
             past = round(fk * min((longest or query + WINDOW) - query, WINDOW))
         batch = [(None, query, past)]  # one request: the longest sequence is the whole batch
-        assert _independent_key(processor, batch) in planned, (query, past)
+        assert ServingKey.piecewise(_independent_key(processor, batch).q) in planned, (query, past)
+        if past >= 1 and (longest is None or past + 1 <= longest):  # the request one step on, decoding
+            assert _independent_key(processor, [(None, 1, past)]) in planned, ("decoding", past)
 
     # Real batches: the engine builds them, pads them as graphflow serves them
     # (``use_cuda_graph_varlen``: the longest sequences padded), and keys them itself.
     io.use_cuda_graph_varlen = True
     for wanted in batches:
-        batch = _batch(processor, wanted, longest)
+        batch = _batch(processor, wanted, longest, decoding)
         try:
             if not batch:
                 continue
@@ -205,13 +217,17 @@ def test_every_key_a_batch_can_have_is_planned(kind, engine, batches, fractions,
             io.prepare_batch_tensors([f for f, _, _ in batch], processor.logit_processor, False, expected.q,
                                      expected.kv, use_padding=True)
             io.get_model_kwargs(use_padding=True)
-            got = key_of(io)
-            assert got.engine_key == io._get_graph_key()
-            assert got == expected
-            assert got in planned, [(q, p) for _, q, p in batch]
-            event(f"{kind}: a real batch of {min(len(batch), 3)}{'+' if len(batch) > 3 else ''} request(s)")
-            if any(n < cache.num_pages for n in got.seqlens):
-                event("a longest sequence padded below the pages")
+            got = batch_keys(io)
+            assert got[-1] == ServingKey.piecewise(expected.q) and got[-1] in planned, [(q, p) for _, q, p in batch]
+            assert decode_only(io) == all(q == 1 for _, q, _ in batch)
+            if decode_only(io):
+                assert got[0].engine_key == io._get_graph_key()
+                assert got[0] == expected
+                assert got[0] in planned, [(q, p) for _, q, p in batch]
+                if any(n < cache.num_pages for n in got[0].seqlens):
+                    event("a decode-only batch's longest sequence padded below the pages")
+            event(f"{kind}: a real {'decode-only' if decode_only(io) else 'varlen'} batch of "
+                  f"{min(len(batch), 3)}{'+' if len(batch) > 3 else ''} request(s)")
         finally:
             for future, _, _ in batch:
                 cache.free_blocks(future.state.request_id)
@@ -224,8 +240,9 @@ class KeyMissing(AssertionError):
 def test_a_batch_reading_shared_prefix_blocks_has_a_planned_key():
     """Request A (24 tokens, 3 full blocks) decodes while B (A's 24 tokens and 8 more)
     joins: B finds A's blocks by prefix sharing, so the batch has 9 query tokens and reads
-    48 KV tokens, 57 > 48 pages. Its key, varlen(q=16, kv=48), is missing from the plan:
-    that step ran eagerly as "key never captured"."""
+    48 KV tokens, 57 > 48 pages. Its key, varlen(q=16, kv=48), was missing from the plan
+    when every batch had a FULL key: that step ran eagerly as "key never captured". Its
+    PIECEWISE key is planned."""
     model, _ = shared("llama")
     mgr = manager(model, 4, block_size=8, num_blocks=6, max_batch_tokens=32, max_requests_per_batch=4,
                   q_padding_interval_size=8, kv_padding_interval_size=8)
@@ -242,9 +259,9 @@ def test_a_batch_reading_shared_prefix_blocks_has_a_planned_key():
         mgr._generation_loop_body(processor, bootstrapping=False)  # A decodes, B prefills beside it
         io = processor.inputs_and_outputs
         assert sorted(f.state.request_id for f in io.requests_in_batch) == ["A", "B"]
-        assert (io.total_seqlen_q, key_of(io).kv) == (9, 48)
-        if key_of(io) not in full_plan:
-            raise KeyMissing(f"{key_of(io)} is not in the plan")
+        assert (io.total_seqlen_q, io.max_kv_read) == (9, 48)
+        if batch_keys(io)[-1] not in full_plan:
+            raise KeyMissing(f"{batch_keys(io)[-1]} is not in the plan")
     finally:
         serving.close()
 
@@ -254,7 +271,8 @@ def test_a_batch_with_forked_requests_on_a_hybrid_model_has_a_planned_key():
     parent's complete blocks (``allow_block_sharing``) even on a model whose sliding layers
     turn prefix sharing off. A parent of 41 tokens decoding with its 2 children beside a
     new 30-token prompt batched 32 query tokens reading 120 KV tokens of 128 pages, more
-    than a batch of unshared blocks can; the plan missed its key."""
+    than a batch of unshared blocks can; the plan missed its key when every batch had a
+    FULL key. Its PIECEWISE key is planned."""
     from transformers import GenerationConfig
 
     model, _ = shared("qwen2")
@@ -275,9 +293,9 @@ def test_a_batch_with_forked_requests_on_a_hybrid_model_has_a_planned_key():
         mgr._generation_loop_body(processor, bootstrapping=False)  # A and its children decode beside C
         io = processor.inputs_and_outputs
         assert sorted(f.state.request_id for f in io.requests_in_batch) == ["A", "A__child#0", "A__child#1", "C"]
-        assert (io.total_seqlen_q, key_of(io).kv) == (32, 120)
-        if key_of(io) not in full_plan:
-            raise KeyMissing(f"{key_of(io)} is not in the plan")
+        assert (io.total_seqlen_q, io.max_kv_read) == (32, 120)
+        if batch_keys(io)[-1] not in full_plan:
+            raise KeyMissing(f"{batch_keys(io)[-1]} is not in the plan")
     finally:
         serving.close()
 
@@ -348,11 +366,24 @@ def test_the_window_matters_for_these_prompts():
 # -- coverage ------------------------------------------------------------------------------
 
 
+#: A foreground capture of every key before serving, each verified then (``serve``'s
+#: default leaves the FULL keys to the capture thread and verifies a sample).
+EVERY_KEY_VERIFIED = dict(full_in_background=False, verify="all")
+
+
 @functools.cache
 def _foreground_run():
-    """Llama in foreground, the requests queued before the start: the same batches (and
-    keys) every run, so the failure tests below can aim at a key this workload uses."""
-    return run(shared("llama")[0], PROMPTS, NEW, "fg", queue_first=True)
+    """Llama in foreground, every key captured and verified before serving, the requests
+    queued before the start: the same batches (and keys) every run, so the failure tests
+    below can aim at a key this workload uses."""
+    return run(shared("llama")[0], PROMPTS, NEW, "fg", queue_first=True, serve_kwargs=EVERY_KEY_VERIFIED)
+
+
+def _served(result) -> list[ServingKey]:
+    """The key each step of ``result`` replays when every planned key is live: its batch's
+    first key in the plan (a decode-only batch's FULL key, else its PIECEWISE key)."""
+    planned = set(result.serving.plan.keys)
+    return [next(k for k in keys if k in planned) for keys in result.keys]
 
 
 def test_foreground_coverage_counts_every_step(caplog):
@@ -366,8 +397,8 @@ def test_foreground_coverage_counts_every_step(caplog):
     assert summary["fallback_rate"] == 0.0
     for entry in summary["keys"].values():
         assert str(Fallback.NO_GRAPH_YET) not in entry["eager_steps"]
-    steps_per_key = collections.Counter(result.keys)
-    assert len(steps_per_key) > 1
+    steps_per_key = collections.Counter(_served(result))
+    assert {k.mode for k in steps_per_key} == {Mode.PIECEWISE, Mode.FULL}  # prefills, and decode-only steps
     for key, n in steps_per_key.items():
         assert summary["keys"][str(key)]["graph_steps"] == n
         assert summary["keys"][str(key)]["state"] == "live"
@@ -381,6 +412,58 @@ def test_foreground_coverage_counts_every_step(caplog):
     report = result.serving.report()
     assert coverage.table() in report and f"warning: {warnings[0]}" in report
     assert f"{result.steps} of {result.steps} steps on graphs" in report
+    assert result.serving.checks.before_ready == len(result.serving.plan.keys)
+    assert f"checks against the engine's eager step: {len(result.serving.plan.keys)} keys before serving" in report
+
+
+def test_default_foreground_verifies_a_sample_and_checks_the_rest_on_their_first_batch():
+    """``serve(manager)``: the PIECEWISE keys before serving, the largest verified then
+    against the engine's eager step, the others captured unchecked; the FULL keys on the
+    capture thread. Every other key's first batch checks it (an eager step served, the
+    replay compared): every step on a graph, each key that served one live, the keys no
+    step used still waiting for their check, and the counts say so."""
+    model, _ = shared("llama")
+    result = run(model, PROMPTS, NEW, "fg", queue_first=True, settle=True)
+    assert result.tokens == _reference("llama")
+    serving = result.serving
+    summary = serving.coverage.as_dict()
+    assert summary["graph_steps"] == result.steps and summary["eager_steps"] == 0
+    largest = serving.plan.keys[0]
+    assert largest.mode is Mode.PIECEWISE and summary["keys"][str(largest)]["state"] == "live"
+    used = {k for keys in result.keys for k in keys if summary["keys"][str(k)]["graph_steps"]}
+    assert {k.mode for k in used} == {Mode.PIECEWISE, Mode.FULL}
+    assert all(summary["keys"][str(k)]["state"] == "live" for k in used)
+    waiting = [k for k in serving.plan.keys if summary["keys"][str(k)]["state"] == "captured"]
+    assert waiting and not set(waiting) & used
+    assert serving.checks == Checks(before_ready=1, on_first_use=len(used - {largest}), waiting=len(waiting), failed=0)
+    assert summary["checks"] == {"before_ready": 1, "on_first_use": len(used - {largest}),
+                                 "waiting": len(waiting), "failed": 0}
+    assert (f"checks against the engine's eager step: 1 keys before serving, {len(used - {largest})} on their first "
+            f"batch; {len(waiting)} captured keys not checked yet") in serving.report()
+
+
+@pytest.mark.parametrize("verify, before_ready", [("all", "piecewise"), ("sample", 1), (False, 0)])
+def test_verify_says_which_keys_are_verified_before_serving(verify, before_ready):
+    model, _ = shared("llama")
+    serving = serve(manager(model, NEW), verify=verify)
+    try:
+        piecewise = [k for k in serving.plan.keys if k.mode is Mode.PIECEWISE]
+        expected = len(piecewise) if before_ready == "piecewise" else before_ready
+        assert serving.checks.before_ready == expected
+        states = [serving.coverage.state(k) for k in piecewise]
+        if verify is False:
+            assert set(states) == {"live"}  # unchecked, then or later
+            assert "checks against" not in serving.report()
+        else:
+            assert states[:expected] == ["live"] * expected and set(states[expected:]) <= {"captured"}
+    finally:
+        serving.close()
+
+
+def test_an_unknown_verify_is_refused_naming_the_choices():
+    with pytest.raises(PlanError, match="'sample', 'all', 'off'") as raised:
+        serve(manager(shared("llama")[0], NEW), verify="most")
+    assert raised.value.element == "verify"
 
 
 def test_lazy_coverage_first_steps_have_no_graph_yet():
@@ -391,21 +474,25 @@ def test_lazy_coverage_first_steps_have_no_graph_yet():
     assert summary["steps"] == result.steps
     assert summary["graph_steps"] + summary["eager_steps"] == result.steps
     assert summary["graph_steps"] > 0
-    # The first step ran before any capture: eagerly, "no graph yet". A key's later steps
-    # ran on its graph (each step waited for its key's capture); a key the thread captured
-    # (from the rest of the plan) before a step asked for it has no eager step at all.
-    first = summary["keys"][str(result.keys[0])]
+    # The first step ran before any capture: eagerly, "no graph yet", counted on the key
+    # that covers its batch (its PIECEWISE key). A key's later steps ran on a graph (each
+    # step waited for its keys' captures): a decode-only step on its FULL key once that
+    # was live, else on its PIECEWISE key; only a PIECEWISE key serves a step eagerly, and
+    # a key the thread captured (from the rest of the plan) before a step asked for it
+    # has no eager step at all.
+    first = summary["keys"][str(result.keys[0][-1])]
     assert first["eager_steps"] == {str(Fallback.NO_GRAPH_YET): 1}
-    steps_per_key = collections.Counter(result.keys)
-    assert len(steps_per_key) > 1
-    for key, n in steps_per_key.items():
-        entry = summary["keys"][str(key)]
+    by_key = {str(k): k for keys in result.keys for k in keys}
+    for name, entry in summary["keys"].items():
         eager = entry["eager_steps"].get(str(Fallback.NO_GRAPH_YET), 0)
-        assert set(entry["eager_steps"]) <= {str(Fallback.NO_GRAPH_YET)} and eager <= 1, (key, entry)
-        assert entry["graph_steps"] == n - eager
-        assert entry["state"] == ("live" if entry["graph_steps"] else "captured")
-    assert 1 <= summary["eager_steps"] <= len(steps_per_key)
-    assert all(e["state"] in ("live", "captured") for e in summary["keys"].values())
+        assert set(entry["eager_steps"]) <= {str(Fallback.NO_GRAPH_YET)} and eager <= 1, (name, entry)
+        assert not eager or by_key[name].mode is Mode.PIECEWISE
+        if entry["graph_steps"]:
+            assert entry["state"] == "live"
+    covering = {keys[-1] for keys in result.keys}
+    assert 1 <= summary["eager_steps"] <= len(covering)
+    served = {by_key[name].mode for name, e in summary["keys"].items() if e["graph_steps"]}
+    assert served == {Mode.PIECEWISE, Mode.FULL}
     assert any("no graph yet" in w for w in result.serving.coverage.warnings())
 
 
@@ -428,11 +515,14 @@ def test_a_lazy_graphs_check_leaves_the_cache_as_the_eager_step_does(name, lengt
 
 
 def test_a_key_outside_the_plan_is_served_eagerly_as_never_captured():
+    """A PIECEWISE key left out: the steps it served run eagerly (the decode-only steps of
+    its query size stay on their FULL keys)."""
     everything = _foreground_run()
-    busiest, hits = collections.Counter(everything.keys).most_common(1)[0]
+    busiest, hits = collections.Counter(k for k in _served(everything) if k.mode is Mode.PIECEWISE).most_common(1)[0]
     assert hits > 1
     subset = [k for k in everything.serving.plan.keys if k != busiest]
-    result = run(shared("llama")[0], PROMPTS, NEW, "fg", queue_first=True, serve_kwargs=dict(keys=subset))
+    result = run(shared("llama")[0], PROMPTS, NEW, "fg", queue_first=True,
+                 serve_kwargs=dict(EVERY_KEY_VERIFIED, keys=subset))
     assert result.keys == everything.keys
     assert result.tokens == everything.tokens == _reference("llama")
     coverage = result.serving.coverage
@@ -526,11 +616,12 @@ def _differ_in_replay_at(model, key, flags):
 
 
 def _middle_key(min_hits: int = 1) -> tuple[ServingKey, int]:
-    """A key the workload uses, neither the first nor the last of the plan, and its steps."""
+    """A PIECEWISE key the workload uses, not the first of the plan, and its steps: failed,
+    they run eagerly (a FULL key's would run on their PIECEWISE key)."""
     everything = _foreground_run()
     keys = everything.serving.plan.keys
-    hits = collections.Counter(everything.keys)
-    middle = [(n, k) for k, n in hits.items() if k in keys[1:-1] and n >= min_hits]
+    hits = collections.Counter(_served(everything))
+    middle = [(n, k) for k, n in hits.items() if k in keys[1:] and k.mode is Mode.PIECEWISE and n >= min_hits]
     assert middle, hits
     n, key = max(middle)
     return key, n
@@ -541,7 +632,7 @@ def test_a_key_failing_its_foreground_capture_is_rolled_back_alone(capture_flags
     model, _ = build("llama")
     _raise_in_capture_at(model, key, capture_flags)
     with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
-        result = run(model, PROMPTS, NEW, "fg", queue_first=True)
+        result = run(model, PROMPTS, NEW, "fg", queue_first=True, serve_kwargs=EVERY_KEY_VERIFIED)
     assert result.tokens == _foreground_run().tokens == _engine_alone("llama").tokens
     summary = result.serving.coverage.as_dict()
     entry = summary["keys"][str(key)]
@@ -557,20 +648,70 @@ def test_a_key_failing_its_foreground_capture_is_rolled_back_alone(capture_flags
     assert f"failed: _Injected: injected at {key}" in result.serving.coverage.table()
 
 
+def test_a_graph_whose_instantiation_fails_is_rolled_back_alone(monkeypatch, caplog):
+    """A key left out of the sample is instantiated beside the next captures (the CUDA
+    backend's worker thread); ``serve`` waits for every one, and one whose instantiation
+    raised is undone and served eagerly, before any step could replay it."""
+    from graphflow.integrations.hf.batching.capture import KeyCapture
+
+    key, hits = _middle_key()
+    captured = KeyCapture._captured
+
+    def failing(self, at, call):
+        held = captured(self, at, call)
+        if at == key:
+            def ready():
+                raise RuntimeError("injected: cudaGraphInstantiate failed")
+
+            held.graph.ready = ready
+        return held
+
+    monkeypatch.setattr(KeyCapture, "_captured", failing)
+    with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
+        result = run(shared("llama")[0], PROMPTS, NEW, "fg", queue_first=True,
+                     serve_kwargs={"full_in_background": False})  # the key is captured unchecked
+    assert result.tokens == _engine_alone("llama").tokens
+    entry = result.serving.coverage.as_dict()["keys"][str(key)]
+    assert entry["state"] == "failed" and "cudaGraphInstantiate failed" in entry["failure"]
+    assert entry["eager_steps"] == {str(Fallback.FAILED): hits} and entry["graph_steps"] == 0
+    assert key not in result.serving.capture.graphs
+    assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
 def test_a_key_whose_replay_differs_fails_foreground_verification(capture_flags, caplog):
-    """The cache zeroed first: verification fills it with random values of its own
-    (the test below holds NaN there)."""
+    """Every key verified before serving (``verify="all"``). The cache zeroed first:
+    verification fills it with random values of its own (the test below holds NaN there)."""
     key, hits = _middle_key()
     model, _ = build("llama")
     _differ_in_replay_at(model, key, capture_flags)
     with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
-        result = run(model, PROMPTS, NEW, "fg", queue_first=True, before_serve=fill_cache(0.0))
+        result = run(model, PROMPTS, NEW, "fg", queue_first=True, before_serve=fill_cache(0.0),
+                     serve_kwargs=EVERY_KEY_VERIFIED)
     assert result.tokens == _engine_alone("llama").tokens
     summary = result.serving.coverage.as_dict()
     entry = summary["keys"][str(key)]
     assert entry["state"] == "failed" and "differ from the engine's eager step" in entry["failure"]
     assert entry["eager_steps"] == {str(Fallback.FAILED): hits}
     assert all(summary["keys"][str(k)]["state"] == "live" for k in result.serving.plan.keys if k != key)
+    assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_a_foreground_key_left_out_of_the_sample_is_checked_on_its_first_batch(capture_flags, caplog):
+    """``serve(manager)``: a PIECEWISE key other than the largest goes in unchecked; its
+    replay differs, so its first batch (an eager step served, the replay compared) takes it
+    out, and every step of it is eager from then on, with the engine's tokens."""
+    key, _ = _middle_key()
+    model, _ = build("llama")
+    _differ_in_replay_at(model, key, capture_flags)
+    with caplog.at_level(logging.WARNING, logger="graphflow.serving"):
+        result = run(model, PROMPTS, NEW, "fg", queue_first=True, settle=True)
+    assert result.tokens == _engine_alone("llama").tokens
+    entry = result.serving.coverage.as_dict()["keys"][str(key)]
+    assert entry["state"] == "failed" and "its replay gave tokens" in entry["failure"]
+    assert set(entry["eager_steps"]) == {str(Fallback.FAILED)} and entry["graph_steps"] == 0
+    checks = result.serving.checks
+    assert checks.before_ready == 1 and checks.failed == 1 and checks.on_first_use > 0
+    assert "1 found wrong there, served eagerly" in result.serving.report()
     assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
@@ -585,7 +726,7 @@ def test_foreground_verification_catches_a_differing_replay_whatever_the_cache_h
     # The engine itself never reads a slot no request wrote: NaN there changes none of its tokens.
     assert run(model, PROMPTS, NEW, queue_first=True, before_serve=nan).tokens == _engine_alone("llama").tokens
     _differ_in_replay_at(model, key, capture_flags)
-    result = run(model, PROMPTS, NEW, "fg", queue_first=True, before_serve=nan)
+    result = run(model, PROMPTS, NEW, "fg", queue_first=True, before_serve=nan, serve_kwargs=EVERY_KEY_VERIFIED)
     entry = result.serving.coverage.as_dict()["keys"][str(key)]
     if entry["state"] != "failed" or result.tokens != _engine_alone("llama").tokens:
         raise VerifyMissed(f"{key} is {entry['state']} and served other tokens")
@@ -722,10 +863,14 @@ def test_close_gives_the_engine_back(lazy):
     assert [results[f"req_{i}"] for i in range(len(PROMPTS))] == _reference("llama")
 
 
-def test_the_pool_forecast_is_a_warm_probed_run_of_the_largest_key(monkeypatch):
-    """Foreground capture forecasts the pool before capturing anything: the first (largest)
-    key's step once more, after its warm run, routed to a pool probe; the bytes that probe
-    reports are the forecast. (The CPU backend probes nothing: a stand-in probe here.)"""
+def test_the_pool_forecast_is_a_warm_probed_run_of_each_modes_largest_key(monkeypatch):
+    """Foreground capture forecasts the whole plan's pool before capturing anything: the
+    first (largest) key of each mode, in capture order, once more after its warm run,
+    into one pool probe; the bytes that probe reports are the forecast. A PIECEWISE key's
+    attention runs outside the probe's pool (as outside its graphs), a FULL key's inside
+    (as in its graph: the FULL keys' attention was most of a pool the PIECEWISE key alone
+    forecast at a tenth on the H200). The FULL keys are captured beside serving, and are in
+    the forecast all the same. (The CPU backend probes nothing: a stand-in probe here.)"""
     model, _ = shared("llama")
     events: list = []
     probe_state = {"inside": False}
@@ -737,11 +882,20 @@ def test_the_pool_forecast_is_a_warm_probed_run_of_the_largest_key(monkeypatch):
         probe_state["inside"] = False
 
     @contextlib.contextmanager
+    def outside():
+        assert probe_state["inside"], "outside() is only left from inside route()"
+        probe_state["inside"] = False
+        events.append("outside")
+        yield
+        probe_state["inside"] = True
+
+    @contextlib.contextmanager
     def pool_probe(self, device):
         events.append("probe")
-        probe = PoolProbe(route=route)
+        probe = PoolProbe(route=route, outside=outside)
         yield probe
         probe.bytes = 4321
+        events.append("probed all")
 
     def action(hidden, kwargs, out):
         events.append(("probed" if probe_state["inside"] else "run", hidden.shape[1]))
@@ -753,12 +907,17 @@ def test_the_pool_forecast_is_a_warm_probed_run_of_the_largest_key(monkeypatch):
     _wrap_layer(fresh.model.layers[0], action)
     serving = serve(manager(fresh, NEW))
     try:
-        largest = serving.plan.keys[0]
-        assert largest.q == max(k.q for k in serving.plan.keys)
+        plan = serving.plan.keys
+        piecewise, full = plan[0], next(k for k in plan if k.mode is Mode.FULL)
+        assert piecewise.mode is Mode.PIECEWISE and piecewise.q == max(k.q for k in plan)
         assert events.count("probe") == 1
         at = events.index("probe")
-        assert events[at - 1] == ("run", largest.q) and events[at + 1] == ("probed", largest.q)
-        assert sum(1 for e in events if e[0] == "probed") == 1
+        layers = fresh.config.num_hidden_layers
+        assert events[at:events.index("probed all") + 1] == [
+            # layer 0's attention, then its output; the other layers' attention after it
+            "probe", ("run", piecewise.q), "outside", ("probed", piecewise.q), *["outside"] * (layers - 1),
+            ("run", full.q), ("probed", full.q), "probed all"], events
+        assert sum(1 for e in events if e[0] == "probed") == 2
         assert serving.memory["estimated_pool_bytes"] == 4321
         assert "estimated 0.0 MiB before capture" in serving.report()
     finally:
@@ -808,8 +967,9 @@ def test_graphflow_show_serving_prints_the_plan_of_the_example(capsys):
 
     assert main(["show", "--serving", "examples.hf_serving.serving:manager", "--longest", "124"]) == 0
     out = capsys.readouterr().out
-    assert "serving plan llama-serving: 8 FULL graphs" in out
-    assert "varlen(q=128, kv=2048, seqlen_k=1024)" in out and "<- cache.key_cache[0]" in out
+    assert "serving plan llama-serving: 6 graphs (4 PIECEWISE, 2 FULL)" in out
+    assert "  PIECEWISE  piecewise(q=128)  " in out and "  FULL       varlen(q=32, kv=2048, seqlen_k=1024)  " in out
+    assert "<- cache.key_cache[0]" in out and "static attention buffers of the PIECEWISE keys 0.4 MiB" in out
     assert main(["show", "--serving", "examples.hf_serving.serving:model"]) == 2
     err = capsys.readouterr().err
     assert "not a ContinuousBatchingManager" in err and "Traceback" not in err

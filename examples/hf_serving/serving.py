@@ -1,7 +1,7 @@
 """A random Llama (nothing downloaded) served by transformers' continuous batching, with
 graphflow capturing its graphs.
 
-    python examples/hf_serving/serving.py            # foreground: every key captured first
+    python examples/hf_serving/serving.py            # foreground: the PIECEWISE keys first, the FULL ones beside
     python examples/hf_serving/serving.py --lazy     # serving at once, keys captured beside it
     graphflow show --serving examples.hf_serving.serving:manager    # the plan, before any capture
 
@@ -53,7 +53,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=24)
     args = parser.parse_args()
     say(f"loading torch and transformers, then building a random Llama ({CONFIG['num_hidden_layers']} layers) and "
-        f"serving {args.requests} requests, graphs captured {'beside serving' if args.lazy else 'before serving'}")
+        f"serving {args.requests} requests, graphs captured "
+        + ("beside serving" if args.lazy else "before serving (the PIECEWISE ones; the FULL ones beside it)"))
     import torch
 
     from graphflow.integrations.hf.batching import serve
@@ -63,7 +64,7 @@ def main() -> int:
     began = time.perf_counter()
     engine = manager()
     say(f"model and engine built in {time.perf_counter() - began:.1f} s; graphflow reads the engine's keys"
-        + ("" if args.lazy else " and captures each before serving"))
+        + ("" if args.lazy else " and captures the PIECEWISE keys before serving"))
     serving = serve(engine, lazy=args.lazy, longest=100 + NEW_TOKENS)
     generator = torch.Generator().manual_seed(1)
     prompts = [[int(t) for t in torch.randint(3, CONFIG["vocab_size"], (int(n),), generator=generator)]

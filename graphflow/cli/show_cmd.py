@@ -49,8 +49,9 @@ def register(subparsers) -> None:
                              "plan captures FULL only)")
     parser.add_argument("--serving", metavar="PKG.MOD:FACTORY",
                         help="instead of a plan: the serving plan of the continuous-batching manager this factory "
-                             "returns (transformers' ContinuousBatchingManager; docs/serving.md): its graph keys, "
-                             "the engine tensors they adopt and their memory, before any capture")
+                             "returns (transformers' ContinuousBatchingManager; docs/serving.md): its graph keys "
+                             "and their modes (PIECEWISE or FULL), the engine tensors they adopt and their memory, "
+                             "before any capture")
     parser.add_argument("--longest", type=int, metavar="TOKENS",
                         help="with --serving: the most tokens one request holds (prompt and new tokens), which "
                              "bounds the keys")

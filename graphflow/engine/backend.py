@@ -225,10 +225,13 @@ class PoolProbe:
     """What ``Backend.pool_probe`` measured: the bytes its pool reserved, once it is left.
 
     ``route()``: a context inside which this thread's allocations on the probe's device go
-    to its pool; only what runs there is measured (what a capture would put in its pool)."""
+    to its pool; only what runs there is measured (what a capture would put in its pool).
+    ``outside()``: inside ``route()``, a context whose allocations go where they would
+    without the probe (work a capture runs eagerly between its graphs, outside its pool)."""
 
     bytes: int | None = None
     route: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    outside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 class _EagerGraph(Graph):
@@ -692,13 +695,13 @@ class CudaBackend(Backend):
             yield probe
             return
         pool = _ProbePool(device)
-        probe.route = pool.route
+        probe.route, probe.outside = pool.route, pool.outside
         try:
             yield probe
             torch.cuda.synchronize(device)
             probe.bytes = self.pool_bytes(pool.id)
         finally:
-            probe.route = contextlib.nullcontext  # the pool is this context's alone
+            probe.route = probe.outside = contextlib.nullcontext  # the pool is this context's alone
             pool.release()
             # Its blocks back to the device now, unless a capture is underway somewhere
             # (torch refuses to empty then, and raises): then at the next emptying.
@@ -765,6 +768,18 @@ class _ProbePool:
             if self._held:
                 torch._C._cuda_releasePool(self._index, self.id)
             self._held = True
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Inside ``route``: this thread's allocations leave the pool until the end. Routing
+        again takes a use of the pool (as each ``route`` does), given back at once: the
+        route holds its own."""
+        torch._C._cuda_endAllocateToPool(self._index, self.id)
+        try:
+            yield
+        finally:
+            torch._C._cuda_beginAllocateCurrentThreadToPool(self._index, self.id)
+            torch._C._cuda_releasePool(self._index, self.id)
 
     def release(self) -> None:
         if self._held:

@@ -22,7 +22,8 @@ differs between integrations is only how one key is captured and how it goes liv
   key or eagerly, and ``failures`` says why, as a ``CaptureError``.
 * **States** (``KeyState``): planned, captured (its first step checks it against the
   eager step), live, failed; written here and by the integration's first-use check
-  (``checked``), nowhere else.
+  (``checked``), nowhere else, but for the keys an integration settled before the thread
+  starts (``settled``: a foreground capture's verdicts), which the thread leaves alone.
 
 What may overlap, and why it is safe:
 
@@ -55,7 +56,7 @@ import contextlib
 import enum
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -108,10 +109,11 @@ class LazyCapture(Generic[K]):
 
     def __init__(self, capturer: Capturer[K], keys: Sequence[K], *, turns: Turns, then: K | None = None,
                  ahead: bool = True, pausing: bool = True, tries: int = TRIES, first_step_s: float | None = None,
-                 name: str = "graphflow-lazy-capture") -> None:
+                 settled: Mapping[K, KeyState] | None = None, name: str = "graphflow-lazy-capture") -> None:
         self.capturer = capturer
         self.turns = turns
         self.states: dict[K, KeyState] = dict.fromkeys(keys, KeyState.PLANNED)
+        self.states.update(settled or {})
         self.failures: dict[K, CaptureError] = {}
         #: Keys whose capture failed at least once, and how many times.
         self.tries: dict[K, int] = {}

@@ -59,11 +59,13 @@ class Verify(enum.Enum):
         # not" (verify's inputs, its snapshots, its memory) needs to know.
         return self is not Verify.OFF
 
-
-def _verify(value) -> Verify:
-    if isinstance(value, bool):
-        return Verify.SAMPLE if value else Verify.OFF
-    return Verify(value)
+    @classmethod
+    def of(cls, value: bool | str | Verify) -> Verify:
+        """``value`` as a user gives it: ``True``/``False`` mean ``SAMPLE``/``OFF``, a
+        name its member (``"all"``)."""
+        if isinstance(value, bool):
+            return cls.SAMPLE if value else cls.OFF
+        return cls(value)
 
 
 def check_named(name: str | Check) -> Check:
@@ -114,7 +116,7 @@ class RunOptions:
     """
 
     backend: BackendKind = attrs.field(default=BackendKind.AUTO, converter=BackendKind)
-    verify: Verify = attrs.field(default=Verify.SAMPLE, converter=_verify)
+    verify: Verify = attrs.field(default=Verify.SAMPLE, converter=Verify.of)
     detectors: Watch = attrs.field(default=Watch.FIRST, converter=_watch)
     disabled_checks: frozenset[Check] = attrs.field(default=frozenset(), converter=_checks)
     sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes)

@@ -1,15 +1,25 @@
 """The capture side of graphflow's serving: how one key of transformers' continuous
 batching is captured, foreground or lazily, into pools a failed capture replaces.
 
-* **Foreground** (``capture_all``): every key of the plan before serving, largest first,
-  each a transaction on the engine's own warmup batch for that key: eager step, capture,
-  verify against the eager step (``eager_then_replay``), or undone: a key that fails is
-  rolled back alone, logged with why, and served eagerly.
+* **Foreground** (``capture_all``): keys of the plan before serving (``serve`` leaves the
+  FULL ones to the lazy-capture thread unless asked for all), in the plan's order (the
+  PIECEWISE keys, which cover every batch, then the FULL ones, each largest first), the
+  graph pool forecast first; each key a transaction: a warm run where it needs one, the
+  capture, and for a sample of the keys a verification on the engine's own warmup batch
+  for it (eager step, replay, tokens compared: ``eager_then_replay``), or undone: a key
+  that fails is rolled back alone, logged with why, and served eagerly. The keys not in
+  the sample are checked on their first batch (``checked``, from the runner).
 * **Lazy**: this is the ``Capturer`` that the lazy-capture thread
   (``graphflow.engine.lazy``, the engine's own) drives: it says how one key is warmed and
   recorded in its turn beside the engine's steps, and how a failed key is undone. The
   thread owns the order, the turns, the retries and the key states; the engine's steps
   check each new graph on its first batch (``graphflow.integrations.hf.batching.runner``).
+
+A PIECEWISE key's step is captured in pieces cut at its attention calls
+(``graphflow.integrations.hf.batching.pieces``), on views of the engine's static tensors
+that read no KV: the pieces never read the KV sizes, and an attention that a piece held
+by mistake (one not called through transformers' registry) would then differ from the
+engine's step on a batch that reads KV, as a foreground key's verification batch does.
 
 Graphs are captured into the newest pool of a ``PoolSet``: a failed capture may leave its
 pool unusable, so the next captures go to a fresh one.
@@ -22,20 +32,24 @@ import copy
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterator
 
 import attrs
 import torch
 
 from graphflow.engine.lazy import KeyState
+from graphflow.engine.options import Verify
 from graphflow.engine.pools import PoolSet
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.turns import Turns
 from graphflow.errors import CaptureError
 from graphflow.integrations.hf.batching.coverage import Coverage
 from graphflow.integrations.hf.batching.keys import DECODE, ServingKey
+from graphflow.integrations.hf.batching.pieces import AttentionCut, Pieces
 from graphflow.integrations.hf.batching.plan import ServingPlan
+from graphflow.plan import Mode
 
-__all__ = ["KeyGraph", "KeyCapture", "eager_then_replay"]
+__all__ = ["KeyCapture", "KeyGraph", "StepCall", "eager_then_replay"]
 
 log = logging.getLogger("graphflow.serving")
 
@@ -45,19 +59,52 @@ AHEAD_MOST = 256
 
 @attrs.define(eq=False)
 class KeyGraph:
-    """One key's graph; ``checked`` once its replay matched the engine's eager step."""
+    """One key's graph; ``checked`` once its replay matched the engine's eager step. A
+    PIECEWISE key's has its ``pieces``: its attention calls, made eagerly at replay on the
+    step's batch."""
 
     key: ServingKey
     graph: object
     checked: bool
+    pieces: Pieces | None = None
+
+    def replay(self, batch: dict) -> None:
+        """The graph on ``batch``, the step's batch arguments (which only a PIECEWISE key reads)."""
+        if self.pieces is None:
+            self.graph.replay()
+        else:
+            self.pieces.replay(self.graph, batch)
+
+    def destroy(self) -> None:
+        self.graph.destroy()
+        if self.pieces is not None:
+            self.pieces.release()
+
+
+@attrs.frozen(eq=False)
+class StepCall:
+    """The engine's step for one key on one batch (``ModelRunner._forward_process_and_sample``):
+    ``forward(model, batch, carry_over_ids, prev_output_ids, output_ids)``, with its batch
+    kept: a PIECEWISE capture maps its attention's arguments against it."""
+
+    forward: Callable
+    model: object
+    batch: dict
+    outputs: tuple
+
+    def __call__(self) -> None:
+        self.forward(self.model, self.batch, *self.outputs)
 
 
 class KeyCapture:
     """Captures keys of one engine (see the module docstring); made by ``serve``."""
 
     def __init__(self, model, processor, plan: ServingPlan, backend, stream, stack: UndoStack,
-                 graphs: dict[ServingKey, KeyGraph], coverage: Coverage, *, lazy: bool, verify: bool) -> None:
+                 graphs: dict[ServingKey, KeyGraph], coverage: Coverage, cut: AttentionCut | None, *, lazy: bool,
+                 verify: Verify) -> None:
         self.model, self.processor, self.plan = model, processor, plan
+        #: The attention calls of the PIECEWISE keys (None when the plan has none).
+        self.cut = cut
         self.coverage = coverage
         self.verify = verify
         self.memory: dict[str, int | None] = {}
@@ -77,11 +124,17 @@ class KeyCapture:
         #: key's first step then checks it).
         self.all_captured_s: float | None = None
 
-    # -- foreground --------------------------------------------------------------------------
+    # -- foreground ----------------------------------------------------------------------------
 
-    def capture_all(self, progress=None) -> None:
-        """Foreground: every key, largest first, each a transaction on the engine's own
-        warmup batch for it.
+    def capture_all(self, progress=None, keys=None) -> None:
+        """Foreground: every key in the plan's order (or ``keys``, in theirs) before
+        serving, the pool forecast first (``_forecast``). The sample (``_sample``) is
+        verified against the engine's eager step on its own warmup batch before ``serve``
+        returns; every other key goes in unchecked and its first real batch checks it
+        (``StepRunner``), as the engine's first-use checks do (``graphflow.engine.first_use``):
+        a capture broken in the code is broken at the largest key too, and one wrong at a
+        single size never serves. A key is warmed only when it needs it (``_warms``): a
+        PIECEWISE key after the first is captured cold, without a batch of its own.
 
         The warmup requests read cache slots nobody wrote: the cache is filled with seeded
         random values first (before serving it holds nothing), so verify compares steps
@@ -90,66 +143,171 @@ class KeyCapture:
         generator = torch.Generator(device=self._device()).manual_seed(0)
         for tensor in (*self.processor.cache.key_cache, *self.processor.cache.value_cache):
             tensor.normal_(generator=generator)
-        if len(self.plan.keys) > AHEAD_MOST:
+        keys = self.plan.keys if keys is None else tuple(keys)
+        if len(keys) > AHEAD_MOST:
             log.warning("graphflow: capturing all %d keys of %s before serving; lazy=True captures the keys steps "
-                        "ask for first, and longest= or the padding intervals bound the plan", len(self.plan.keys),
+                        "ask for first, and longest= or the padding intervals bound the plan", len(keys),
                         self.plan.name)
         device = self._device()
         _warm_stream(self._stream, device)
-        for index, key in enumerate(self.plan.keys):
+        self._forecast()
+        sample = self._sample(keys)
+        for index, key in enumerate(keys):
             began = time.perf_counter()
             before = self._backend.memory_allocated(device)
-            self._capture_foreground(key, first=index == 0)
+            self._capture_foreground(key, check=key in sample)
             self.key_memory[key] = (before, self._backend.memory_allocated(device))
-            line = (f"[{index + 1}/{len(self.plan.keys)}] {key}: {self.coverage.state(key)} in "
+            line = (f"[{index + 1}/{len(keys)}] {key}: {self.coverage.state(key)} in "
                     f"{time.perf_counter() - began:.2f} s, pool {_mib(self.pools.nbytes())}")
             (progress or log.info)(line)
+        self._instantiated(keys)
         self.processor.inputs_and_outputs.reset()
         self._measured()
 
-    def _capture_foreground(self, key: ServingKey, first: bool) -> None:
-        processor = self.processor
-        io, cache = processor.inputs_and_outputs, processor.cache
-        states = _warmup_batch(processor, key)
+    def _sample(self, keys: tuple[ServingKey, ...]) -> frozenset[ServingKey]:
+        """The keys verified before ``serve`` returns: all with ``Verify.ALL``, none with
+        ``OFF``; with ``SAMPLE`` the first of each mode in capture order, the largest, which
+        runs every kernel of its mode at its widest. The others are checked on their first
+        batch, which costs a step one eager step and one replay, once: verifying one before
+        serving costs its warmup batch, an eager step and a replay, and makes ``serve`` wait."""
+        if self.verify is Verify.ALL:
+            return frozenset(keys)
+        if not self.verify:
+            return frozenset()
+        firsts: dict[Mode, ServingKey] = {}
+        for key in keys:
+            firsts.setdefault(key.mode, key)
+        return frozenset(firsts.values())
+
+    def _capture_foreground(self, key: ServingKey, check: bool) -> None:
+        """One key, a transaction: its warm run when it needs one (``_warms``), its
+        capture, and with ``check`` its verification on the engine's own warmup batch for
+        it (eager step, replay from the same start, tokens compared). A key that fails
+        anywhere is undone alone (its graph destroyed, its pool's memory back), logged
+        with why, and served eagerly. A key neither warmed nor checked needs no batch of
+        its own (``_no_batch``)."""
         held = None
         try:
-            if not states:
-                raise RuntimeError("the cache has no room for a batch of this key")
-            decode = key.path == DECODE
-            io.prepare_batch_tensors(states, processor.logit_processor, decode, key.q, key.kv, use_padding=True)
-            call = self._call(key)
-            self._eager(call)
-            if first:
-                self._probe_pool(call)
-            held = KeyGraph(key, self._captured(key, call), checked=False)
-            held.graph.ready()
-            if self.verify and eager_then_replay(processor, functools.partial(self._eager, call),
-                                                 functools.partial(self.replay, held), lambda: io.output_ids):
-                raise RuntimeError("its replay's tokens differ from the engine's eager step on the same batch")
-            held.checked = True
+            warm = self._warms(key)
+            with self._batch(key) if check or warm else self._no_batch() as step:
+                if warm:
+                    with self._warming(key):
+                        self._eager(step)
+                held = self._captured(key, self._call(key, capture=True))
+                if check:
+                    held.graph.ready()
+                    io = self.processor.inputs_and_outputs
+                    differ = eager_then_replay(self.processor, functools.partial(self._eager, step),
+                                               functools.partial(self.replay, held, step.batch),
+                                               lambda: io.output_ids)
+                    self.coverage.checked(key, before_ready=True, passed=differ is None)
+                    if differ is not None:
+                        raise RuntimeError("its replay's tokens differ from the engine's eager step on the same batch")
+            held.checked = check or not self.verify
             self._mine[key] = self.graphs[key] = held
-            self.coverage.mark(key, KeyState.LIVE)
+            self.coverage.mark(key, KeyState.LIVE if held.checked else KeyState.CAPTURED)
         except Exception as exc:  # noqa: BLE001 - any failure of one key is that key's: it serves eagerly
             if held is not None:
-                held.graph.destroy()
+                held.destroy()
                 self.pools.drop(key)
             self.coverage.mark(key, KeyState.FAILED, _reason(exc))
             log.warning("graphflow: %s serves eagerly: %s", key, _reason(exc))
+
+    def _instantiated(self, keys: tuple[ServingKey, ...]) -> None:
+        """Wait for the graphs of ``keys`` to be instantiated (the CUDA backend instantiates a
+        long capture on a worker thread, beside the next captures: ``Graph.ready``); one
+        whose instantiation failed is undone and served eagerly."""
+        for key in keys:
+            held = self._mine.get(key)
+            if held is None:
+                continue
+            try:
+                held.graph.ready()
+            except Exception as exc:  # noqa: BLE001 - that key's failure: it serves eagerly
+                self.graphs.pop(key, None)
+                self._mine.pop(key, None)
+                held.destroy()
+                self.pools.drop(key)
+                self.coverage.mark(key, KeyState.FAILED, _reason(exc))
+                log.warning("graphflow: %s serves eagerly: %s", key, _reason(exc))
+
+    @contextlib.contextmanager
+    def _batch(self, key: ServingKey) -> Iterator[StepCall]:
+        """The engine's own warmup batch for ``key`` in its IOs (``_warmup_batch``), and the
+        engine's step on it; the batch's blocks freed after."""
+        processor = self.processor
+        states, kv = _warmup_batch(processor, key)
+        try:
+            if not states:
+                raise RuntimeError("the cache has no room for a batch of this key")
+            processor.inputs_and_outputs.prepare_batch_tensors(states, processor.logit_processor, key.path == DECODE,
+                                                               key.q, kv, use_padding=True)
+            yield self._call(key)
         finally:
             for state in states:
-                cache.free_blocks(state.state.request_id)
+                processor.cache.free_blocks(state.state.request_id)
 
-    def _probe_pool(self, call) -> None:
-        """The pool's forecast before anything is captured: the first (largest) key's step
-        once more, warm, every allocation in a pool of its own (``Backend.pool_probe``), whose
-        reserved bytes a capture reserves the same way; the smaller keys' graphs reuse its
-        blocks. The peak of allocated bytes said 113 MiB for a 130 MiB pool on the H200."""
+    @contextlib.contextmanager
+    def _no_batch(self) -> Iterator[None]:
+        """The IOs holding no batch (every row padding, as the engine's reset leaves them)
+        for a key's capture: a capture runs nothing and fixes only the tensors' addresses,
+        and the CPU backend's, which runs the step, then reads nothing out of range (the
+        last batch's indices, say, past a smaller key's tokens)."""
+        self.processor.inputs_and_outputs.reset()
+        yield None
+
+    def _forecast(self) -> None:
+        """The graph pool of the whole plan, forecast before anything is captured: the
+        first (largest) key of each mode, in capture order, run once more warm, every
+        allocation in one pool of its own (``Backend.pool_probe``), whose reserved bytes a
+        capture reserves the same way (fresh segments, the allocator's rounding, blocks
+        reused as the step frees them). Every key's graphs go to one pool, each capture
+        reusing the blocks the ones before it freed: the largest key of each mode sets
+        what it holds. (The peak of allocated bytes said 113 MiB for a 130 MiB pool on the
+        H200.)
+
+        A PIECEWISE key's attention runs outside the probe's pool (``PoolProbe.outside``), as
+        it runs outside its graphs; a FULL key's inside, as in its graph. The PIECEWISE key
+        alone forecast 2 MiB for a 22 MiB pool on the H200: the other 20 were a segment the
+        FULL keys' attention took (the paged SDPA's KV read, repeated per head, is a block
+        over 1 MiB, and the allocator cuts those from 20 MiB segments, in a graph's pool as
+        anywhere). Each key runs warm first (``_warms``), outside the probe, so that what
+        libraries keep from a first call is not counted. A forecast that fails says why
+        and leaves none: the key's capture fails the same way and says so."""
         device = self._device()
         if not self._backend.probes_pools(device):
             return
-        with self._backend.pool_probe(device) as probe, probe.route():
-            self._eager(call)
+        firsts: dict[Mode, ServingKey] = {}
+        for key in self.plan.keys:
+            firsts.setdefault(key.mode, key)
+        try:
+            with self._backend.pool_probe(device) as probe:
+                for key in firsts.values():
+                    with self._batch(key) as step:
+                        if self._warms(key):
+                            with self._warming(key):
+                                self._eager(step)
+                        with probe.route(), self.cut.apart(probe.outside) if key.mode is Mode.PIECEWISE \
+                                else contextlib.nullcontext():
+                            self._eager(step)
+        except Exception as exc:  # noqa: BLE001 - the forecast is a figure: serving goes on without it
+            log.warning("graphflow: no forecast of the graph pool: %s", _reason(exc))
+            return
         self.memory["estimated_pool_bytes"] = probe.bytes
+
+    def checked(self, key: ServingKey, error: CaptureError | None) -> None:
+        """A captured key's first batch compared its replay with the engine's eager step
+        (``StepRunner``): live, or failed for good and undone. With a capture thread, in its
+        table, the undo queued for it (it may have a capture open, which a pool's release
+        may not meet); without one nothing captures any more, and the undo runs here."""
+        self.coverage.checked(key, before_ready=False, passed=error is None)
+        if self.core is not None:
+            self.core.checked(key, error)
+        elif error is None:
+            self.coverage.mark(key, KeyState.LIVE)
+        else:
+            self.coverage.mark(key, KeyState.FAILED)
+            self.undo(key, error, final=True)
 
     # -- lazy: the lazy-capture thread's Capturer --------------------------------------------
 
@@ -165,13 +323,13 @@ class KeyCapture:
         ``graphflow.engine.lazy`` for when that is safe), then instantiated beside the
         steps. The CPU backend's capture runs the step, and leaves every tensor the step
         writes as it found it: never beside a step."""
-        call = self._call(key)
+        call = self._call(key, capture=True)
         self._warm(key, turns)
         with turns.recording(pausing=pausing), contextlib.nullcontext() if self._backend.captures_graphs \
                 else _restored(self.processor):
-            graph = self._captured(key, call)
-        graph.ready()  # instantiation: beside the steps
-        held = KeyGraph(key, graph, checked=not self.verify)
+            held = self._captured(key, call)
+        held.graph.ready()  # instantiation: beside the steps
+        held.checked = not self.verify
         self._mine[key] = self.graphs[key] = held
         self.core.captured(key, checked=held.checked)
         log.debug("captured %s", key)
@@ -184,7 +342,7 @@ class KeyCapture:
         held = self._mine.pop(key, None)
         if held is not None:
             self.graphs.pop(key, None)
-            held.graph.destroy()
+            held.destroy()
             self.pools.drop(key)
         if not final:
             log.info("graphflow: capturing %s failed (%s); trying again later, recorded between two steps", key, why)
@@ -198,22 +356,26 @@ class KeyCapture:
 
     def _warm(self, key: ServingKey, turns: Turns) -> None:
         """Lazy: the key's step once, eagerly, on this thread and the capture stream, before
-        its capture. Libraries keep per-thread state made at a first call: cuDNN's handle
-        and its attention plans for each shape, made inside a capture, fail the capture
-        (``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`` on the H200, for every
-        lazy capture). The run is on the scratch IOs, giving way to the steps as a
-        recording does. Decode keys (the flash-only fast path) index the cache through a
-        block table, which has no scratch block: they are not warmed."""
-        if self._scratch is None or key.path == DECODE:
+        its capture, when it needs one (``_warms``). Libraries keep per-thread state made
+        at a first call: cuDNN's handle and its attention plans for each shape, made inside
+        a capture, fail the capture (``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED``
+        on the H200, for every lazy capture). The run is on the scratch IOs, giving way to
+        the steps as a recording does. Decode keys (the flash-only fast path) index the
+        cache through a block table, which has no scratch block: they are not warmed. A
+        PIECEWISE key's warm run also sizes the static attention buffers
+        (``AttentionCut.warming``)."""
+        if self._scratch is None or key.path == DECODE or not self._warms(key):
             return
-        with turns.recording(pausing=True), torch.no_grad(), torch.cuda.stream(self._stream):
+        with turns.recording(pausing=True), torch.no_grad(), torch.cuda.stream(self._stream), self._warming(key):
             self._call(key, self._scratch)()
 
     # -- both --------------------------------------------------------------------------------
 
-    def _call(self, key: ServingKey, io=None):
+    def _call(self, key: ServingKey, io=None, *, capture: bool = False) -> StepCall:
         """The engine's forward for ``key``, on views of its static tensors the key sizes
-        (or of ``io``'s, another IO object of the engine's class).
+        (or of ``io``'s, another IO object of the engine's class): a FULL key's sizes all,
+        a PIECEWISE key's query tokens, its KV sizes those of the batch the IOs hold, or
+        none read (``capture``: see the module docstring).
 
         The views come from the engine's own ``get_model_kwargs`` on a shallow copy of its
         IOs set to the key, so the live IOs (which a step may be filling) are not touched.
@@ -222,71 +384,110 @@ class KeyCapture:
         io = copy.copy(io if io is not None else processor.inputs_and_outputs)
         io.use_block_table = key.path == DECODE
         io.num_q_tokens = key.q
-        io.max_kv_read = 0 if io.use_block_table else key.kv
-        io.max_seqlen_k = dict(zip(io.max_seqlen_k, key.seqlens)) if key.seqlens else dict(io.max_seqlen_k)
+        if key.mode is Mode.FULL:
+            io.max_kv_read = 0 if io.use_block_table else key.kv
+            io.max_seqlen_k = dict(zip(io.max_seqlen_k, key.seqlens)) if key.seqlens else dict(io.max_seqlen_k)
+        else:
+            io.max_kv_read = 0 if capture else io.max_kv_read
+            io.max_seqlen_k = dict(io.max_seqlen_k)
         batch_data = io.get_model_kwargs(use_padding=True)
         runner = processor.model_runner
         model = self.model
         if runner.supports_logits_to_keep(model):
             batch_data["logits_to_keep"] = batch_data["logits_indices"]
         forward, _ = runner._get_forward_fn(use_block_table=io.use_block_table)
-        return functools.partial(forward, model, batch_data, *io.get_cb_kwargs())
+        return StepCall(forward, model, batch_data, io.get_cb_kwargs())
+
+    def _warms(self, key: ServingKey) -> bool:
+        """Whether ``key`` runs once eagerly before its capture: a FULL key always (its
+        attention is in its graph, and cuDNN makes a plan at each new shape of it); a
+        PIECEWISE key while this thread needs one (``AttentionCut.needs_warming``: the
+        first on each thread, and those until the warm runs size any key's views)."""
+        return key.mode is not Mode.PIECEWISE or self.cut.needs_warming()
+
+    def _warming(self, key: ServingKey) -> contextlib.AbstractContextManager[None]:
+        """Around a PIECEWISE key's eager run before its capture: the static attention
+        buffers sized from its calls."""
+        return self.cut.warming(key.q) if key.mode is Mode.PIECEWISE else contextlib.nullcontext()
 
     def _eager(self, call) -> None:
         """``call`` on the engine's compute stream, without autograd (as the engine's steps run)."""
         with torch.no_grad(), compute_stream(self.processor):
             call()
 
-    def replay(self, held: KeyGraph) -> None:
-        with compute_stream(self.processor):
-            held.graph.replay()
+    def replay(self, held: KeyGraph, batch: dict) -> None:
+        """``held``'s graph on the engine's compute stream, without autograd (a PIECEWISE
+        key's attention runs eagerly); ``batch``: the step's batch arguments."""
+        with torch.no_grad(), compute_stream(self.processor):
+            held.replay(batch)
 
-    def _captured(self, key: ServingKey, call):
+    def _captured(self, key: ServingKey, call: StepCall) -> KeyGraph:
         """``call`` captured into the current pool, without autograd (as the engine's steps
         run: with autograd on, the KV cache written in place would keep every capture's
-        activations alive). A capture that fails may leave its pool unusable for another
-        capture: the next ones go to a new pool (``PoolSet.failed``)."""
+        activations alive); a PIECEWISE key's cut at its attention calls. A capture that
+        fails may leave its pool unusable for another capture: the next ones go to a new
+        pool (``PoolSet.failed``)."""
+        pieces = Pieces() if key.mode is Mode.PIECEWISE else None
+        recording = call if pieces is None else functools.partial(self.cut.record, pieces, call, call.batch, key.q)
         try:
             with torch.no_grad():
-                graph = self._backend.capture([call], call, self._stream, self.pools.current)
+                graph = self._backend.capture([call], recording, self._stream, self.pools.current)
         except BaseException:
             self.pools.failed()
             raise
         self.pools.holds(key)
-        return graph
+        return KeyGraph(key, graph, checked=False, pieces=pieces)
 
     def _measured(self) -> None:
         self.all_captured_s = time.perf_counter() - self.started
         self.memory["pool_bytes"] = self.pools.nbytes()
+        self.memory["attention_buffer_bytes"] = 0 if self.cut is None else self.cut.buffers.nbytes
 
     def _device(self) -> torch.device:
         return self.processor.inputs_and_outputs.device
 
     def destroy_all(self) -> None:
         for held in self._mine.values():
-            held.graph.destroy()
+            held.destroy()
         self._mine.clear()
         self.graphs.clear()
 
 
-def _warmup_batch(processor, key: ServingKey) -> list:
+def _warmup_batch(processor, key: ServingKey) -> tuple[list, int]:
     """Fake requests for a batch of ``key`` (the engine's own warmup states), their blocks
-    allocated in the cache. The batch is padded to the key whatever it holds, so its
-    shapes are the key's: one request of as many query tokens, reading as much of the
-    cache as one request may (a sliding window's worth at most) and the cache has room for."""
+    allocated in the cache, and the padded KV tokens the batch reads. A FULL batch is
+    padded to its key whatever it holds, so its shapes are the key's: as many decoding
+    requests as it has query tokens (up to the batch's most), each reading its share of
+    the key's KV, as much as one may (a sliding window's worth at most) and the cache has
+    room for. A PIECEWISE key's: one request of as many query tokens, reading one block of
+    past, so the attention its replay runs eagerly reads the cache."""
     from transformers.generation.continuous_batching.requests import RequestStatus
-    from transformers.generation.continuous_batching.utils import create_warmup_future_states
+    from transformers.generation.continuous_batching.utils import (
+        create_warmup_future_states,
+        pad_to_interval,
+    )
 
     cache = processor.cache
+    config = processor.model_runner.cb_config
     if key.path == DECODE:
-        return create_warmup_future_states(key.q, RequestStatus.DECODING, 1, cache.block_size, cache)
+        return create_warmup_future_states(key.q, RequestStatus.DECODING, 1, cache.block_size, cache), 0
     limit = getattr(processor.scheduler, "read_cache_limit", None)
-    kv = min(key.kv, cache.num_pages - key.q, (limit - 1) if limit else key.kv)
+    if key.mode is Mode.PIECEWISE:
+        requests, query, past = 1, key.q, min(cache.block_size, cache.num_pages - key.q)
+        status = RequestStatus.PREFILLING
+    else:
+        requests = min(key.q, config.max_requests_per_batch)
+        query, past = 1, min(key.kv // requests, min(key.seqlens) - 1)
+        status = RequestStatus.DECODING
+    past = min(past, (limit - 1) if limit else past)
     while True:
-        states = create_warmup_future_states(1, RequestStatus.PREFILLING, key.q, max(kv, 0), cache)
-        if states or kv <= 0:
-            return states
-        kv //= 2
+        states = create_warmup_future_states(requests, status, query, max(past, 0), cache)
+        if states or past <= 0:
+            break
+        past //= 2
+    if key.mode is Mode.FULL:
+        return states, key.kv
+    return states, pad_to_interval(max(past, 0), config.kv_padding_interval_size, cache.num_pages)
 
 
 def _scratch_io(processor):
@@ -309,9 +510,9 @@ def _scratch_io(processor):
 def eager_then_replay(processor, eager, replay, outputs) -> tuple[list, list] | None:
     """The engine's eager step, then a graph's replay from the same start: None if
     ``outputs()`` held the same after both, else the first row of each (replayed, eager).
-    Either way ``outputs()`` and the KV slots the step writes are left as the eager step
-    left them: the slots are put back before the replay (``_Written``) and the eager
-    step's after it.
+    Either way, a replay that raises included, ``outputs()`` and the KV slots the step
+    writes are left as the eager step left them: the slots are put back before the replay
+    (``_Written``) and the eager step's after it.
 
     All of it on the engine's compute stream, where its steps write the outputs and the
     cache, and the comparison on the host waits for all of it. Run on the caller's
@@ -326,9 +527,14 @@ def eager_then_replay(processor, eager, replay, outputs) -> tuple[list, list] | 
         expected = outputs().clone()
         after = written.read()
         written.write(start)
-        replay()
-        got = outputs().clone()
-        written.write(after)
+        try:
+            replay()
+            got = outputs().clone()
+        except BaseException:
+            outputs().copy_(expected)
+            raise
+        finally:
+            written.write(after)
         if torch.equal(got, expected):
             return None
         outputs().copy_(expected)

@@ -2,9 +2,12 @@
 were captured and never dispatched, or batches that keep falling back to eager.
 
 A ``Coverage`` counts, per key, the steps served on its graph, the tokens they carried
-and the padded ones, and each eager step with why it was eager. ``as_dict`` is what a
-server exports; ``table`` is printed at the end of a run; ``warnings`` names a key captured
-and never used, and a fallback rate above ``FALLBACK_WARN``.
+and the padded ones, and each eager step with why it was eager; and how many keys were
+compared with the engine's eager step before serving and on their first batch
+(``checks``, the engine's ``Checks``): what a server reads to know nothing serves
+unchecked. ``as_dict`` is what a server exports; ``table`` is printed at the end of a run;
+``warnings`` names a key captured and never used, and a fallback rate above
+``FALLBACK_WARN``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import threading
 
 import attrs
 
+from graphflow.engine.first_use import Checks
 from graphflow.engine.lazy import KeyState
 from graphflow.integrations.hf.batching.keys import ServingKey
 
@@ -56,6 +60,7 @@ class Coverage:
         self._lock = threading.Lock()
         self._keys: dict[ServingKey, KeyCoverage] = {key: KeyCoverage(key) for key in keys}
         self.states = states if states is not None else dict.fromkeys(keys, KeyState.PLANNED)
+        self._checks = collections.Counter()  # before_ready, on_first_use, failed
 
     def entry(self, key: ServingKey) -> KeyCoverage:
         with self._lock:
@@ -74,6 +79,21 @@ class Coverage:
         self.states[key] = state
         entry.failure = failure
 
+    def checked(self, key: ServingKey, *, before_ready: bool, passed: bool) -> None:
+        """``key``'s replay was compared with the engine's eager step: before ``serve``
+        returned (whatever it found), or on its first batch (live, or failed there)."""
+        with self._lock:
+            self._checks["before_ready" if before_ready else "on_first_use" if passed else "failed"] += 1
+
+    @property
+    def checks(self) -> Checks:
+        """Keys compared before serving, on their first batch since, captured and still
+        waiting for theirs, and found wrong there."""
+        with self._lock:
+            counts = dict(self._checks)
+        waiting = sum(state is KeyState.CAPTURED for state in list(self.states.values()))
+        return Checks(counts.get("before_ready", 0), counts.get("on_first_use", 0), waiting, counts.get("failed", 0))
+
     def served(self, key: ServingKey, tokens: int, fallback: Fallback | None) -> None:
         entry = self.entry(key)
         with self._lock:
@@ -86,7 +106,9 @@ class Coverage:
 
     def as_dict(self) -> dict:
         """Per key (its ``str``): state, steps on its graph, eager steps by reason, tokens,
-        padded tokens, why it failed; and the totals."""
+        padded tokens, why it failed; the totals; the keys with a graph (``captured``: live,
+        or waiting for their first batch's check) and the ``live`` ones; and the checks
+        (``checks``)."""
         with self._lock:
             entries = list(self._keys.values())
         state = {e.key: self.state(e.key) for e in entries}
@@ -99,9 +121,13 @@ class Coverage:
         # A graph captured and never replayed served nothing for its memory, checked or not.
         unused = [str(e.key) for e in entries if state[e.key] in (KeyState.LIVE, KeyState.CAPTURED)
                   and e.graph_steps == 0]
+        # A captured key not checked yet has its graph as much as a live one: a step that
+        # batches to it replays it (and checks it).
+        captured = sum(state[e.key] in (KeyState.LIVE, KeyState.CAPTURED) for e in entries)
         return {"keys": keys, "steps": steps, "graph_steps": steps - eager, "eager_steps": eager,
-                "fallback_rate": eager / steps if steps else 0.0,
-                "captured": sum(state[e.key] is KeyState.LIVE for e in entries), "unused": unused}
+                "fallback_rate": eager / steps if steps else 0.0, "captured": captured,
+                "live": sum(state[e.key] is KeyState.LIVE for e in entries), "unused": unused,
+                "checks": attrs.asdict(self.checks)}
 
     def warnings(self) -> list[str]:
         summary = self.as_dict()
@@ -135,5 +161,5 @@ class Coverage:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.append(f"{summary['graph_steps']} of {summary['steps']} steps on graphs, "
-                     f"{summary['captured']} keys live, {len(summary['unused'])} never used")
+                     f"{summary['live']} keys live, {len(summary['unused'])} never used")
         return "\n".join(lines)

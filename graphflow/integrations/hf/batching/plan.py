@@ -4,13 +4,17 @@ Everything a graph of transformers' engine touches already exists when its batch
 is built: the static input and output tensors of its ``ContinuousBatchingIOs`` (sized for
 the largest batch) and the paged KV cache. graphflow allocates none of them: it adopts
 them, so its graphs read and write the very tensors the engine's scheduler fills, and it
-captures one graph per key the engine's padding allows (``keys``). This module says what
-those are, and what memory they hold, before any capture.
+captures the keys the engine's padding allows (``keys``). This module says what those
+are, and what memory they hold, before any capture.
 
-Every key is captured FULL: the paged SDPA/eager attention of a varlen key reads a mask
-and indices whose shapes the key fixes, so the whole step is static. (PIECEWISE, with the
-attention eager between graphs, is what a key with a shape the graph cannot fix needs;
-this engine has none.)
+The paged SDPA and eager attentions read a mask and indices whose shapes follow the KV
+tokens a batch reads: a graph holding them is one per (q, kv, seqlens), hundreds for a
+long cache. So most keys are PIECEWISE, one per padded query size, the attention eager
+between graph pieces (``graphflow.integrations.hf.batching.pieces``), and only the
+decode-only batches, whose short steps a whole graph speeds up most, have FULL keys
+(``graphflow.integrations.hf.batching.keys``). The PIECEWISE keys share four static
+buffers (the attention's query, key, value and output at ``max_batch_tokens``), which
+graphflow allocates: ``attention_buffer_bytes``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from graphflow.integrations.hf.batching.keys import ServingKey, serving_keys
+from graphflow.integrations.hf.batching.keys import DECODE, ServingKey, serving_keys
+from graphflow.plan import Mode
 
 __all__ = ["ServingBuffer", "ServingPlan", "batch_processor", "serving_plan"]
 
@@ -52,6 +57,9 @@ class ServingPlan:
     keys: tuple[ServingKey, ...]
     buffers: tuple[ServingBuffer, ...]
     settings: dict = attrs.field(eq=False)
+    #: The PIECEWISE keys' static attention buffers, from the model's heads (graphflow sizes
+    #: them from the attention's calls at the first warm run: ``Serving.memory``).
+    attention_buffer_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -61,26 +69,37 @@ class ServingPlan:
     def cache_bytes(self) -> int:
         return sum(b.bytes for b in self.buffers if b.role == "state")
 
+    def count(self, mode: Mode) -> int:
+        return sum(key.mode is mode for key in self.keys)
+
     def as_dict(self) -> dict:
-        return {"name": self.name, "attention": self.attention, "device": self.device, "mode": "FULL",
-                "keys": [str(k) for k in self.keys], "engine_keys": [list(k.engine_key) for k in self.keys],
+        return {"name": self.name, "attention": self.attention, "device": self.device,
+                "keys": [{"key": str(k), "mode": k.mode.value, "engine_key": None if k.engine_key is None
+                          else list(k.engine_key)} for k in self.keys],
+                "piecewise_keys": self.count(Mode.PIECEWISE), "full_keys": self.count(Mode.FULL),
                 "buffers": [{"name": b.name, "adopts": b.path, "shape": list(b.shape), "dtype": b.dtype,
                              "role": b.role, "bytes": b.bytes} for b in self.buffers],
-                "static_bytes": self.static_bytes, "cache_bytes": self.cache_bytes, "settings": self.settings}
+                "static_bytes": self.static_bytes, "cache_bytes": self.cache_bytes,
+                "attention_buffer_bytes": self.attention_buffer_bytes, "settings": self.settings}
 
     def render(self) -> str:
-        """Plain text for ``graphflow show --serving``: settings, keys, buffers, memory."""
-        lines = [f"serving plan {self.name}: {len(self.keys)} FULL graphs on {self.device}, attention "
-                 f"{self.attention}",
+        """Plain text for ``graphflow show --serving``: settings, keys and their modes,
+        buffers, memory."""
+        piecewise, full = self.count(Mode.PIECEWISE), self.count(Mode.FULL)
+        lines = [(f"serving plan {self.name}: {len(self.keys)} graphs ({piecewise} PIECEWISE, {full} FULL) on "
+                  f"{self.device}, attention {self.attention}"),
                  "engine: " + ", ".join(f"{k} {v}" for k, v in self.settings.items()),
-                 f"keys ({len(self.keys)}, captured largest first):"]
-        lines += [f"  {key}" for key in self.keys]
+                 f"keys ({len(self.keys)}, captured in this order: PIECEWISE, then FULL, each largest first):"]
+        width = max((len(str(key)) for key in self.keys), default=0)
+        lines += [f"  {key.mode.value:9}  {str(key).ljust(width)}  {_serves(key)}" for key in self.keys]
         lines.append("buffers (adopted from the engine, none allocated):")
         width = max((len(b.name) for b in self.buffers), default=0)
         lines += [f"  {b.name.ljust(width)}  {b.role:6}  {list(b.shape)} {b.dtype}  {_mib(b.bytes)}  <- {b.path}"
                   for b in self.buffers]
-        lines.append(f"memory: static tensors {_mib(self.static_bytes)}, KV cache {_mib(self.cache_bytes)}; "
-                     "graph pool: the largest key's step, measured at its warmup before capture")
+        lines.append(f"memory: static tensors {_mib(self.static_bytes)}, KV cache {_mib(self.cache_bytes)}"
+                     + (f", static attention buffers of the PIECEWISE keys {_mib(self.attention_buffer_bytes)} "
+                        "(allocated by graphflow)" if piecewise else "")
+                     + "; graph pool: the largest key of each mode's step, probed warm before capture")
         return "\n".join(lines)
 
 
@@ -104,6 +123,7 @@ def serving_plan(engine, name: str | None = None, longest: int | None = None) ->
     for group, (keys, values) in enumerate(zip(cache.key_cache, cache.value_cache)):
         buffers.append(_buffer(f"k{group}", f"cache.key_cache[{group}]", keys, "state"))
         buffers.append(_buffer(f"v{group}", f"cache.value_cache[{group}]", values, "state"))
+    graph_keys = serving_keys(processor, longest)
     settings = {"block_size": cache.block_size, "num_blocks": cache.num_blocks,
                 "max_batch_tokens": cache.max_batch_tokens,
                 "max_requests_per_batch": config.max_requests_per_batch,
@@ -112,8 +132,9 @@ def serving_plan(engine, name: str | None = None, longest: int | None = None) ->
                 "layer_types": list(io.cumulative_seqlens_k), "longest_request": longest}
     model_config = processor.config
     return ServingPlan(name or f"{getattr(model_config, 'model_type', 'model')}-serving",
-                       getattr(model_config, "_attn_implementation", "?"), str(io.device),
-                       serving_keys(processor, longest), tuple(buffers), settings)
+                       getattr(model_config, "_attn_implementation", "?"), str(io.device), graph_keys,
+                       tuple(buffers), settings,
+                       _attention_buffer_bytes(processor) if any(k.mode is Mode.PIECEWISE for k in graph_keys) else 0)
 
 
 def batch_processor(engine):
@@ -123,6 +144,22 @@ def batch_processor(engine):
     if engine.batch_processor is None:
         engine.batch_processor = engine._create_batch_processor()
     return engine.batch_processor
+
+
+def _attention_buffer_bytes(processor) -> int:
+    """The static query, key, value and output buffers at ``max_batch_tokens``, from the
+    model's heads: the query and output of every attention head, the key and value of the
+    cache's heads, in the cache's dtype."""
+    cache = processor.cache
+    heads = getattr(processor.config, "num_attention_heads", cache.num_key_value_heads)
+    per_token = (2 * heads + 2 * cache.num_key_value_heads) * cache.head_dim
+    return per_token * cache.max_batch_tokens * torch.empty((), dtype=cache.dtype).element_size()
+
+
+def _serves(key: ServingKey) -> str:
+    if key.mode is Mode.PIECEWISE:
+        return "any varlen batch of these query tokens, its attention eager between pieces"
+    return "decode fast path" if key.path == DECODE else "decode-only batches"
 
 
 def _buffer(name: str, path: str, tensor: torch.Tensor, role: str) -> ServingBuffer:

@@ -1,12 +1,20 @@
-"""The engine's step under graphflow: each step dispatched to its key's graph, a new graph
-checked on its first batch, every step counted.
+"""The engine's step under graphflow: each step dispatched to a graph of its batch, a new
+graph checked on its first batch, every step counted.
 
 transformers' ``ModelRunner.compute_batch`` is replaced by ``StepRunner.compute_batch``,
-which replays the batch's key when its graph is live, and otherwise runs the engine's own
-eager step and says why (``Fallback``). The first step served on a new graph runs the
-engine's eager step too and compares the tokens (``eager_then_replay``): the graph goes
-live only if they are identical, and the step serves the eager tokens either way; a graph
-that differs is taken out at once and destroyed by the capture thread.
+which replays the first of the batch's keys (``batch_keys``: its FULL key when the batch
+is decode-only, then its PIECEWISE key) that has a graph, handing the replay the step's
+batch arguments (a PIECEWISE key's attention reads them), and otherwise runs the engine's
+own eager step and says why (``Fallback``), counted on the key that covers the batch (its
+PIECEWISE key, or the decode fast path's). The first step served on a graph not checked
+yet (one a lazy or background capture made, or a foreground capture left out of its
+sample) runs the engine's eager step too and compares the tokens (``eager_then_replay``):
+the graph goes live only if they are identical, and the step serves the eager tokens
+either way; a graph that differs is taken out at once and destroyed
+(``KeyCapture.checked``), its batches served by their PIECEWISE key or eagerly.
+
+Lazy capture is asked for the covering key until it is captured, then for the batch's
+FULL key: coverage first, then the speed-up.
 
 Verification is against the engine's own eager step (its ``compute_batch`` without
 graphs), never against graphflow's. The engine's other two calls of a step
@@ -23,9 +31,9 @@ import time
 from graphflow.engine.lazy import KeyState
 from graphflow.engine.turns import Turns
 from graphflow.errors import CaptureError
-from graphflow.integrations.hf.batching.capture import KeyGraph, KeyCapture, eager_then_replay
+from graphflow.integrations.hf.batching.capture import KeyCapture, KeyGraph, eager_then_replay
 from graphflow.integrations.hf.batching.coverage import Coverage, Fallback
-from graphflow.integrations.hf.batching.keys import ServingKey, key_of
+from graphflow.integrations.hf.batching.keys import ServingKey, batch_keys
 
 __all__ = ["StepRunner"]
 
@@ -53,48 +61,59 @@ class StepRunner:
             self._update()
 
     def compute_batch(self, model, batch_data: dict) -> None:
-        """The engine's ``ModelRunner.compute_batch``: replay the key's graph, or run the
-        engine's eager step and say why."""
+        """The engine's ``ModelRunner.compute_batch``: replay a graph of the batch's keys, or
+        run the engine's eager step and say why."""
         io = self.processor.inputs_and_outputs
-        key = key_of(io)
+        keys = batch_keys(io)
+        covering = keys[-1]
         tokens = io.total_seqlen_q
         core = self._capture.core
         if core is not None:
-            core.ask(key)
+            core.ask(covering if self.coverage.state(covering) is KeyState.PLANNED else keys[0])
+        runner = self.processor.model_runner
+        if runner.supports_logits_to_keep(model):  # the batch as the engine's forward gets it
+            batch_data["logits_to_keep"] = batch_data["logits_indices"]
         with self.turns.step():
-            held = self._graphs.get(key)
+            held = next((graph for graph in map(self._graphs.get, keys) if graph is not None), None)
             if held is not None and held.checked:
-                self._capture.replay(held)
-                self.coverage.served(key, tokens, None)
+                self._capture.replay(held, batch_data)
+                self.coverage.served(held.key, tokens, None)
                 return
             if held is not None:
-                self.coverage.served(key, tokens, self._check(held, model, batch_data))
+                self.coverage.served(held.key, tokens, self._check(held, model, batch_data))
                 return
             began = time.perf_counter()
             self._original(model, batch_data)
             self.turns.eager_took(time.perf_counter() - began)
-        state = self.coverage.state(key)
-        fallback = (Fallback.NOT_PLANNED if key not in self._planned else
+        state = self.coverage.state(covering)
+        fallback = (Fallback.NOT_PLANNED if covering not in self._planned else
                     Fallback.FAILED if state is KeyState.FAILED else Fallback.NO_GRAPH_YET)
-        self.coverage.served(key, tokens, fallback)
+        self.coverage.served(covering, tokens, fallback)
 
     def _check(self, held: KeyGraph, model, batch_data: dict) -> Fallback | None:
         """A new graph's first step: the engine's eager step, then the replay from the same
         start (``eager_then_replay``); live if the tokens are identical. The step serves the
-        eager tokens, and leaves the cache as the eager step did, either way."""
+        eager tokens, and leaves the cache as the eager step did, either way (a replay that
+        raises fails the graph the same way)."""
         io = self.processor.inputs_and_outputs
         rows = io.num_request_in_batch
-        differ = eager_then_replay(self.processor, functools.partial(self._original, model, batch_data),
-                                   functools.partial(self._capture.replay, held), lambda: io.output_ids[:, :rows])
-        core = self._capture.core
-        if differ is None:
-            held.checked = True
-            core.checked(held.key, None)
-            return None
-        got, expected = differ
-        self._graphs.pop(held.key, None)  # no step replays it again; the capture thread destroys it
-        core.checked(held.key, CaptureError(f"its replay gave tokens {_short(got)} where the engine's eager step "
-                                            f"gave {_short(expected)}", hint="the key is served eagerly"))
+        try:
+            differ = eager_then_replay(self.processor, functools.partial(self._original, model, batch_data),
+                                       functools.partial(self._capture.replay, held, batch_data),
+                                       lambda: io.output_ids[:, :rows])
+        except Exception as exc:  # noqa: BLE001 - the graph's failure: the step serves the eager tokens
+            error = exc if isinstance(exc, CaptureError) else CaptureError(
+                f"its replay failed: {type(exc).__name__}: {exc}", hint="the key is served eagerly")
+        else:
+            if differ is None:
+                held.checked = True
+                self._capture.checked(held.key, None)
+                return None
+            got, expected = differ
+            error = CaptureError(f"its replay gave tokens {_short(got)} where the engine's eager step gave "
+                                 f"{_short(expected)}", hint="the key is served eagerly")
+        self._graphs.pop(held.key, None)  # no step replays it again; the capture side destroys it
+        self._capture.checked(held.key, error)
         return Fallback.FAILED
 
 

@@ -6,21 +6,31 @@ anything back. ``serve(manager)`` keeps the engine's scheduler, cache and batchi
 takes over only the step's forward (``ModelRunner.compute_batch``), split as SGLang splits
 its runner from its capture:
 
+* the plan (``graphflow.integrations.hf.batching.plan``): PIECEWISE keys by padded query
+  tokens, which cover every batch, their attention eager between graph pieces
+  (``graphflow.integrations.hf.batching.pieces``); FULL keys where a whole graph pays,
+  the decode-only batches;
 * the runner (``graphflow.integrations.hf.batching.runner``) dispatches each step to its
   key's graph or the engine's eager step, checks a new graph on its first batch, and
   counts every step (``Coverage``);
 * the capture side (``graphflow.integrations.hf.batching.capture``) captures keys:
-  **foreground** (``lazy=False``), every key of the plan before serving, each a
-  transaction (eager step, capture, verify, or undone, and served eagerly); **lazy**,
-  serving starts at once and the engine's lazy-capture thread (``graphflow.engine.lazy``:
-  the keys steps ask for first, most asked first, then the rest of the plan, largest
-  first, for a plan of at most ``AHEAD_MOST`` keys; recordings that give way to the
-  engine's steps; a failed capture tried again, whole, up to ``TRIES`` times) records
-  them beside the engine.
+  **foreground** (``lazy=False``, the default), coverage first: the PIECEWISE keys before
+  serving (they cover every batch: from the first step on, every step replays a graph),
+  each a transaction (capture, verify, or undone, and served eagerly), and the FULL keys
+  on the lazy-capture thread beside serving, the speed-ups after
+  (``full_in_background=False``: every key before serving); **lazy**, serving starts at
+  once and the engine's lazy-capture thread (``graphflow.engine.lazy``: the keys steps ask
+  for first, most asked first, then the rest of the plan, largest first, for a plan of at
+  most ``AHEAD_MOST`` keys; recordings that give way to the engine's steps; a failed
+  capture tried again, whole, up to ``TRIES`` times) records every key beside the engine.
 
-Sampled tokens differ between any two runs, so with ``do_sample`` a key goes live
-unchecked and the log says so. ``close()`` gives everything back, last in first out
-(graphs, pools, stream, the engine's own forward and padding settings).
+Verification follows the engine's rule (``Verify``): before ``serve`` returns, a
+sample (the largest key of each mode captured then) is verified against the engine's
+eager step; every other key, and every key the thread captures, is checked on its first
+batch (``verify="all"``: every key captured before serving is verified then). Sampled
+tokens differ between any two runs, so with ``do_sample`` a key goes live unchecked and
+the log says so. ``close()`` gives everything back, last in first out (graphs, pools,
+stream, the engine's own forward and padding settings).
 """
 
 from __future__ import annotations
@@ -31,14 +41,18 @@ import logging
 import attrs
 
 from graphflow.engine.backend import BackendKind, make_backend
-from graphflow.engine.lazy import TRIES, LazyCapture
+from graphflow.engine.first_use import Checks
+from graphflow.engine.lazy import TRIES, KeyState, LazyCapture
+from graphflow.engine.options import Verify
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.turns import Turns
 from graphflow.errors import PlanError
 from graphflow.integrations.hf.batching.capture import AHEAD_MOST, KeyCapture
 from graphflow.integrations.hf.batching.coverage import Coverage
+from graphflow.integrations.hf.batching.pieces import AttentionCut
 from graphflow.integrations.hf.batching.plan import ServingPlan, batch_processor, serving_plan
 from graphflow.integrations.hf.batching.runner import StepRunner
+from graphflow.plan import Mode
 
 __all__ = ["AHEAD_MOST", "LAZY_TRIES", "Serving", "serve"]
 
@@ -53,15 +67,24 @@ class Serving:
     the runner, the capture side and, when lazy, the lazy-capture thread, composed."""
 
     def __init__(self, plan: ServingPlan, runner: StepRunner, capture: KeyCapture, stack: UndoStack,
-                 core: LazyCapture | None) -> None:
+                 core: LazyCapture | None, *, lazy: bool) -> None:
         self.plan = plan
+        #: The lazy-capture thread, when keys are captured beside serving (``lazy``, or a
+        #: foreground capture's FULL keys, unless ``full_in_background=False``).
         self.runner, self.capture, self.core = runner, capture, core
         self.coverage = runner.coverage
         self.turns = runner.turns
         self.processor, self.model = capture.processor, capture.model
-        self.lazy = core is not None
+        self.lazy = lazy
         self.verify = capture.verify
         self._stack = stack
+
+    @property
+    def checks(self) -> Checks:
+        """How many keys were compared with the engine's eager step before ``serve``
+        returned, how many on their first batch since, how many wait for theirs, and how
+        many their first batch found wrong (``Coverage.checks``)."""
+        return self.coverage.checks
 
     @property
     def memory(self) -> dict[str, int | None]:
@@ -77,29 +100,38 @@ class Serving:
 
     @property
     def capturing(self) -> bool:
-        """Lazy: whether the capture thread still records keys."""
+        """Whether the capture thread (lazy, or the FULL keys in the background) still records keys."""
         return self.core is not None and not self.core.done
 
     def wait_captured(self, timeout: float | None = None) -> bool:
-        """Lazy: wait until every key of the plan is captured or failed; whether it was."""
+        """Wait until every key of the plan is captured or failed; whether it was."""
         return self.core is None or self.core.wait(timeout)
 
     @property
     def retried(self) -> int:
-        """Lazy: how many keys' captures failed at least once (each then recorded whole
-        between two steps, until it succeeded or ran out of tries)."""
+        """How many keys' background captures failed at least once (each then recorded
+        whole between two steps, until it succeeded or ran out of tries)."""
         return 0 if self.core is None else len(self.core.tries)
 
     def report(self) -> str:
         """The coverage table, its warnings and the memory, for the end of a run."""
         lines = [self.coverage.table()]
         lines += [f"warning: {w}" for w in self.coverage.warnings()]
-        if self.lazy:
+        if self.verify:
+            checks = self.checks
+            lines.append(f"checks against the engine's eager step: {checks.before_ready} keys before serving, "
+                         f"{checks.on_first_use} on their first batch"
+                         + (f" ({checks.failed} found wrong there, served eagerly)" if checks.failed else "")
+                         + (f"; {checks.waiting} captured keys not checked yet (their first batch checks them)"
+                            if checks.waiting else ""))
+        if self.core is not None:
             lines.append(f"lazy capture: recordings paused {self.turns.pauses} times for the engine's steps; "
                          f"{self.retried} keys failed a capture and were recorded again whole between two steps")
         estimated, pool = self.memory.get("estimated_pool_bytes"), self.memory.get("pool_bytes")
         lines.append(f"graph memory: pool {_mib(pool)}" + (f", estimated {_mib(estimated)} before capture"
-                                                           if estimated is not None else ""))
+                                                           if estimated is not None else "")
+                     + (f"; static attention buffers {_mib(self.memory['attention_buffer_bytes'])}"
+                        if self.memory.get("attention_buffer_bytes") else ""))
         return "\n".join(lines)
 
     def close(self) -> None:
@@ -111,18 +143,32 @@ class Serving:
             raise failure
 
 
-def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendKind | str = BackendKind.AUTO,
-          longest: int | None = None, keys=None, progress=None) -> Serving:
+def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
+          backend: BackendKind | str = BackendKind.AUTO, longest: int | None = None, keys=None, progress=None,
+          full_in_background: bool = True) -> Serving:
     """Put graphflow in place of ``manager``'s graph capture (a ``ContinuousBatchingManager``,
     before ``start()``, or after it with ``lazy``); see the module docstring. ``longest``:
     the most tokens a request holds on this server (prompt and new tokens), which bounds
     the keys (``serving_keys``; default: the model's ``max_position_embeddings``). ``keys`` limits the plan to
     some of its keys (the others are served eagerly as "key never captured"). Foreground
-    capture reports each key to ``progress`` (a function of one line; default: the log).
+    capture reports each key to ``progress`` (a function of one line; default: the log);
+    it captures the PIECEWISE keys, and the FULL keys are captured beside serving, as a
+    lazy capture captures them (``full_in_background=False``: all before serving).
+    ``verify``: ``True`` or ``"sample"`` (each mode's largest key captured before serving
+    verified then, the others on their first batch), ``"all"`` (every key captured before
+    serving verified then), ``False`` or ``"off"`` (graphs go live unchecked).
     """
     if not lazy and manager.is_running():
         raise PlanError("a foreground capture runs before the engine serves: call serve(manager) before "
                         "manager.start(), or serve(manager, lazy=True) on a running one", element="lazy")
+    if lazy and not full_in_background:
+        raise PlanError("full_in_background=False captures every key before serving; lazy=True captures every key "
+                        "beside serving: ask for one", element="full_in_background")
+    try:
+        scope = Verify.of(verify)
+    except ValueError:
+        raise PlanError(f"verify={verify!r}: expected True, False, or one of "
+                        f"{', '.join(repr(v.value) for v in Verify)}", element="verify") from None
     processor = batch_processor(manager)
     _refuse_unsupported(processor)
     if longest is None:
@@ -138,7 +184,9 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
             wanted = set(keys)
             plan = attrs.evolve(plan, keys=tuple(k for k in plan.keys if k in wanted))
         chosen = make_backend(backend)
-        if lazy:
+        background = not lazy and full_in_background and any(key.mode is Mode.FULL for key in plan.keys)
+        beside = lazy or background  # keys captured on a thread beside serving
+        if beside:
             # The engine serves on its own thread while a capture is open (Turns): its
             # calls there (syncs of its own stream, allocations) are not this capture's to refuse.
             chosen.capture_error_mode = "thread_local"
@@ -146,22 +194,21 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
         stream = chosen.new_stream(device)
         stack.push("give back the capture stream", functools.partial(chosen.release_stream, stream))
         sampling = processor.model_runner.do_sample
-        verify = verify and not sampling
+        verify = Verify.OFF if sampling else scope
+        cut = None
+        if any(key.mode is Mode.PIECEWISE for key in plan.keys):
+            cut = AttentionCut(plan.attention, chosen, processor.cache.max_batch_tokens)
+            cut.attach(stack)
         graphs: dict = {}
         coverage = Coverage(plan.keys)
-        capture = KeyCapture(manager.model, processor, plan, chosen, stream, stack, graphs, coverage, lazy=lazy,
+        capture = KeyCapture(manager.model, processor, plan, chosen, stream, stack, graphs, coverage, cut, lazy=beside,
                              verify=verify)
         stack.push("destroy the graphs", capture.destroy_all)
         turns = Turns()
-        core = None
-        if lazy:
-            # Recordings may pause for steps with their capture open where that is safe
-            # (graphflow.engine.lazy): thread-local capture, and steps that draw no random number.
-            pausing = chosen.captures_graphs and chosen.capture_error_mode == "thread_local" and not sampling
-            core = LazyCapture(capture, plan.keys, turns=turns, ahead=len(plan.keys) <= AHEAD_MOST, pausing=pausing,
-                               name="graphflow-serving-capture")
-            coverage.states = core.states  # the thread's table, the plan's keys planned: what coverage reads
-            capture.core = core
+        # Recordings may pause for steps with their capture open where that is safe
+        # (graphflow.engine.lazy): thread-local capture, and steps that draw no random number.
+        pausing = chosen.captures_graphs and chosen.capture_error_mode == "thread_local" and not sampling
+        core = _capture_thread(capture, plan, coverage, turns, pausing) if lazy else None
         runner = StepRunner(processor, capture, graphs, coverage, turns)
         model_runner = processor.model_runner
         model_runner.compute_batch = runner.compute_batch
@@ -170,20 +217,36 @@ def serve(manager, *, lazy: bool = False, verify: bool = True, backend: BackendK
             setattr(processor, name, getattr(runner, name))
             stack.push(f"give the engine its own {name} back", functools.partial(vars(processor).pop, name))
         log.info("graphflow serves %s: %d keys, %s", plan.name, len(plan.keys),
-                 "captured in the background" if lazy else "captured before serving")
+                 "captured in the background" if lazy else
+                 "the PIECEWISE ones captured before serving, the FULL ones beside it" if background else
+                 "captured before serving")
         if not sampling and not verify:
             log.info("graphflow: verify is off")
         elif sampling:
             log.info("graphflow: sampling is on, so new graphs go live unchecked (sampled tokens differ by design)")
-        serving = Serving(plan, runner, capture, stack, core)
-        if lazy:
+        if not lazy:
+            capture.capture_all(progress, [k for k in plan.keys if not background or k.mode is Mode.PIECEWISE])
+        if background:
+            core = _capture_thread(capture, plan, coverage, turns, pausing)
+        serving = Serving(plan, runner, capture, stack, core, lazy=lazy)
+        if core is not None:
             core.start()
-        else:
-            capture.capture_all(progress)
         return serving
     except BaseException:
         stack.unwind()
         raise
+
+
+def _capture_thread(capture: KeyCapture, plan: ServingPlan, coverage: Coverage, turns: Turns,
+                    pausing: bool) -> LazyCapture:
+    """The lazy-capture thread for the plan's keys a foreground capture did not settle
+    (all of them when lazy); coverage reads the thread's table from then on."""
+    settled = {key: state for key, state in coverage.states.items() if state is not KeyState.PLANNED}
+    core = LazyCapture(capture, plan.keys, turns=turns, ahead=len(plan.keys) - len(settled) <= AHEAD_MOST,
+                       pausing=pausing, settled=settled, name="graphflow-serving-capture")
+    coverage.states = core.states
+    capture.core = core
+    return core
 
 
 def _refuse_unsupported(processor) -> None:
