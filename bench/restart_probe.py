@@ -12,8 +12,9 @@ elementwise and reduction kernels, SDPA, an index copy), and answered with what 
 * which driver calls the installed ``cuda.bindings`` has, and the driver's version;
 * the graph's node types, and for each kernel node its name, parameter count and bytes;
 * whether each kernel's function is found again by name, through its host stub in the
-  library that holds it (``dlsym`` then the runtime's ``cudaGetFuncBySymbol``): what a
-  new process can do without re-running the model;
+  library that holds it (``dlsym`` then the runtime's ``cudaGetFuncBySymbol``), and
+  through the library's full symbol table (``nm``: hidden stubs too, at the library's load
+  address): what a new process can do without re-running the model;
 * whether a graph rebuilt from those nodes alone (``cuGraphCreate``, one node per node,
   the same edges) replays to the same bytes as torch's replay, and how long a rebuild and
   an instantiation take per node;
@@ -71,6 +72,7 @@ def main() -> int:
     found["edges"] = len(edges)
     found["kernels"] = kernels = [_kernel(driver, node) for node in nodes if _type(driver, node) == "KERNEL"]
     found["found_by_name"] = sum(k.get("found_by_name") is True for k in kernels)
+    found["found_by_symtab"] = sum(k.get("found_by_symtab") is True for k in kernels)
     found["kernel_count"] = len(kernels)
     found["rebuilt"] = _rebuild(driver, nodes, edges, graph, run, out)
     found["reserve_here"] = _reserve()
@@ -188,6 +190,7 @@ def _kernel(driver, node) -> dict:
     except Exception as exc:  # noqa: BLE001
         entry["module_loading"] = f"? {exc}"
     entry["library"], entry["found_by_name"] = _by_name(entry["name"], int(func))
+    entry["symtab_library"], entry["found_by_symtab"] = _by_symtab(entry["name"], int(func))
     return entry
 
 
@@ -225,6 +228,55 @@ def _by_name(name: str, func: int) -> tuple[str | None, bool | str]:
     return None, False
 
 
+_SYMBOLS: dict[str, dict[str, int]] = {}
+
+
+def _symbols(path: str) -> dict[str, int]:
+    """A library's defined symbols and their addresses, from its full symbol table (``nm``),
+    local ones included: a host stub hidden from ``dlsym`` is still there unless stripped."""
+    if path not in _SYMBOLS:
+        try:
+            done = subprocess.run(["nm", "--defined-only", "-P", path], check=False, capture_output=True, text=True,
+                                  timeout=120)
+        except (OSError, subprocess.TimeoutExpired):  # no nm here, or a library too large to list in time
+            _SYMBOLS[path] = {}
+            return _SYMBOLS[path]
+        table = {}
+        for line in done.stdout.splitlines():
+            parts = line.split()
+            if len(parts) >= 3:
+                table[parts[0]] = int(parts[2], 16)
+        _SYMBOLS[path] = table
+    return _SYMBOLS[path]
+
+
+def _base(path: str) -> int | None:
+    """Where ``path`` is loaded: the start of its mapping at file offset 0."""
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and parts[-1] == path and int(parts[2], 16) == 0:
+            return int(parts[0].split("-")[0], 16)
+    return None
+
+
+def _by_symtab(name: str, func: int) -> tuple[str | None, bool | str]:
+    """The library whose symbol table (not only its exports) holds the kernel's host stub,
+    and whether the runtime gives the stub's function back as the same function: what a
+    new process could do with the library's load address and the stub's offset."""
+    cudart = _cudart()
+    if cudart is None:
+        return None, "no libcudart loaded"
+    for path in _loaded_libraries():
+        offset = _symbols(path).get(name)
+        base = _base(path)
+        if offset is None or base is None:
+            continue
+        got = ctypes.c_void_p()
+        status = cudart.cudaGetFuncBySymbol(ctypes.byref(got), ctypes.c_void_p(base + offset))
+        return pathlib.Path(path).name, status == 0 and (got.value or 0) == func
+    return None, False
+
+
 def _rebuild(driver, nodes, edges, graph, run, out) -> dict:
     """Every node added again to a new graph from the parameters read back, the same edges,
     instantiated and launched: the same bytes as torch's replay?"""
@@ -245,6 +297,10 @@ def _rebuild(driver, nodes, edges, graph, run, out) -> dict:
                 params = _ok(driver.cuGraphMemsetNodeGetParams(node))
                 context = _ok(driver.cuCtxGetCurrent())
                 made[int(node)] = _ok(driver.cuGraphAddMemsetNode(new, None, 0, params, context))
+            elif kind == "MEMCPY":
+                params = _ok(driver.cuGraphMemcpyNodeGetParams(node))
+                context = _ok(driver.cuCtxGetCurrent())
+                made[int(node)] = _ok(driver.cuGraphAddMemcpyNode(new, None, 0, params, context))
             elif kind == "EMPTY":
                 made[int(node)] = _ok(driver.cuGraphAddEmptyNode(new, None, 0))
             else:

@@ -160,7 +160,7 @@ class TestAllocate:
         assert (error.phase, error.segment) == ("allocate", "L1.mix")
         assert isinstance(error.__cause__, PlanError)
         assert str(error.__cause__) == ("segment L1.mix: call 'layers.1.mixx': layers.1 (ToyLayer) has no attribute "
-                                        "'mixx' — fix the call path or the model")
+                                        "'mixx', did you mean 'mix'? — fix the call path or the model")
 
     def test_index_out_of_range_in_call_path(self):
         plan, model, rig = rigged()

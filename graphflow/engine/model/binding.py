@@ -88,8 +88,9 @@ def resolve(model: object, path: str, *, kind: str, name: str, plan: Plan | None
             obj = obj[int(part)] if part.isdigit() and hasattr(obj, "__getitem__") else getattr(obj, part)
         except (AttributeError, IndexError, KeyError, TypeError) as exc:
             at = ".".join(walked) or "the model"
+            meant = "" if part.isdigit() else did_you_mean(closest_name(part, dir(obj)), ", ")
             raise PlanError(f"call {path!r}: {at} ({type(obj).__name__}) has no {'item' if part.isdigit() else 'attribute'} "
-                            f"{part!r} — fix the call path or the model", **_where(plan, kind, name)) from exc
+                            f"{part!r}{meant} — fix the call path or the model", **_where(plan, kind, name)) from exc
         walked.append(part)
     if not callable(obj):
         raise PlanError(f"call {path!r} is a {type(obj).__name__}, not a callable", **_where(plan, kind, name))
