@@ -362,6 +362,6 @@ def test_the_lazy_server_loop_serves_fresh_inputs_and_every_descriptor_goes_live
     processes on the GPU, here on the 61-layer plans' structure at the mini widths."""
     from tests.lazy_server import serve
 
-    result = serve(plan, smoke=True, after=10, check_every=4, timeout_s=120, seed=0)
+    result = serve(plan, smoke=True, after=10, check_every=4, first_checks=2, timeout_s=120, seed=0)
     assert result["failures"] == {} and result["live"] == result["descriptors"]
     assert result["checked"] > 0 and result["differed"] == 0 and result["first_use_bit_exact"]

@@ -3,8 +3,9 @@ fresh process (``tests/lazy_server.py``), its inputs allocated on the device eve
 Before the lazy-capture core took turns with the steps, 67 of 67 descriptors failed and
 2 of 3 processes aborted (exit 134) on the H100 and the H200.
 
-``GRAPHFLOW_LAZY_RUNS`` (default 10) runs per plan; ``GRAPHFLOW_LAZY_PARALLEL`` (default 1)
-of them at once.
+``GRAPHFLOW_LAZY_RUNS`` (default 10) runs per plan; ``GRAPHFLOW_LAZY_PARALLEL`` of them at
+once (default: one per 45 GiB of the device's memory: a run's process held up to 39 GiB on
+the H100, its checks' copies of the plan's state included, and five at once ran out).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNS = int(os.environ.get("GRAPHFLOW_LAZY_RUNS", "10"))
-PARALLEL = int(os.environ.get("GRAPHFLOW_LAZY_PARALLEL", "1"))
+
+
+def _parallel() -> int:
+    if "GRAPHFLOW_LAZY_PARALLEL" in os.environ:
+        return int(os.environ["GRAPHFLOW_LAZY_PARALLEL"])
+    import torch
+
+    return max(1, torch.cuda.get_device_properties(0).total_memory // (45 << 30)) if torch.cuda.is_available() else 1
 
 
 def _one(plan: str, seed: int) -> tuple[int, dict | None, str]:
@@ -35,7 +43,7 @@ def _one(plan: str, seed: int) -> tuple[int, dict | None, str]:
 
 @pytest.mark.parametrize("plan", ["plans/dsv4_61l_full.yaml", "plans/dsv4_61l_decode.yaml"])
 def test_a_server_stepping_back_to_back_beside_lazy_capture_never_aborts_and_gets_every_graph(plan):
-    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
+    with concurrent.futures.ThreadPoolExecutor(_parallel()) as pool:
         runs = list(pool.map(lambda seed: _one(plan, seed), range(RUNS)))
     for seed, (status, result, stderr) in enumerate(runs):
         print(f"{plan} run {seed}: exit {status}, {json.dumps(result)}")
