@@ -174,10 +174,7 @@ class KeyCapture:
             return frozenset(keys)
         if not self.verify:
             return frozenset()
-        firsts: dict[Mode, ServingKey] = {}
-        for key in keys:
-            firsts.setdefault(key.mode, key)
-        return frozenset(firsts.values())
+        return frozenset(_first_of_each_mode(keys))
 
     def _capture_foreground(self, key: ServingKey, check: bool) -> None:
         """One key, a transaction: its warm run when it needs one (``_warms``), its
@@ -224,12 +221,8 @@ class KeyCapture:
             try:
                 held.graph.ready()
             except Exception as exc:  # noqa: BLE001 - that key's failure: it serves eagerly
-                self.graphs.pop(key, None)
-                self._mine.pop(key, None)
-                held.destroy()
-                self.pools.drop(key)
-                self.coverage.mark(key, KeyState.FAILED, _reason(exc))
-                log.warning("graphflow: %s serves eagerly: %s", key, _reason(exc))
+                self.coverage.mark(key, KeyState.FAILED)
+                self.undo(key, exc, final=True)
 
     @contextlib.contextmanager
     def _batch(self, key: ServingKey) -> Iterator[StepCall]:
@@ -268,7 +261,7 @@ class KeyCapture:
 
         A PIECEWISE key's attention runs outside the probe's pool (``PoolProbe.outside``), as
         it runs outside its graphs; a FULL key's inside, as in its graph. The PIECEWISE key
-        alone forecast 2 MiB for a 22 MiB pool on the H200: the other 20 were a segment the
+        alone forecast 2 MiB for a 22 MiB pool on the H100: the other 20 were a segment the
         FULL keys' attention took (the paged SDPA's KV read, repeated per head, is a block
         over 1 MiB, and the allocator cuts those from 20 MiB segments, in a graph's pool as
         anywhere). Each key runs warm first (``_warms``), outside the probe, so that what
@@ -277,12 +270,9 @@ class KeyCapture:
         device = self._device()
         if not self._backend.probes_pools(device):
             return
-        firsts: dict[Mode, ServingKey] = {}
-        for key in self.plan.keys:
-            firsts.setdefault(key.mode, key)
         try:
             with self._backend.pool_probe(device) as probe:
-                for key in firsts.values():
+                for key in _first_of_each_mode(self.plan.keys):
                     with self._batch(key) as step:
                         if self._warms(key):
                             with self._warming(key):
@@ -451,6 +441,14 @@ class KeyCapture:
             held.destroy()
         self._mine.clear()
         self.graphs.clear()
+
+
+def _first_of_each_mode(keys: tuple[ServingKey, ...]) -> tuple[ServingKey, ...]:
+    """The first key of each mode in ``keys``' order: the largest, in capture order."""
+    firsts: dict[Mode, ServingKey] = {}
+    for key in keys:
+        firsts.setdefault(key.mode, key)
+    return tuple(firsts.values())
 
 
 def _warmup_batch(processor, key: ServingKey) -> tuple[list, int]:

@@ -272,6 +272,5 @@ def _pad_as_graphs(processor, stack: UndoStack) -> None:
     stack.push("restore the engine's padding and graph settings", restore)
 
 
-
 def _mib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**20:.1f} MiB"
