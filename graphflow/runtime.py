@@ -9,7 +9,11 @@ regions.
 * A batch of ``b`` rows runs on the smallest captured size ``>= b``: FULL when that
   size was captured FULL, else PIECEWISE. A descriptor verify did not check before ready
   is checked on its first batch (``graphflow.engine.first_use``): that step serves the
-  model's eager step, and a descriptor whose replay differs is taken out of service. Inputs are copied into the leading ``b`` rows
+  model's eager step, and a descriptor whose replay differs is taken out of service.
+  While a lazy engine's thread still records, a batch that a checked descriptor holds
+  replays the smallest such one instead of checking its own (a check's eager step
+  would take the host from the recordings); its own is checked once the thread is done.
+  Inputs are copied into the leading ``b`` rows
   of the static input buffers and the padded rows are filled with the input's ``pad``
   value (zero by default; a scratch slot index for an input that indexes a cache), so
   a padded step is deterministic. Padded rows never change the state of other rows: a
@@ -101,17 +105,15 @@ class Runner:
         A batch's program is made at its first step (``_program_for``), and kept while the
         same descriptor serves it: a lazy engine switches a descriptor in at a time, and
         the batches it takes over are the only ones to make again."""
-        engine = self.engine
-        best: dict[int, Descriptor] = {}
-        for descriptor in engine.programs:
-            if descriptor.size not in best or descriptor.mode is Mode.FULL:
-                best[descriptor.size] = descriptor
-        sizes = sorted(best)
-        serving: list[Descriptor | None] = [None] * (sizes[-1] + 1 if sizes else 1)
-        at = 0
+        engine, live = self.engine, self.engine.live
+        capturing = live is not None and not live.done
+        own = _holders(engine.programs)
+        # While the thread records, a first-use check's eager step would take the host from
+        # it: a checked graph that holds the batch serves it, and its own waits.
+        checked = _holders(d for d in engine.programs if d not in live.unchecked) if capturing else own
+        serving: list[Descriptor | None] = [None] * len(own)
         for batch in range(1, len(serving)):
-            at += sizes[at] < batch
-            serving[batch] = best[sizes[at]]
+            serving[batch] = checked[batch] if batch < len(checked) else own[batch]
         #: The most rows any batch pads: what a pad: keep copy must hold.
         self._max_pad = max((d.size - b for b, d in enumerate(serving) if d is not None), default=0)
         kept = [program if serving[batch] is self._serving[batch] else None
@@ -288,6 +290,22 @@ class Runner:
         if live is not None and not live.done:
             live.turns.eager_took(time.perf_counter() - began)  # a recording's slice follows the eager steps
         return tuple(views[n] for n in self.outputs)
+
+
+def _holders(descriptors: Iterable[Descriptor]) -> list[Descriptor | None]:
+    """Batch size -> the smallest of ``descriptors`` that holds it (FULL before PIECEWISE
+    at one size); as long as the largest size plus one."""
+    best: dict[int, Descriptor] = {}
+    for descriptor in descriptors:
+        if descriptor.size not in best or descriptor.mode is Mode.FULL:
+            best[descriptor.size] = descriptor
+    sizes = sorted(best)
+    holders: list[Descriptor | None] = [None] * (sizes[-1] + 1 if sizes else 1)
+    at = 0
+    for batch in range(1, len(holders)):
+        at += sizes[at] < batch
+        holders[batch] = best[sizes[at]]
+    return holders
 
 
 def _batch_dim(shape, symbol: str, name: str) -> int | None:

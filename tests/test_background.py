@@ -45,19 +45,21 @@ def eager_reference(runner, batch: int, x: torch.Tensor) -> torch.Tensor:
 
 
 class Gate:
-    """A listener that holds the capture thread at its first PHASE_BEGIN of ``phase``
+    """A listener that holds the capture thread at its ``nth`` PHASE_BEGIN of ``phase``
     (before it takes the engine's lock)."""
 
     segment_events = False
 
-    def __init__(self, phase: Phase):
-        self.phase = phase
+    def __init__(self, phase: Phase, nth: int = 1):
+        self.phase, self.nth = phase, nth
         self.reached, self.release = threading.Event(), threading.Event()
         self.foreground = threading.get_ident()
 
     def on_event(self, event):
         if (event.kind is EventKind.PHASE_BEGIN and event.phase is self.phase
                 and threading.get_ident() != self.foreground and not self.reached.is_set()):
+            self.nth -= 1
+        if self.nth == 0 and not self.reached.is_set():
             self.reached.set()
             assert self.release.wait(30)
 
@@ -132,6 +134,44 @@ class TestLazy:
             assert runner.descriptor_for(2) == Descriptor(P, 4), "its batches go to a larger descriptor"
             assert engine.report.graphs == 3 * 3  # B=2's regions destroyed
         finally:
+            engine.close()
+
+    def test_while_the_thread_captures_a_batch_replays_a_checked_graph_and_checks_its_own_after(self):
+        """A first-use check is an eager step and a replay, host work that would compete
+        with the recordings; while they run, a batch whose own graph waits for its check
+        replays the smallest checked graph that holds it, and checks its own once the
+        thread is done."""
+        gate = Gate(Phase.CAPTURE, nth=4)  # the thread captures 1 (asked), 8 (the largest), 4, then waits at 2
+        model = build_toy(2)
+
+        def model_step(x, size):  # the model's own step, on the batch padded to ``size`` rows
+            padded, want = torch.zeros(size, 32), torch.empty(size, 64)
+            padded[:len(x)] = x
+            model.step(padded, want)
+            return want[:len(x)]
+
+        engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
+        try:
+            runner = Runner(engine)
+            runner.run(torch.randn(1, 32))
+            assert gate.reached.wait(30)
+            x = torch.randn(8, 32)
+            (out,) = runner.run(x)  # no checked graph holds 8: its own, checked now
+            assert runner.descriptor_for(8) == Descriptor(P, 8) and torch.equal(out, model_step(x, 8))
+            assert [r.descriptor.size for r in engine.background.verified] == [8]
+            x = torch.randn(3, 32)
+            (out,) = runner.run(x)
+            assert runner.descriptor_for(3) == Descriptor(P, 8), "its own graph waits: 8's serves it, padded"
+            assert torch.equal(out, model_step(x, 8))
+            assert [r.descriptor.size for r in engine.background.verified] == [8]
+            assert Descriptor(P, 4) in engine.live.unchecked
+            gate.release.set()
+            assert engine.background.wait(60)
+            (out,) = runner.run(x)
+            assert runner.descriptor_for(3) == Descriptor(P, 4) and torch.equal(out, model_step(x, 4))
+            assert [r.descriptor.size for r in engine.background.verified] == [8, 4]
+        finally:
+            gate.release.set()
             engine.close()
 
     def test_the_first_batch_seen_comes_first_then_the_largest_then_the_most_asked(self):
@@ -289,7 +329,7 @@ class TestLazy:
             with pytest.raises(attrs.exceptions.FrozenInstanceError):
                 engine.live = None
             assert engine.background.wait(60) and engine.live.done
-            assert engine.programs is engine.live.programs and engine.live.version == 2
+            assert engine.programs is engine.live.programs and engine.live.version == 3  # two switch-ins, the end
             assert engine.report is engine.live.report and len(engine.report.descriptors) == 2
         finally:
             engine.close()

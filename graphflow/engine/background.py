@@ -80,8 +80,9 @@ class LiveSwitch:
         self.turns = Turns()
         #: Held while the programs change or are read.
         self.lock = threading.RLock()
-        #: The step programs switched in so far; ``version`` counts the switch-ins and
-        #: roll-backs, so a runner sees at its next step that there are new ones.
+        #: The step programs switched in so far; ``version`` counts the switch-ins,
+        #: roll-backs, checks passed while the thread records, and its end, so a runner
+        #: sees at its next step that a batch may go elsewhere.
         self.programs: dict[Descriptor, tuple[Call, ...]] = {}
         self.version = 0
         #: The foreground's report, then the thread's once it is ``done``.
@@ -118,8 +119,9 @@ class LiveSwitch:
         and rolled back by the capture thread."""
         if error is not None:
             self.programs.pop(descriptor, None)
+        if error is not None or not self.done:  # while the thread records, checked graphs serve larger batches
             self.version += 1
-        elif self.done:  # the thread's report is written: this check joins it
+        if error is None and self.done:  # the thread's report is written: this check joins it
             self.report = attrs.evolve(self.report, verify=(*self.report.verify, self.first_use.verified[-1]))
         self._core.checked(descriptor, error)
 
@@ -136,6 +138,7 @@ class LiveSwitch:
         with self.lock:
             self.report = report
             self.done = True
+            self.version += 1  # a batch a checked graph held while the thread ran goes to its own
 
 
 class BackgroundCapture:
