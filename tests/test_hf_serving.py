@@ -47,6 +47,7 @@ from graphflow.engine.first_use import Checks
 from graphflow.errors import PlanError
 from graphflow.integrations.hf.batching import Fallback, ServingKey, serve, serving_keys
 from graphflow.integrations.hf.batching.keys import VARLEN, batch_keys, decode_only
+from graphflow.integrations.hf.batching import serving as serving_module
 from graphflow.integrations.hf.batching.serving import LAZY_TRIES
 from graphflow.plan import Mode
 from tests.serving_models import (
@@ -494,6 +495,33 @@ def test_lazy_coverage_first_steps_have_no_graph_yet():
     served = {by_key[name].mode for name, e in summary["keys"].items() if e["graph_steps"]}
     assert served == {Mode.PIECEWISE, Mode.FULL}
     assert any("no graph yet" in w for w in result.serving.coverage.warnings())
+
+
+def test_while_the_thread_records_a_decode_batch_replays_its_checked_piecewise_graph(monkeypatch):
+    """A new graph's check is an eager step and a replay, host work the recordings would
+    wait for: while the capture thread is not done, a decode-only batch whose FULL graph
+    waits for its check replays its PIECEWISE key's checked graph, and no FULL graph is
+    checked; the tokens stay the engine's. The thread captures only the keys steps ask
+    for here (no plan is small enough to capture ahead), so it is never done, and which
+    graphs exist at each step does not depend on timing."""
+    monkeypatch.setattr(serving_module, "AHEAD_MOST", 0)
+    seen = {}
+
+    def after_stop(serving):
+        seen["capturing"] = serving.capturing
+        seen["summary"] = serving.coverage.as_dict()
+
+    model, _ = shared("llama")
+    result = run(model, PROMPTS, 24, "lazy", queue_first=True, after_stop=after_stop)
+    assert result.tokens == run(model, PROMPTS, 24).tokens
+    assert seen["capturing"], "the thread was not done while the engine served"
+    keys = seen["summary"]["keys"]
+    decoding = {keys_[0] for keys_ in result.keys if keys_[0].mode is Mode.FULL}
+    assert decoding, "the workload has decode-only batches"
+    assert all(keys[str(k)]["graph_steps"] == 0 and keys[str(k)]["state"] != "live" for k in decoding), \
+        "a FULL graph was checked (or replayed) while the thread recorded"
+    assert any(keys[str(k)]["state"] == "captured" for k in decoding), "their FULL graphs were captured"
+    assert sum(keys[str(k_[-1])]["graph_steps"] for k_ in result.keys if k_[0] in decoding) > 0
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "llama"])

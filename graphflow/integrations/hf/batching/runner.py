@@ -11,7 +11,10 @@ yet (one a lazy or background capture made, or a foreground capture left out of 
 sample) runs the engine's eager step too and compares the tokens (``eager_then_replay``):
 the graph goes live only if they are identical, and the step serves the eager tokens
 either way; a graph that differs is taken out at once and destroyed
-(``KeyCapture.checked``), its batches served by their PIECEWISE key or eagerly.
+(``KeyCapture.checked``), its batches served by their PIECEWISE key or eagerly. While the
+capture thread records, a decode-only batch whose FULL graph waits for its check replays
+its PIECEWISE key's graph if that one is checked (as a lazy engine's runner does), and
+the FULL graph is checked on its first batch once the thread is done.
 
 Lazy capture is asked for the covering key until it is captured, then for the batch's
 FULL key: coverage first, then the speed-up.
@@ -74,7 +77,7 @@ class StepRunner:
         if runner.supports_logits_to_keep(model):  # the batch as the engine's forward gets it
             batch_data["logits_to_keep"] = batch_data["logits_indices"]
         with self.turns.step():
-            held = next((graph for graph in map(self._graphs.get, keys) if graph is not None), None)
+            held = self._held(keys, core)
             if held is not None and held.checked:
                 self._capture.replay(held, batch_data)
                 self.coverage.served(held.key, tokens, None)
@@ -89,6 +92,18 @@ class StepRunner:
         fallback = (Fallback.NOT_PLANNED if covering not in self._planned else
                     Fallback.FAILED if state is KeyState.FAILED else Fallback.NO_GRAPH_YET)
         self.coverage.served(covering, tokens, fallback)
+
+    def _held(self, keys: tuple[ServingKey, ...], core) -> KeyGraph | None:
+        """The graph a step replays: its first key's that has one. While the capture thread
+        records, a checked graph of a later key (the batch's PIECEWISE key) goes before an
+        unchecked one: a check's eager step is host work the recordings would wait for; the
+        unchecked graph is checked once the thread is done."""
+        graphs = [graph for graph in map(self._graphs.get, keys) if graph is not None]
+        if not graphs:
+            return None
+        if not graphs[0].checked and core is not None and not core.done:
+            return next((graph for graph in graphs if graph.checked), graphs[0])
+        return graphs[0]
 
     def _check(self, held: KeyGraph, model, batch_data: dict) -> Fallback | None:
         """A new graph's first step: the engine's eager step, then the replay from the same
