@@ -19,7 +19,12 @@ elementwise and reduction kernels, SDPA, an index copy), and answered with what 
   the same edges) replays to the same bytes as torch's replay, and how long a rebuild and
   an instantiation take per node;
 * whether a virtual address range reserved at a chosen address gets that address, in this
-  process and in a fresh one (the fixed layout that keeps pointers in argument bytes valid).
+  process and in a fresh one (the fixed layout that keeps pointers in argument bytes valid);
+* whether a fresh process finds each kernel again by a reference capture of its own at
+  another batch size (cuBLAS and SDPA pick kernels by shape): by name among that graph's
+  kernels, and among every function of the modules those kernels are in
+  (``cuFuncGetModule``, ``cuModuleEnumerateFunctions``): how few captures a restart
+  would need to find every function it rebuilds graphs with.
 """
 
 from __future__ import annotations
@@ -50,10 +55,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="out")
     parser.add_argument("--reserve-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.reserve_child:
         torch.cuda.init()
         print(json.dumps(_reserve()))
+        return 0
+    if args.reference_child:
+        print(json.dumps(_reference(args.reference_child)))
         return 0
     from cuda.bindings import driver
 
@@ -79,6 +88,7 @@ def main() -> int:
     child = subprocess.run([sys.executable, __file__, "--reserve-child"], check=False, capture_output=True, text=True, timeout=120)
     found["reserve_fresh_process"] = json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 \
         else {"error": child.stderr[-500:]}
+    found["reference_capture"] = _found_by_reference([k["name"] for k in kernels])
     text = json.dumps(found, indent=1, default=str)
     print(text)
     out_dir = pathlib.Path(args.out)
@@ -111,25 +121,25 @@ def _ok(result):
     return values[0] if len(values) == 1 else tuple(values) if values else None
 
 
-def _captured():
-    """A graph of the kernels a decoder step launches, captured by torch and kept (not only
-    instantiated) so its nodes can be read."""
+def _captured(rows: int = 64):
+    """A graph of the kernels a decoder step of ``rows`` tokens launches, captured by torch
+    and kept (not only instantiated) so its nodes can be read."""
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(64, 1024, device=device, dtype=torch.bfloat16, generator=generator)
+    x = torch.randn(rows, 1024, device=device, dtype=torch.bfloat16, generator=generator)
     w = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16, generator=generator) / 32
     cache = torch.zeros(4096, 8, 128, device=device, dtype=torch.bfloat16)
-    index = torch.arange(0, 64 * 16, 16, device=device)
+    index = torch.arange(0, rows * 16, 16, device=device)
     norm = torch.nn.LayerNorm(1024, device=device, dtype=torch.bfloat16)
-    out = torch.empty(64, 1024, device=device, dtype=torch.bfloat16)
+    out = torch.empty(rows, 1024, device=device, dtype=torch.bfloat16)
 
     def run() -> None:
         h = torch.nn.functional.gelu(norm(x) @ w)
-        q = h.view(1, 64, 8, 128).transpose(1, 2)
+        q = h.view(1, rows, 8, 128).transpose(1, 2)
         cache.index_copy_(0, index, q.transpose(1, 2)[0])
         kv = cache.index_select(0, index).transpose(0, 1).unsqueeze(0)
         a = torch.nn.functional.scaled_dot_product_attention(q, kv, kv)
-        out.copy_(torch.softmax(a.transpose(1, 2).reshape(64, 1024).float(), -1).to(out.dtype) + h)
+        out.copy_(torch.softmax(a.transpose(1, 2).reshape(rows, 1024).float(), -1).to(out.dtype) + h)
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -319,6 +329,42 @@ def _rebuild(driver, nodes, edges, graph, run, out) -> dict:
                 "instantiate_us_per_node": instantiated_s / len(nodes) * 1e6}
     except Exception as exc:  # noqa: BLE001 - a probe reports what failed
         return {"rebuilt": False, "why": f"{type(exc).__name__}: {exc}"}
+
+
+def _reference(rows: int) -> dict:
+    """In a fresh process: the kernel names of a capture at ``rows`` tokens, and the names
+    of every function of the modules those kernels are in."""
+    from cuda.bindings import driver
+
+    graph, _, _ = _captured(rows)
+    nodes, _ = _nodes(driver, driver.CUgraph(graph.raw_cuda_graph()))
+    kernels = [_ok(driver.cuGraphKernelNodeGetParams(node)).func for node in nodes if _type(driver, node) == "KERNEL"]
+    names = [_ok(driver.cuFuncGetName(func)).decode() for func in kernels]
+    in_modules, errors = set(), set()
+    for func in kernels:
+        try:
+            module = _ok(driver.cuFuncGetModule(func))
+            count = _ok(driver.cuModuleGetFunctionCount(module))
+            for sibling in _ok(driver.cuModuleEnumerateFunctions(count, module)):
+                in_modules.add(_ok(driver.cuFuncGetName(sibling)).decode())
+        except Exception as exc:  # noqa: BLE001 - a probe reports what failed
+            errors.add(f"{type(exc).__name__}: {exc}"[:200])
+    return {"rows": rows, "kernels": names, "module_functions": sorted(in_modules), "errors": sorted(errors)}
+
+
+def _found_by_reference(names: list[str]) -> dict:
+    """Of this graph's kernels (64 rows), how many a fresh process finds by a capture at
+    another size (48 rows), by name in that graph and among its kernels' modules."""
+    child = subprocess.run([sys.executable, __file__, "--reference-child", "48"], check=False, capture_output=True,
+                           text=True, timeout=300)
+    if child.returncode != 0:
+        return {"error": child.stderr[-500:]}
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    in_graph, in_modules = set(got["kernels"]), set(got["module_functions"])
+    return {"rows": got["rows"], "kernels": len(names), "in_its_graph": sum(n in in_graph for n in names),
+            "in_its_modules": sum(n in in_modules or n in in_graph for n in names),
+            "module_functions": len(in_modules), "missing": [n for n in names if n not in in_graph | in_modules],
+            "errors": got["errors"]}
 
 
 def _reserve() -> dict:
