@@ -82,7 +82,9 @@ def serve(path: str, *, smoke: bool, after: int, check_every: int, first_checks:
                   "first_use_checked": len(background.verified),
                   "first_use_bit_exact": all(v.bit_exact for v in background.verified),
                   "all_live_s": (background.finished_at or time.perf_counter()) - background.started_at,
-                  "pauses": engine.live.turns.pauses}
+                  "pauses": engine.live.turns.pauses,
+                  # What this process held at most: how many runs fit one device at once.
+                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None}
     finally:
         engine.close()
     return result
