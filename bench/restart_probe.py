@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import pathlib
 import subprocess
@@ -114,7 +115,7 @@ def _keeps_graph() -> bool:
 
 
 def _ok(result):
-    """A cuda.bindings call's value, or an error string: every call returns (error, *values)."""
+    """A cuda.bindings call's value (every call returns (error, *values)); raises on an error."""
     error, *values = result if isinstance(result, tuple) else (result,)
     if int(error) != 0:
         raise RuntimeError(f"{error!r}")
@@ -195,28 +196,44 @@ def _kernel(driver, node) -> dict:
     entry["params"] = len(sizes)
     entry["args_given_as"] = "kernelParams" if int(params.kernelParams or 0) else "extra" if int(params.extra or 0) \
         else "none"
-    try:
-        entry["module_loading"] = str(_ok(driver.cuModuleGetLoadingMode()))
-    except Exception as exc:  # noqa: BLE001
-        entry["module_loading"] = f"? {exc}"
+    entry["module_loading"] = _loading_mode(driver)
     entry["library"], entry["found_by_name"] = _by_name(entry["name"], int(func))
     entry["symtab_library"], entry["found_by_symtab"] = _by_symtab(entry["name"], int(func))
     return entry
 
 
-def _loaded_libraries() -> list[str]:
-    paths = []
+@functools.cache
+def _loading_mode(driver) -> str:
+    """The process's module loading mode (one answer per process)."""
+    try:
+        return str(_ok(driver.cuModuleGetLoadingMode()))
+    except Exception as exc:  # noqa: BLE001 - a probe reports what failed
+        return f"? {exc}"
+
+
+@functools.cache
+def _loaded_libraries() -> dict[str, int]:
+    """Each shared library the process has mapped, and where it is loaded (the start of
+    its mapping at file offset 0), from one read of ``/proc/self/maps``: the kernels
+    asked about are already loaded, so the list does not change while the probe runs."""
+    bases: dict[str, int] = {}
     for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
-        if (path.endswith(".so") or ".so." in path) and path not in paths:
-            paths.append(path)
-    return paths
+        parts = line.split()
+        path = parts[-1] if len(parts) >= 6 else ""
+        if (path.endswith(".so") or ".so." in path) and int(parts[2], 16) == 0:
+            bases.setdefault(path, int(parts[0].split("-")[0], 16))
+    return bases
+
+
+@functools.cache
+def _library(path: str) -> ctypes.CDLL:
+    return ctypes.CDLL(path)
 
 
 def _cudart():
     for path in _loaded_libraries():
         if "libcudart.so" in path:
-            return ctypes.CDLL(path)
+            return _library(path)
     return None
 
 
@@ -228,7 +245,7 @@ def _by_name(name: str, func: int) -> tuple[str | None, bool | str]:
         return None, "no libcudart loaded"
     for path in _loaded_libraries():
         try:
-            library = ctypes.CDLL(path)
+            library = _library(path)
             stub = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
         except (OSError, AttributeError):
             continue
@@ -238,35 +255,21 @@ def _by_name(name: str, func: int) -> tuple[str | None, bool | str]:
     return None, False
 
 
-_SYMBOLS: dict[str, dict[str, int]] = {}
-
-
+@functools.cache
 def _symbols(path: str) -> dict[str, int]:
     """A library's defined symbols and their addresses, from its full symbol table (``nm``),
     local ones included: a host stub hidden from ``dlsym`` is still there unless stripped."""
-    if path not in _SYMBOLS:
-        try:
-            done = subprocess.run(["nm", "--defined-only", "-P", path], check=False, capture_output=True, text=True,
-                                  timeout=120)
-        except (OSError, subprocess.TimeoutExpired):  # no nm here, or a library too large to list in time
-            _SYMBOLS[path] = {}
-            return _SYMBOLS[path]
-        table = {}
-        for line in done.stdout.splitlines():
-            parts = line.split()
-            if len(parts) >= 3:
-                table[parts[0]] = int(parts[2], 16)
-        _SYMBOLS[path] = table
-    return _SYMBOLS[path]
-
-
-def _base(path: str) -> int | None:
-    """Where ``path`` is loaded: the start of its mapping at file offset 0."""
-    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+    try:
+        done = subprocess.run(["nm", "--defined-only", "-P", path], check=False, capture_output=True, text=True,
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired):  # no nm here, or a library too large to list in time
+        return {}
+    table = {}
+    for line in done.stdout.splitlines():
         parts = line.split()
-        if len(parts) >= 6 and parts[-1] == path and int(parts[2], 16) == 0:
-            return int(parts[0].split("-")[0], 16)
-    return None
+        if len(parts) >= 3:
+            table[parts[0]] = int(parts[2], 16)
+    return table
 
 
 def _by_symtab(name: str, func: int) -> tuple[str | None, bool | str]:
@@ -276,10 +279,9 @@ def _by_symtab(name: str, func: int) -> tuple[str | None, bool | str]:
     cudart = _cudart()
     if cudart is None:
         return None, "no libcudart loaded"
-    for path in _loaded_libraries():
+    for path, base in _loaded_libraries().items():
         offset = _symbols(path).get(name)
-        base = _base(path)
-        if offset is None or base is None:
+        if offset is None:
             continue
         got = ctypes.c_void_p()
         status = cudart.cudaGetFuncBySymbol(ctypes.byref(got), ctypes.c_void_p(base + offset))

@@ -267,13 +267,13 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
     if serving is not None and row == "graphflow lazy":
         if serving.capturing:
             say(f"{label}: waiting up to {lazy_wait:.0f} s for the lazy capture to finish the plan")
-        lazy_done = _wait_captured(serving, lazy_wait)
+        lazy_done = serving.wait_captured(lazy_wait)
     _sync(cuda)
     memory = _graph_memory(processor, serving) if cuda else None
     checking = [s for s, _, _, check in steps if check]
     result = {"row": row, "waves": waves, "setup_s": setup_s, "cold_start_s": cold_start_s,
               "steps": len(steps), "median_step_s": statistics.median(s for s, _, _, _ in steps),
-              "worst_step_capturing_s": max((s for s, c, _, checking in steps if c and not checking), default=None),
+              "worst_step_capturing_s": max((s for s, c, _, check in steps if c and not check), default=None),
               "worst_step_s": max(s for s, _, _, _ in steps),
               "checking_steps": len(checking), "median_checking_step_s": statistics.median(checking) if checking
               else None, "worst_checking_step_s": max(checking, default=None),
@@ -283,16 +283,15 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
     if serving is not None:
         result["ready_s"] = serving.all_captured_s
         summary = serving.coverage.as_dict()
-        memory_info = getattr(serving, "memory", None) or {}
-        result.update(keys_captured=summary.get("captured"), keys_planned=len(serving.plan.keys),
-                      graph_steps=summary.get("graph_steps"), eager_steps=summary.get("eager_steps"),
-                      unused_keys=len(summary.get("unused", ())), pool_bytes=memory_info.get("pool_bytes"),
+        memory_info = serving.memory
+        result.update(keys_captured=summary["captured"], keys_planned=len(serving.plan.keys),
+                      graph_steps=summary["graph_steps"], eager_steps=summary["eager_steps"],
+                      unused_keys=len(summary["unused"]), pool_bytes=memory_info.get("pool_bytes"),
                       estimated_pool_bytes=memory_info.get("estimated_pool_bytes"), coverage=summary,
                       report=serving.report())
         if row == "graphflow lazy":
-            turns = getattr(serving, "turns", None)
-            result.update(lazy_finished=lazy_done, recording_pauses=getattr(turns, "pauses", None),
-                          retried_keys=getattr(serving, "retried", None))
+            result.update(lazy_finished=lazy_done, recording_pauses=serving.turns.pauses,
+                          retried_keys=serving.retried)
         state["serving"] = None
         serving.close()
     return result
@@ -317,16 +316,6 @@ def _graph_memory(processor, serving) -> int:
     if pool is None:
         return 0
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == tuple(pool))
-
-
-def _wait_captured(serving, timeout: float) -> bool:
-    wait = getattr(serving, "wait_captured", None)
-    if wait is not None:
-        return bool(wait(timeout))
-    deadline = time.perf_counter() + timeout
-    while serving.capturing and time.perf_counter() < deadline:
-        time.sleep(0.05)
-    return not serving.capturing
 
 
 def _sync(cuda: bool) -> None:
@@ -451,12 +440,13 @@ def main() -> int:
     built = time.perf_counter()
     model = build_model(shape["family"], args.layers, args.hidden, args.vocab, device)
     _sync(device == "cuda")
-    say(f"model: {describe(model)}, built on {device} in {time.perf_counter() - built:.1f} s")
+    described = describe(model)
+    say(f"model: {described}, built on {device} in {time.perf_counter() - built:.1f} s")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     everything = {"device": device_name, "torch": torch.__version__,
                   "transformers": importlib.metadata.version("transformers"), "shape": args.shape,
-                  "smoke": args.smoke, "model": describe(model), "attention": "paged|sdpa", "settings": settings,
+                  "smoke": args.smoke, "model": described, "attention": "paged|sdpa", "settings": settings,
                   "prompt": prompt, "output": output, "rows": rows, "workloads": {}}
     stem = "serve" if args.shape == "default" else f"serve-{args.shape}"
     header = (f"# bench/serve_bench.py --shape {args.shape}{' --smoke' if args.smoke else ''} on {device_name}, "

@@ -53,7 +53,7 @@ import torch
 
 from graphflow.engine import Engine
 from graphflow.events import Phase
-from graphflow.plan import PAD_KEEP, BufferRole, Descriptor, Mode, dim_symbols
+from graphflow.plan import PAD_KEEP, BufferRole, Descriptor, dim_symbols, holders
 
 __all__ = ["FallbackReason", "Runner", "StepTiming", "time_steps"]
 
@@ -106,21 +106,21 @@ class Runner:
         same descriptor serves it: a lazy engine switches a descriptor in at a time, and
         the batches it takes over are the only ones to make again."""
         engine, live = self.engine, self.engine.live
-        capturing = live is not None and not live.done
-        own = _holders(engine.programs)
-        # While the thread records, a first-use check's eager step would take the host from
-        # it: a checked graph that holds the batch serves it, and its own waits.
-        checked = _holders(d for d in engine.programs if d not in live.unchecked) if capturing else own
-        serving: list[Descriptor | None] = [None] * len(own)
-        for batch in range(1, len(serving)):
-            serving[batch] = checked[batch] if batch < len(checked) else own[batch]
+        own = holders(engine.programs)
+        serving = own
+        if live is not None and not live.done:
+            # While the thread records, a first-use check's eager step would take the host
+            # from it: a checked graph that holds the batch serves it, and its own waits.
+            unchecked = live.unchecked
+            checked = holders(d for d in engine.programs if d not in unchecked)
+            serving = checked + own[len(checked):]
         #: The most rows any batch pads: what a pad: keep copy must hold.
         self._max_pad = max((d.size - b for b, d in enumerate(serving) if d is not None), default=0)
         kept = [program if serving[batch] is self._serving[batch] else None
                 for batch, program in enumerate(self._programs[:len(serving)])]
         self._programs = kept + [None] * (len(serving) - len(kept))
         self._serving = serving
-        self._version = engine.live.version if engine.live is not None else 0
+        self._version = live.version if live is not None else 0
 
     @property
     def checks(self):
@@ -290,22 +290,6 @@ class Runner:
         if live is not None and not live.done:
             live.turns.eager_took(time.perf_counter() - began)  # a recording's slice follows the eager steps
         return tuple(views[n] for n in self.outputs)
-
-
-def _holders(descriptors: Iterable[Descriptor]) -> list[Descriptor | None]:
-    """Batch size -> the smallest of ``descriptors`` that holds it (FULL before PIECEWISE
-    at one size); as long as the largest size plus one."""
-    best: dict[int, Descriptor] = {}
-    for descriptor in descriptors:
-        if descriptor.size not in best or descriptor.mode is Mode.FULL:
-            best[descriptor.size] = descriptor
-    sizes = sorted(best)
-    holders: list[Descriptor | None] = [None] * (sizes[-1] + 1 if sizes else 1)
-    at = 0
-    for batch in range(1, len(holders)):
-        at += sizes[at] < batch
-        holders[batch] = best[sizes[at]]
-    return holders
 
 
 def _batch_dim(shape, symbol: str, name: str) -> int | None:

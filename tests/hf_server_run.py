@@ -56,11 +56,11 @@ def missing_dependencies() -> list[str]:
     return [name for name in SERVING_DEPENDENCIES if importlib.util.find_spec(name) is None]
 
 
-def llama(config: dict = MODEL, seed: int = 0):
+def llama(config: dict = MODEL):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**config)).eval()
 
 

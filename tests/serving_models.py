@@ -13,15 +13,33 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import time
 
 import attrs
+import pytest
 import torch
 
 #: The sliding window of the sliding and hybrid models: shorter than most prompts below.
 WINDOW = 8
 _COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.3)
+
+
+#: A foreground capture of every key before serving, each verified then (``serve``'s
+#: default leaves the FULL keys to the capture thread and verifies a sample).
+EVERY_KEY_VERIFIED = {"full_in_background": False, "verify": "all"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quick_gc():
+    """The engine's batch processor runs ``gc.collect()`` when it is freed: a quarter of a
+    second each with torch and transformers loaded, unless what is loaded is frozen.
+    Autouse in every module that imports it."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def _llama(layers: int = 2):

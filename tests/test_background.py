@@ -59,9 +59,9 @@ class Gate:
         if (event.kind is EventKind.PHASE_BEGIN and event.phase is self.phase
                 and threading.get_ident() != self.foreground and not self.reached.is_set()):
             self.nth -= 1
-        if self.nth == 0 and not self.reached.is_set():
-            self.reached.set()
-            assert self.release.wait(30)
+            if self.nth == 0:
+                self.reached.set()
+                assert self.release.wait(30)
 
 
 class TestLazy:

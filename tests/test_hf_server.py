@@ -43,10 +43,6 @@ PROMPTS = ["hello world", "the cat sat on the mat", "how are you", "a dog", "w5 
 MAX_TOKENS = 12
 
 
-def _model():
-    return llama()
-
-
 # -- the hook, in this process -------------------------------------------------------------
 
 def _session(model) -> dict[str, list[int]]:
@@ -82,7 +78,7 @@ def restored():
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["foreground", "lazy"])
 def test_install_serves_every_manager_started(restored, caplog, lazy):
-    model = _model()
+    model = llama()
     expected = _session(model)
     installed = server.install(lazy=lazy)
     with pytest.raises(RuntimeError, match="already installed"):
@@ -113,7 +109,7 @@ def test_on_the_cpu_backend_a_foreground_install_serves_at_once(restored, caplog
     server.install(lazy=False)
     gen = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=3)
     cb = ContinuousBatchingConfig(block_size=256, num_blocks=512, max_batch_tokens=2048)
-    model = _model()
+    model = llama()
     model.config.max_position_embeddings = 4096  # as a real model's: the keys are the padding's, hundreds
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     began = time.monotonic()
@@ -137,7 +133,7 @@ def test_a_manager_graphflow_cannot_serve_is_marked_dead(restored):
         pytest.skip("needs a machine without CUDA: the cuda backend is what cannot serve here")
     server.install(backend="cuda")
     gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=3)
-    manager = _model().init_continuous_batching(
+    manager = llama().init_continuous_batching(
         generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=16, max_batch_tokens=16))
     with pytest.raises(ValueError, match="cuda backend needs a CUDA GPU"):
         manager.start()

@@ -24,7 +24,6 @@ import collections
 import contextlib
 import copy
 import functools
-import gc
 import logging
 import math
 import threading
@@ -50,7 +49,8 @@ from graphflow.integrations.hf.batching.keys import VARLEN, batch_keys, decode_o
 from graphflow.integrations.hf.batching import serving as serving_module
 from graphflow.integrations.hf.batching.serving import LAZY_TRIES
 from graphflow.plan import Mode
-from tests.serving_models import (
+from tests.serving_models import (  # noqa: F401 - quick_gc: a module fixture
+    EVERY_KEY_VERIFIED,
     WINDOW,
     cb_config,
     build,
@@ -58,6 +58,7 @@ from tests.serving_models import (
     hf_generate,
     manager,
     prompts,
+    quick_gc,
     run,
     shared,
 )
@@ -66,15 +67,6 @@ NEW = 6
 PROMPTS = prompts()  # 5, 11, 19, 3 and 14 tokens: most longer than the window (8)
 assert sum(map(len, PROMPTS)) > 32  # more than one batch holds: the first prefill is chunked
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _quick_gc():
-    """The engine's batch processor runs ``gc.collect()`` when it is freed: a quarter of a
-    second each with torch and transformers loaded, unless what is loaded is frozen."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 # -- keys ----------------------------------------------------------------------------------
@@ -365,11 +357,6 @@ def test_the_window_matters_for_these_prompts():
 
 
 # -- coverage ------------------------------------------------------------------------------
-
-
-#: A foreground capture of every key before serving, each verified then (``serve``'s
-#: default leaves the FULL keys to the capture thread and verifies a sample).
-EVERY_KEY_VERIFIED = dict(full_in_background=False, verify="all")
 
 
 @functools.cache

@@ -62,7 +62,7 @@ from graphflow.engine.execute import call_segment, run_eager
 from graphflow.engine.warmup import DescriptorTime, eager_step, fill_inputs
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
-from graphflow.plan import BufferRole, Descriptor, Mode
+from graphflow.plan import BufferRole, Descriptor, Mode, holders
 
 __all__ = ["BackgroundCapture", "LiveSwitch"]
 
@@ -81,8 +81,8 @@ class LiveSwitch:
         #: Held while the programs change or are read.
         self.lock = threading.RLock()
         #: The step programs switched in so far; ``version`` counts the switch-ins,
-        #: roll-backs, checks passed while the thread records, and its end, so a runner
-        #: sees at its next step that a batch may go elsewhere.
+        #: roll-backs, first-use checks and the thread's end, so a runner sees at its
+        #: next step that a batch may go elsewhere.
         self.programs: dict[Descriptor, tuple[Call, ...]] = {}
         self.version = 0
         #: The foreground's report, then the thread's once it is ``done``.
@@ -119,10 +119,9 @@ class LiveSwitch:
         and rolled back by the capture thread."""
         if error is not None:
             self.programs.pop(descriptor, None)
-        if error is not None or not self.done:  # while the thread records, checked graphs serve larger batches
-            self.version += 1
-        if error is None and self.done:  # the thread's report is written: this check joins it
+        elif self.done:  # the thread's report is written: this check joins it
             self.report = attrs.evolve(self.report, verify=(*self.report.verify, self.first_use.verified[-1]))
+        self.version += 1  # a checked graph may serve larger batches while the thread records
         self._core.checked(descriptor, error)
 
     # -- what the thread writes ----------------------------------------------------------
@@ -176,7 +175,7 @@ class BackgroundCapture:
         largest = max(descriptors, key=lambda d: (d.size, d.mode is Mode.FULL), default=None)
         self.core = LazyCapture(self, descriptors, turns=live.turns, then=largest, first_step_s=FIRST_STEP_S,
                                 name="graphflow-background-capture")
-        live.attach(self.core, _best_holders(descriptors))
+        live.attach(self.core, dict(enumerate(holders(descriptors))))
 
     def start(self) -> None:
         """Start the thread; returns once it has run its first warmup (``prepare``)."""
@@ -371,15 +370,4 @@ def _unwind(stack: UndoStack) -> None:
     failures = stack.unwind()
     if failures is not None:
         raise failures
-
-
-def _best_holders(descriptors: tuple[Descriptor, ...]) -> dict[int, Descriptor]:
-    """For each batch size up to the largest, the descriptor that serves it best: the
-    smallest that holds it, FULL before PIECEWISE."""
-    largest = max((d.size for d in descriptors), default=0)
-    best = {}
-    for batch in range(1, largest + 1):
-        holders = [d for d in descriptors if d.size >= batch]
-        best[batch] = min(holders, key=lambda d: (d.size, d.mode is not Mode.FULL))
-    return best
 

@@ -21,10 +21,19 @@ from graphflow.engine.snapshots import VerifyPlan
 from graphflow.events import Event, EventKind, Listener
 from graphflow.plan import Descriptor, Plan, Segment, Warmup
 
-__all__ = ["Context", "SAMPLE_BETWEEN", "per_size_warmup", "sample"]
+__all__ = ["Context", "SAMPLE_BETWEEN", "first_of_each_mode", "per_size_warmup", "sample"]
 
 #: How many descriptors ``Verify.SAMPLE`` verifies between each mode's first and last.
 SAMPLE_BETWEEN = 3
+
+
+def first_of_each_mode(keys):
+    """The first of ``keys`` of each mode (anything with a ``mode``), in their order: in
+    capture order, the largest."""
+    firsts: dict = {}
+    for key in keys:
+        firsts.setdefault(key.mode, key)
+    return tuple(firsts.values())
 
 
 def sample(descriptors: tuple[Descriptor, ...]) -> frozenset[Descriptor]:
@@ -116,10 +125,7 @@ class Context:
 
     @functools.cached_property
     def _first_of_mode(self) -> frozenset[Descriptor]:
-        firsts: dict = {}
-        for descriptor in self.descriptors:
-            firsts.setdefault(descriptor.mode, descriptor)
-        return frozenset(firsts.values())
+        return frozenset(first_of_each_mode(self.descriptors))
 
     def watches(self, descriptor: Descriptor) -> bool:
         """Whether the detectors watch this descriptor's warmup and capture."""

@@ -27,7 +27,7 @@ import enum
 import functools
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Union
 
 import attrs
@@ -65,6 +65,7 @@ __all__ = [
     "Dim",
     "Family",
     "Mode",
+    "holders",
     "Origin",
     "Plan",
     "Prewarm",
@@ -519,6 +520,23 @@ class Descriptor:
 
     def __str__(self) -> str:
         return f"{self.mode.value}(B={self.size})"
+
+
+def holders(descriptors: Iterable[Descriptor]) -> list[Descriptor | None]:
+    """Batch size -> the descriptor that serves it: the smallest of ``descriptors`` that
+    holds it, FULL before PIECEWISE at one size; as long as the largest size plus one
+    (index 0 is None)."""
+    best: dict[int, Descriptor] = {}
+    for descriptor in descriptors:
+        if descriptor.size not in best or descriptor.mode is Mode.FULL:
+            best[descriptor.size] = descriptor
+    sizes = sorted(best)
+    served: list[Descriptor | None] = [None] * (sizes[-1] + 1 if sizes else 1)
+    at = 0
+    for batch in range(1, len(served)):
+        at += sizes[at] < batch
+        served[batch] = best[sizes[at]]
+    return served
 
 
 @attrs.frozen

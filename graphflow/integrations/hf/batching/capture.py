@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 import attrs
 import torch
 
+from graphflow.engine.context import first_of_each_mode
 from graphflow.engine.lazy import KeyState
 from graphflow.engine.options import Verify
 from graphflow.engine.pools import PoolSet
@@ -174,7 +175,7 @@ class KeyCapture:
             return frozenset(keys)
         if not self.verify:
             return frozenset()
-        return frozenset(_first_of_each_mode(keys))
+        return frozenset(first_of_each_mode(keys))
 
     def _capture_foreground(self, key: ServingKey, check: bool) -> None:
         """One key, a transaction: its warm run when it needs one (``_warms``), its
@@ -272,7 +273,7 @@ class KeyCapture:
             return
         try:
             with self._backend.pool_probe(device) as probe:
-                for key in _first_of_each_mode(self.plan.keys):
+                for key in first_of_each_mode(self.plan.keys):
                     with self._batch(key) as step:
                         if self._warms(key):
                             with self._warming(key):
@@ -441,14 +442,6 @@ class KeyCapture:
             held.destroy()
         self._mine.clear()
         self.graphs.clear()
-
-
-def _first_of_each_mode(keys: tuple[ServingKey, ...]) -> tuple[ServingKey, ...]:
-    """The first key of each mode in ``keys``' order: the largest, in capture order."""
-    firsts: dict[Mode, ServingKey] = {}
-    for key in keys:
-        firsts.setdefault(key.mode, key)
-    return tuple(firsts.values())
 
 
 def _warmup_batch(processor, key: ServingKey) -> tuple[list, int]:

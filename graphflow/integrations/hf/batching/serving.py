@@ -184,7 +184,7 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
             wanted = set(keys)
             plan = attrs.evolve(plan, keys=tuple(k for k in plan.keys if k in wanted))
         chosen = make_backend(backend)
-        background = not lazy and full_in_background and any(key.mode is Mode.FULL for key in plan.keys)
+        background = not lazy and full_in_background and plan.count(Mode.FULL) > 0
         beside = lazy or background  # keys captured on a thread beside serving
         if beside:
             # The engine serves on its own thread while a capture is open (Turns): its
@@ -196,7 +196,7 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
         sampling = processor.model_runner.do_sample
         verify = Verify.OFF if sampling else scope
         cut = None
-        if any(key.mode is Mode.PIECEWISE for key in plan.keys):
+        if plan.count(Mode.PIECEWISE):
             cut = AttentionCut(plan.attention, chosen, processor.cache.max_batch_tokens)
             cut.attach(stack)
         graphs: dict = {}
@@ -208,7 +208,6 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
         # Recordings may pause for steps with their capture open where that is safe
         # (graphflow.engine.lazy): thread-local capture, and steps that draw no random number.
         pausing = chosen.captures_graphs and chosen.capture_error_mode == "thread_local" and not sampling
-        core = _capture_thread(capture, plan, coverage, turns, pausing) if lazy else None
         runner = StepRunner(processor, capture, graphs, coverage, turns)
         model_runner = processor.model_runner
         model_runner.compute_batch = runner.compute_batch
@@ -226,8 +225,7 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
             log.info("graphflow: sampling is on, so new graphs go live unchecked (sampled tokens differ by design)")
         if not lazy:
             capture.capture_all(progress, [k for k in plan.keys if not background or k.mode is Mode.PIECEWISE])
-        if background:
-            core = _capture_thread(capture, plan, coverage, turns, pausing)
+        core = _capture_thread(capture, turns, pausing) if beside else None
         serving = Serving(plan, runner, capture, stack, core, lazy=lazy)
         if core is not None:
             core.start()
@@ -237,10 +235,10 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
         raise
 
 
-def _capture_thread(capture: KeyCapture, plan: ServingPlan, coverage: Coverage, turns: Turns,
-                    pausing: bool) -> LazyCapture:
+def _capture_thread(capture: KeyCapture, turns: Turns, pausing: bool) -> LazyCapture:
     """The lazy-capture thread for the plan's keys a foreground capture did not settle
     (all of them when lazy); coverage reads the thread's table from then on."""
+    plan, coverage = capture.plan, capture.coverage
     settled = {key: state for key, state in coverage.states.items() if state is not KeyState.PLANNED}
     core = LazyCapture(capture, plan.keys, turns=turns, ahead=len(plan.keys) - len(settled) <= AHEAD_MOST,
                        pausing=pausing, settled=settled, name="graphflow-serving-capture")
