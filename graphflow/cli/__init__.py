@@ -54,12 +54,14 @@ FLAGS = {
     "sizes": "--sizes",
     "lazy": "--lazy",
     "compile": "--no-compile",
+    "save_graphs": "--save-graphs",
+    "graphs_from": "--graphs-from",
 }
 
 
 #: What a flag takes where a fix leaves the value to the user.
 _ANY = {"backend": "auto|cpu|cuda", "verify": "sample|all|off", "detectors": "first|all|off",
-        "disabled_checks": "NAME", "sizes": "N,N,..."}
+        "disabled_checks": "NAME", "sizes": "N,N,...", "save_graphs": "DIR", "graphs_from": "DIR"}
 
 
 def flag(setting: OptionFix) -> str:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import sys
 
+import attrs
+
 from graphflow.cli import CommandError, flag
 
 __all__ = ["DEFAULT_STEPS", "EAGER_BUDGET_S", "backend_for", "close", "print_report", "report_document", "report_listener",
@@ -210,7 +212,18 @@ def report_document(path: str, engine, timings: dict, captured_s: float, total_s
         "setup": {"plan_s": plan_s, "torch_s": torch_s, "backend_s": backend_s},
         "phases": [{"phase": r.phase.value, "outcome": r.outcome.value, "seconds": r.seconds} for r in report.phases],
         "descriptors": descriptors, "compile": compile_doc, "result": result,
+        "restart": None if report.restart is None else attrs.asdict(report.restart),
     }
+
+
+def restart_line(restart: dict) -> str:
+    """What saving or restoring graphs did, in one line."""
+    if restart["saved"] or restart["left_out"]:
+        left = "".join(f"; left out {why}" for why in restart["left_out"])
+        return (f"graphs of {restart['saved']} descriptors saved in {restart['directory']} "
+                f"({restart['seconds']:.2f} s){left}")
+    return (f"{restart['restored']} descriptors restored from {restart['directory']}, {restart['captured']} captured "
+            f"({restart['seconds']:.2f} s)")
 
 
 def print_report(document: dict) -> None:
@@ -254,6 +267,9 @@ def print_report(document: dict) -> None:
          + f"static buffers {format_bytes(document['buffer_bytes'])}")
     if document.get("trace"):
         line(f"trace {document['trace']}")
+    restart = document.get("restart")
+    if restart is not None and not restart["refused"]:  # a refusal is said on stderr as the run goes
+        line(restart_line(restart))
     compiled = document.get("compile")
     if compiled is not None:
         line(compiled["summary"])

@@ -40,6 +40,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 from graphflow.cli import CommandError, flag, parse_sizes
 from graphflow.cli.capture_report import (backend_for, close, print_report, report_document, report_listener,
@@ -84,6 +85,13 @@ def register(subparsers) -> None:
                              "background thread, each switched in and checked against the eager step on its first "
                              "batch (here, once all are captured, on verify's inputs; one rank, no channels); "
                              "reports when all are live")
+    parser.add_argument("--save-graphs", metavar="DIR",
+                        help="after the capture, write every graph to DIR with what must match to use them again "
+                             "(GPU, driver, torch, CUDA, the plan, the model): a restart with --graphs-from DIR "
+                             "builds them instead of capturing")
+    parser.add_argument("--graphs-from", metavar="DIR",
+                        help="bring the descriptors live from graphs saved in DIR (--save-graphs) instead of capturing "
+                             "them; anything that does not match is refused in one line and the run captures")
     parser.add_argument("--disable-check", action="append", default=[], metavar="NAME",
                         help="turn off one capture-safety check (repeat), e.g. host_sync")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
@@ -156,6 +164,7 @@ def _run(args: argparse.Namespace) -> int:
     # torch loads only now: reading and validating a plan stays fast.
     from graphflow.view.progress import ProgressDisplay
     from graphflow.session import Session
+    from graphflow.engine.restart.run import SavedGraphsNotUsed
 
     mark = time.perf_counter()
     backend = backend_for(options)
@@ -169,7 +178,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         started = time.perf_counter()
         try:
-            engine = session.capture(backend=backend)
+            with warnings.catch_warnings():  # said once below, as the run's own line
+                warnings.simplefilter("ignore", SavedGraphsNotUsed)
+                engine = session.capture(backend=backend)
         except CaptureError as err:
             if args.json:
                 _dump({"plan": plan.name, "file": source, "ok": False, "error": {
@@ -181,6 +192,9 @@ def _run(args: argparse.Namespace) -> int:
             raise
         except ValueError as err:  # sizes the plan does not have
             raise CommandError(str(err)) from err
+        restart = engine.report.restart
+        if restart is not None and restart.refused and not args.json:
+            print(f"graphflow: {restart.refused}", file=sys.stderr)
         ready_s = None
         if options.lazy:
             ready_s = time.perf_counter() - started
@@ -250,7 +264,7 @@ def _options(args: argparse.Namespace, sizes: tuple[int, ...] | None):
         raise CommandError(f"--disable-check: {err}") from err
     return RunOptions(backend=args.backend, verify=args.verify, detectors=args.detectors,
                       disabled_checks=checks, sizes=sizes, lazy=args.lazy,
-                      compile=not args.no_compile)
+                      compile=not args.no_compile, save_graphs=args.save_graphs, graphs_from=args.graphs_from)
 
 
 def _dump(document: dict) -> None:

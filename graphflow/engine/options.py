@@ -8,6 +8,7 @@ typo fails before any model is built and nothing downstream compares strings.
 from __future__ import annotations
 
 import enum
+import pathlib
 from collections.abc import Iterable
 
 import attrs
@@ -86,6 +87,10 @@ def _sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if sizes is None else tuple(sizes)
 
 
+def _path(value) -> pathlib.Path | None:
+    return None if value is None else pathlib.Path(value)
+
+
 def _rule_codes(codes: Iterable[str]) -> frozenset[str]:
     from graphflow.plan.rules import RULES, unknown_codes
 
@@ -124,3 +129,5 @@ class RunOptions:
     skip_rules: frozenset[str] = attrs.field(default=frozenset(), converter=_rule_codes)
     lazy: bool = False
     compile: bool = True
+    save_graphs: pathlib.Path | None = attrs.field(default=None, converter=_path)
+    graphs_from: pathlib.Path | None = attrs.field(default=None, converter=_path)

@@ -101,6 +101,8 @@ from graphflow.engine.memory import check_plan_memory
 from graphflow.engine.phase import Hooks, Tally, run_descriptor, run_phase, run_verify, summarize, warm
 from graphflow.engine.locus import Where
 from graphflow.engine.options import RunOptions
+from graphflow.engine.restart.driver import DriverError, check_available
+from graphflow.engine.restart.run import Restart, restore, save
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
 from graphflow.errors import TRACEBACK_NOTE, CaptureError, GraphflowError, InvalidPlanError, record_user_frames
@@ -145,7 +147,18 @@ def run_pipeline(plan: Plan, options: RunOptions = RunOptions(), *, backend: Bac
     if options.lazy and (plan.channels or world_size > 1):
         raise ValueError("lazy (background) capture serves one rank of a plan without channels: ranks would capture "
                          "in orders their own traffic decides — capture this plan in the foreground")
+    if options.lazy and (options.save_graphs or options.graphs_from):
+        raise ValueError("saved graphs are written from, and brought back into, a run captured in the foreground: "
+                         "a lazy engine captures while it serves — leave lazy off to save or restore graphs")
     backend = backend if backend is not None else make_backend(options.backend)
+    if options.save_graphs is not None:
+        if not backend.captures_graphs:
+            raise ValueError(f"the {backend.name} backend records no graphs to save in {options.save_graphs}: save "
+                             "them from a run on the CUDA backend")
+        try:
+            check_available()
+        except DriverError as exc:
+            raise ValueError(str(exc)) from exc
     ctx = Context(plan, backend, options, rank,
                   world_size, _select(plan, options.sizes),
                   (*listeners, *(() if channels is None else (channels,))),
@@ -177,8 +190,12 @@ def _run_phases(ctx: Context, model: object | None, channels: ChannelRuntimeProt
     ctx.emit(EventKind.PIPELINE_BEGIN, total=len(ctx.descriptors))
     with torch.no_grad():
         alloc = run_phase(ctx, tally.phases, Phase.ALLOCATE, lambda: _allocate(ctx, model, channels))
-        captured = _warm_first(ctx, alloc, tally) if ctx.options.lazy else _capture_all(ctx, alloc, tally)
-        return _finish(ctx, alloc, captured, tally)
+        captured = restart = None
+        if ctx.options.graphs_from is not None:
+            captured, restart = restore(ctx, alloc, tally, ctx.options.graphs_from)
+        if captured is None:
+            captured = _warm_first(ctx, alloc, tally) if ctx.options.lazy else _capture_all(ctx, alloc, tally)
+        return _finish(ctx, alloc, captured, tally, restart)
 
 
 def _allocate(ctx: Context, model: object | None, channels: ChannelRuntimeProtocol | None) -> Allocation:
@@ -212,7 +229,7 @@ def _warm_first(ctx: Context, alloc: Allocation, tally: Tally) -> Captured:
     return warm(ctx, alloc, None, ctx.descriptors[0], 1, tally)[1]
 
 
-def _finish(ctx: Context, alloc: Allocation, captured: Captured, tally: Tally) -> Engine:
+def _finish(ctx: Context, alloc: Allocation, captured: Captured, tally: Tally, restart: Restart | None) -> Engine:
     """Step 4, for a foreground run and a lazy one alike: commit, publish the engine whole
     (its report holds every phase, commit's included), end the pipeline. A lazy engine's
     capture thread starts last, so that listeners see its work as a pipeline of its own,
@@ -220,8 +237,10 @@ def _finish(ctx: Context, alloc: Allocation, captured: Captured, tally: Tally) -
     report = run_phase(ctx, tally.phases, Phase.COMMIT,
                        lambda: commit(ctx, alloc, captured, tuple(tally.verified), tuple(tally.times)),
                        pool=lambda _: captured.pool_bytes)
+    if ctx.options.save_graphs is not None:
+        restart = save(ctx, alloc, captured, ctx.options.save_graphs)
     report = attrs.evolve(report, phases=summarize(tally.phases), prewarm=tally.prewarm,
-                          pool_probe=dict(tally.pool_probe))
+                          pool_probe=dict(tally.pool_probe), restart=restart)
     live = background = None
     if ctx.options.lazy:
         live = LiveSwitch(report)

@@ -46,6 +46,9 @@ class PipelineReport:
     #: Per compiled segment, what torch.compile did (graphflow.engine.model.compiled), when the plan compiles any.
     compile: CompileReport | None = None
     pool_probe: dict[str, int] = attrs.field(factory=dict)  # per mode (graphflow.engine.warmup.Warmed.pool_probe_bytes)
+    #: What saving the graphs (``RunOptions.save_graphs``) or restoring them (``graphs_from``) did
+    #: (``graphflow.engine.restart.run.Restart``); None when the run did neither.
+    restart: object | None = None
 
     def phase(self, phase: Phase) -> PhaseResult:
         return next(r for r in self.phases if r.phase is phase)

@@ -4,7 +4,7 @@ Before the lazy-capture core took turns with the steps, 67 of 67 descriptors fai
 2 of 3 processes aborted (exit 134) on the H100 and the H200.
 
 ``GRAPHFLOW_LAZY_RUNS`` (default 10) runs per plan; ``GRAPHFLOW_LAZY_PARALLEL`` of them at
-once (default: one per 34 GiB of the device's memory: a run's process holds the plan's
+once (default: one per 40 GiB of the device's memory: a run's process holds the plan's
 11 GB of state, one copy of it while a step is checked, the weights and the graphs' pools).
 Each run's line is printed as it ends.
 """
@@ -31,7 +31,7 @@ def _parallel() -> int:
         return int(os.environ["GRAPHFLOW_LAZY_PARALLEL"])
     import torch
 
-    return max(1, torch.cuda.get_device_properties(0).total_memory // (34 << 30)) if torch.cuda.is_available() else 1
+    return max(1, torch.cuda.get_device_properties(0).total_memory // (40 << 30)) if torch.cuda.is_available() else 1
 
 
 def _one(plan: str, seed: int) -> tuple[int, dict | None, str]:

@@ -1,0 +1,183 @@
+"""Warm restart: a new process live from saved graphs, against capturing them again.
+
+    PYTHONPATH=. python3 bench/restart_bench.py --out DIR                  # GPU: the 61-layer FULL plan
+    PYTHONPATH=. python3 bench/restart_bench.py --out DIR --smoke          # CPU, 2 layers: checks the script
+
+Three fresh processes, one after another, each building the model from the same seed:
+
+* **capture** captures every descriptor as ``graphflow run`` does and saves the graphs
+  (``RunOptions(save_graphs=DIR)``), then serves one batch of each sampled size from one
+  state and keeps the logits;
+* **restore** brings the same plan live from the saved graphs
+  (``RunOptions(graphs_from=DIR)``) and serves the same batches from the same state:
+  its logits must equal the capture's bit for bit, and the plan's eager step (the model's
+  own code, outside any graph) on the same inputs;
+* **changed** does the same with a plan whose key differs (one more descriptor size
+  listed): the saved graphs must be refused in one line and the run captured.
+
+For each: seconds from the model built to every descriptor live (the 61-layer FULL plan's
+capture took 12-13 s on the H100; the target for a restart is at most 2 s), how many
+descriptors were restored and how many captured. Prints a table and writes
+``restart.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+SMOKE = dict(n_layers=2, vocab_size=512, hidden_size=64, n_heads=4, kv_dim=32, rope_dim=16, n_experts=8, top_k=2,
+             moe_inter=64, shared_inter=128, max_len=128, block_size=16, max_batch=32, dtype="float32")
+
+
+def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool) -> dict:
+    from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine.model.binding import build_model
+    from graphflow.integrations.dsv4.plans import plan_variant
+    from graphflow.runtime import Runner
+
+    device = torch.device("cpu" if smoke else "cuda:0")
+    sizes = (1, 2, 4) if smoke else None
+    plan = plan_variant(plan_path, sizes=sizes, **(SMOKE if smoke else {}))
+    if role == "changed":
+        more = next(n for n in range(1, 1 << 20) if n not in plan.capture.all_sizes)
+        plan = plan_variant(plan_path, sizes=tuple(sorted({*plan.capture.all_sizes, more})), **(SMOKE if smoke else {}))
+    torch.manual_seed(0)
+    model = build_model(plan, {"device": device, "plan": plan})
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    built = time.perf_counter()
+    options = RunOptions(backend=device.type, save_graphs=saved if role == "capture" else None,
+                         graphs_from=None if role == "capture" else saved)
+    said = []
+
+    def show(message, *args, **kwargs) -> None:  # said as it happens: a later crash still shows why
+        said.append(message)
+        print(f"{role}: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        engine = run_pipeline(plan, options, model=model)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    live_s = time.perf_counter() - built
+    restart = engine.report.restart
+    result = {"role": role, "live_s": live_s, "descriptors": len(engine.programs),
+              "restart": None if restart is None else {k: getattr(restart, k) for k in
+                                                       ("saved", "restored", "captured", "refused", "seconds",
+                                                        "left_out", "built")},
+              "warnings": [str(message) for message in said]}
+    try:
+        result["logits"] = _serve(engine, Runner(engine), plan, device)
+    finally:
+        engine.close()
+    return result
+
+
+def _serve(engine, runner, plan, device) -> dict:
+    """One batch of each sampled size from one state (every buffer zeroed, then seeded
+    inputs): the logits, and whether each equals the plan's eager step from that state."""
+    from bench.ready_bench import eager_reference
+
+    sizes = sorted(plan.capture.all_sizes)
+    picked = sorted({sizes[0], sizes[-1], *sizes[:: max(1, len(sizes) // 6)]})
+    out, eager_equal = {}, {}
+    for size in picked:
+        generator = torch.Generator(device=device).manual_seed(size)
+        inputs = tuple(torch.randint(0, 64, (size,), device=device, generator=generator) for _ in runner.inputs)
+        for tensor in engine.buffers.tensors.values():
+            tensor.zero_()
+        descriptor = runner.descriptor_for(size)
+        (logits,) = runner.run(*inputs)[:1]
+        got = logits.clone()
+        for tensor in engine.buffers.tensors.values():
+            tensor.zero_()
+        eager_equal[size] = bool(torch.equal(got, eager_reference(runner, size, inputs, descriptor)))
+        out[size] = got.float().cpu()
+    return {"eager_equal": eager_equal, "tensors": out}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--plan", default="plans/dsv4_61l_full.yaml")
+    parser.add_argument("--smoke", action="store_true", help="CPU, 2 layers, 3 sizes")
+    parser.add_argument("--role", choices=("capture", "restore", "changed"), help=argparse.SUPPRESS)
+    parser.add_argument("--saved", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        result = child(args.role, args.plan, pathlib.Path(args.saved), args.smoke)
+        torch.save(result, pathlib.Path(args.saved) / f"{args.role}.pt")
+        return 0
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as saved:
+        for role in ("capture", "restore", "changed"):
+            began = time.perf_counter()
+            done = subprocess.run([sys.executable, __file__, "--role", role, "--saved", saved, "--plan", args.plan,
+                                   *(["--smoke"] if args.smoke else [])], capture_output=True, text=True)
+            if done.returncode != 0:
+                results[role] = {"error": done.stderr[-3000:], "exit": done.returncode}
+                said = "\n".join(line for line in done.stderr.splitlines() if line.startswith(f"{role}: "))
+                print(f"{role}: exit {done.returncode}\n{said}\n{done.stderr[-3000:]}", flush=True)
+                continue
+            results[role] = torch.load(pathlib.Path(saved) / f"{role}.pt", weights_only=False)
+            results[role]["process_s"] = time.perf_counter() - began
+            print(f"{role}: live {results[role]['live_s']:.2f} s after the model was built; "
+                  f"{results[role]['restart']}", flush=True)
+        saved_bytes = sum(p.stat().st_size for p in pathlib.Path(saved).glob("graphs.*"))
+    _compare(results)
+    results["saved_bytes"] = saved_bytes
+    results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    _print(results)
+    for role in ("capture", "restore", "changed"):
+        if "logits" in results.get(role, {}):
+            results[role]["logits"] = {k: v for k, v in results[role]["logits"].items() if k != "tensors"}
+    (out / "restart.json").write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+def _compare(results: dict) -> None:
+    if "logits" not in results.get("capture", {}):
+        return
+    reference = results["capture"]["logits"]["tensors"]
+    for role in ("restore", "changed"):
+        got = results.get(role, {}).get("logits")
+        if got is not None:
+            results[role]["equal_to_capture"] = {size: bool(torch.equal(reference[size], tensor))
+                                                 for size, tensor in got["tensors"].items() if size in reference}
+
+
+def _print(results: dict) -> None:
+    capture = results.get("capture", {}).get("live_s")
+    print(f"\nwarm restart, {results['device']}; saved graphs {results['saved_bytes'] / 2**20:.1f} MiB")
+    print(f"{'process':<10}{'live after model (s)':>22}{'vs capture':>12}  restored / captured   "
+          "bit-exact (capture, eager)")
+    for role in ("capture", "restore", "changed"):
+        row = results.get(role, {})
+        if "live_s" not in row:
+            print(f"{role:<10}  failed: exit {row.get('exit')}")
+            continue
+        restart = row["restart"] or {}
+        ratio = f"{row['live_s'] / capture:.3f}x" if capture else "-"
+        counts = f"{restart.get('restored', 0)} / {restart.get('captured', 0)}" if role != "capture" else \
+            f"saved {restart.get('saved', 0)}"
+        exact = (all(row.get("equal_to_capture", {}).values()) if role != "capture" else "-",
+                 all(row["logits"]["eager_equal"].values()))
+        print(f"{role:<10}{row['live_s']:>22.2f}{ratio:>12}  {counts:<20}  {exact}")
+        if restart.get("refused"):
+            print(f"{'':<10}refused: {restart['refused']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

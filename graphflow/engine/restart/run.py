@@ -1,0 +1,285 @@
+"""Save a committed run's graphs; bring a new process's run live from them.
+
+``save`` reads every graph of a committed foreground run into plain data
+(``graphflow.engine.restart.driver.read``) with the regions its addresses point into,
+and writes them beside the key of what must match (``graphflow.engine.restart.key``).
+
+``restore`` is step 3 of a run that has saved graphs: after allocate (the model built,
+the static buffers made), it checks the key, places every region (the model's tensors
+and the buffers where this process has them, the pool's blocks and other memory
+allocated afresh), captures one descriptor for real (its kernels, and every kernel of
+the modules they are in, are then found by name, ``Functions``), and builds every other
+descriptor's graphs from the saved nodes. The usual sample is then verified against a
+fresh eager step, and the rest are checked on their first batch, as after a capture.
+All of it runs on a rollback stack of its own: anything that does not match or fails
+unwinds it, says why in one line, and the run captures as it would have.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import time
+import warnings
+
+import attrs
+import torch
+
+from graphflow.engine.allocate import Allocation, step_items
+from graphflow.engine.backend import Graph
+from graphflow.engine.buffers import torch_dtype
+from graphflow.engine.capture import Captured
+from graphflow.engine.context import Context
+from graphflow.engine.execute import bind
+from graphflow.engine.phase import Tally, Waiting, run_descriptor, run_phase, run_verify
+from graphflow.engine.restart import driver, store
+from graphflow.engine.restart.key import differs, restart_key
+from graphflow.engine.restart.regions import AddressBook, model_tensors, pool_blocks
+from graphflow.engine.restart.saved import Output, Region, SavedDescriptor, SavedRun
+from graphflow.engine.rollback import UndoStack
+from graphflow.engine.warmup import DescriptorTime, warmup
+from graphflow.events import Phase
+from graphflow.plan import Descriptor, Segment
+
+__all__ = ["Restart", "SavedGraphsNotUsed", "restore", "save"]
+
+
+class SavedGraphsNotUsed(UserWarning):
+    """Saved graphs were refused, and the run captured instead (the message says why)."""
+
+
+@attrs.frozen
+class Restart:
+    """What saving or restoring did, for the report: ``restored`` descriptors built from
+    saved graphs, ``captured`` ones captured (the reference, and any whose kernels were
+    not found), ``refused`` the one line saying why saved graphs were not used at all."""
+
+    directory: str
+    saved: int = 0
+    restored: int = 0
+    captured: int = 0
+    left_out: tuple[str, ...] = ()
+    refused: str | None = None
+    seconds: float = 0.0
+    #: Restoring: nodes added, and the seconds adding them and instantiating the graphs took.
+    built: dict = attrs.field(factory=dict)
+
+
+def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib.Path) -> Restart:
+    """Write every committed descriptor's graphs to ``directory``; a descriptor whose
+    graphs hold what a new process cannot build is left out, with why."""
+    began = time.perf_counter()
+    device = next(iter(alloc.pools))
+    book = _book(alloc, device)
+    descriptors, left_out = [], []
+    for descriptor, program in captured.programs.items():
+        try:
+            graphs = tuple(driver.read(_handle(graph), book) for graph in captured.graphs_of.get(descriptor, ()))
+            outputs = _outputs(alloc, descriptor, book)
+        except driver.Unsupported as exc:
+            left_out.append((descriptor.size, descriptor.mode.value, f"its graph holds {exc}"))
+            continue
+        descriptors.append(SavedDescriptor(descriptor.size, descriptor.mode.value, graphs, outputs))
+    regions = book.with_contents(functools.partial(_read_bytes, device))
+    store.write(SavedRun(restart_key(ctx.plan, alloc.model, device), regions, tuple(descriptors), tuple(left_out)),
+                directory)
+    return Restart(str(directory), saved=len(descriptors),
+                   left_out=tuple(f"{size} {mode}: {why}" for size, mode, why in left_out),
+                   seconds=time.perf_counter() - began)
+
+
+def _handle(graph: Graph) -> int:
+    torch_graph = getattr(graph, "graph", None)
+    if not isinstance(torch_graph, torch.cuda.CUDAGraph):
+        raise driver.Unsupported("eager calls between its pieces (a region cut by a PIECEWISE break)")
+    return torch_graph.raw_cuda_graph()
+
+
+def _book(alloc: Allocation, device: torch.device) -> AddressBook:
+    """The regions a run's graphs may point into, named; the static buffers first (a
+    model tensor a buffer adopted is the buffer's), the graph pools' blocks last."""
+    book = AddressBook(driver.allocation)
+    for name, tensor in alloc.buffers.tensors.items():
+        if tensor.device == device:
+            storage = tensor.untyped_storage()
+            book.add(f"buffer:{name}", "buffer", storage.data_ptr(), storage.nbytes())
+    for name, tensor in model_tensors(alloc.model):
+        if tensor.device == device:
+            storage = tensor.untyped_storage()
+            book.add(f"model:{name}", "model", storage.data_ptr(), storage.nbytes())
+    for number, pool in enumerate(alloc.pool_sets[device]):
+        for block, (start, size) in enumerate(pool_blocks(pool)):
+            book.add(f"pool:{number}.{block}", "pool", start, size)
+    return book
+
+
+def _outputs(alloc: Allocation, descriptor: Descriptor, book: AddressBook) -> tuple[Output, ...]:
+    views, placed = alloc.buffers.views(descriptor.size), alloc.buffers.views_of(descriptor)
+    outputs = []
+    for name, tensor in placed.items():
+        if tensor is views[name]:
+            continue
+        where = book.where(tensor.data_ptr())
+        if where is None:
+            raise driver.Unsupported(f"output {name} where no region is")
+        outputs.append(Output(name, where, tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)
+                              .removeprefix("torch.")))
+    return tuple(outputs)
+
+
+def _read_bytes(device: torch.device, start: int, size: int) -> bytes:
+    storage = torch._C._construct_storage_from_data_pointer(start, device, size)
+    torch.cuda.synchronize(device)
+    return bytes(torch.empty(0, dtype=torch.uint8, device=device).set_(storage).cpu().numpy().tobytes())
+
+
+class _Refused(Exception):
+    pass
+
+
+def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Path
+            ) -> tuple[Captured | None, Restart]:
+    """Every descriptor live from the graphs saved in ``directory`` (see the module
+    docstring); ``(None, refused)`` when they cannot be used, everything this did undone."""
+    began = time.perf_counter()
+    own = attrs.evolve(ctx, stack=UndoStack())
+    mine = Tally()
+    try:
+        spent: dict = {}
+        captured, restored, captured_count = _restore(own, alloc, mine, directory, spent)
+    except Exception as exc:  # noqa: BLE001 - every failure falls back to a capture, said in one line
+        failures = own.stack.unwind()
+        for pools in alloc.pool_sets.values():  # a pool the restore captured into is not captured into again
+            pools.failed()
+        why = str(exc).splitlines()[0] if isinstance(exc, (_Refused, store.SavedGraphsError)) else \
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        line = f"saved graphs in {directory} not used ({why}); capturing instead"
+        if failures is not None:
+            line += f" (undoing the restore: {failures})"
+        warnings.warn(line, SavedGraphsNotUsed, stacklevel=2)
+        return None, Restart(str(directory), refused=line, seconds=time.perf_counter() - began)
+    ctx.stack.adopt(own.stack)
+    tally.phases += mine.phases
+    tally.times += mine.times
+    tally.verified += mine.verified
+    tally.prewarm, tally.pool_probe = mine.prewarm, mine.pool_probe
+    return captured, Restart(str(directory), restored=restored, captured=captured_count,
+                             seconds=time.perf_counter() - began, built=spent)
+
+
+def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Path, spent: dict
+             ) -> tuple[Captured, int, int]:
+    run = store.load(directory)
+    if not ctx.backend.captures_graphs:
+        raise _Refused(f"the {ctx.backend.name} backend replays no graphs")
+    device = next(iter(alloc.pools))
+    why = differs(run.key, restart_key(ctx.plan, alloc.model, device))
+    if why is not None:
+        raise _Refused(f"{why} differ{'s' if ';' not in why else ''}")
+    saved = {(d.size, d.mode): d for d in run.descriptors}
+    places = _places(ctx, alloc, run.regions, device)
+    # One real capture, the smallest descriptor's: this process's kernels are then found by name.
+    order = list(enumerate(ctx.descriptors, 1))
+    index, reference = order[-1]
+    captured, _ = run_descriptor(ctx, alloc, None, reference, index, tally)
+    captured.settle()
+    functions = driver.Functions()
+    for graph in captured.graphs_of.get(reference, ()):
+        functions.add_graph(_handle(graph))
+    restored = []
+    taken = 1
+    for index, descriptor in order[:-1]:
+        entry = saved.get((descriptor.size, descriptor.mode.value))
+        if entry is None or functions.missing(set().union(*(g.functions for g in entry.graphs))):
+            captured, _ = run_descriptor(ctx, alloc, captured, descriptor, index, tally)
+            captured.settle()
+            for graph in captured.graphs_of.get(descriptor, ()):
+                functions.add_graph(_handle(graph))
+            taken += 1
+            continue
+        tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, functools.partial(
+            _build, ctx, alloc, captured, descriptor, index, entry, places, functions, spent)))
+        restored.append((index, descriptor))
+    for index, descriptor in restored:
+        if ctx.verifies(descriptor):
+            warmed = run_phase(ctx, tally.phases, Phase.WARMUP,
+                               functools.partial(warmup, ctx, alloc, descriptor, index))
+            tally.times.append(warmed.time)
+            run_verify(ctx, alloc, captured, Waiting(descriptor, index, warmed), tally)
+    alloc.owned.free_snapshots()
+    captured.close()
+    return captured, len(restored), taken
+
+
+def _places(ctx: Context, alloc: Allocation, regions: dict[str, Region], device: torch.device) -> dict[str, int]:
+    """Where each saved region lives in this process: the model's tensors and the static
+    buffers where they are (the same size, or the saved graphs are refused); the pool's
+    blocks and other memory allocated here, held until the run is closed."""
+    here = _book(alloc, device)
+    places, held = {}, []
+    for name, region in regions.items():
+        if region.kind in ("model", "buffer"):
+            if name not in here.regions or here.regions[name].size != region.size:
+                raise _Refused(f"{region.kind} tensor {name.split(':', 1)[1]} is not here as it was saved")
+            places[name] = here.starts[name]
+            continue
+        memory = torch.empty(region.size, dtype=torch.uint8, device=device)
+        if region.content is not None:
+            memory.copy_(torch.frombuffer(bytearray(region.content), dtype=torch.uint8))
+        held.append(memory)
+        places[name] = memory.data_ptr()
+    ctx.stack.push("free the memory restored graphs use", held.clear)
+    return places
+
+
+class _Rebuilt(Graph):
+    """A graph built from saved nodes; replays on the current stream, as torch's do."""
+
+    __slots__ = ("_executable", "replay")
+
+    def __init__(self, executable: int) -> None:
+        self._executable = executable
+        self.replay = driver.launcher(executable)
+
+    def destroy(self) -> None:
+        executable, self._executable = self._executable, None
+        if executable is not None:
+            driver.destroy(executable)
+            self.replay = _destroyed
+
+
+def _destroyed() -> None:
+    raise RuntimeError("this graph was destroyed (its engine closed or rolled back); it cannot replay")
+
+
+def _build(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
+           entry: SavedDescriptor, places: dict[str, int], functions: driver.Functions, spent: dict) -> DescriptorTime:
+    with ctx.descriptor(descriptor, index) as block:
+        graphs = iter(entry.graphs)
+        views = alloc.buffers.views(descriptor.size)
+        program = []
+        for item in step_items(ctx, descriptor.mode):
+            if isinstance(item, Segment):
+                program.append(bind(item, alloc.fns[item.name], views))
+                continue
+            graph = _Rebuilt(driver.build(next(graphs), places, functions, spent))
+            ctx.stack.push(f"destroy restored graph {item[0].name} {descriptor}", graph.destroy)
+            captured.graphs.append(graph)
+            captured.graphs_of.setdefault(descriptor, []).append(graph)
+            program.append(graph.replay)
+        if entry.outputs:
+            alloc.buffers.place(descriptor, {o.buffer: _tensor(o, places, views[o.buffer].device)
+                                             for o in entry.outputs})
+            ctx.stack.push(f"forget the outputs {descriptor}'s graphs return",
+                           functools.partial(alloc.buffers.unplace, descriptor))
+        captured.programs[descriptor] = tuple(program)
+    return DescriptorTime(Phase.CAPTURE, descriptor, block.seconds)
+
+
+def _tensor(output: Output, places: dict[str, int], device: torch.device) -> torch.Tensor:
+    dtype = torch_dtype(output.dtype)
+    extent = 1 + sum((n - 1) * s for n, s in zip(output.shape, output.stride)) if all(output.shape) else 0
+    nbytes = extent * torch.empty(0, dtype=dtype).element_size()
+    storage = torch._C._construct_storage_from_data_pointer(places[output.where.region] + output.where.offset, device,
+                                                             nbytes)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, output.shape, output.stride)

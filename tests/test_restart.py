@@ -1,0 +1,183 @@
+"""Warm restart on the CPU: the address book, the saved files, the key, and the run
+refusing saved graphs in one line and capturing. Building graphs from saved nodes needs
+the driver: ``tests/cuda/test_cuda_restart.py`` runs it on a GPU, in fresh processes."""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphflow.engine import RunOptions, run_pipeline
+from graphflow.engine.restart import saved, store
+from graphflow.engine.restart.driver import _args, _topological
+from graphflow.engine.restart.key import differs
+from graphflow.engine.restart.regions import AddressBook, model_tensors
+from graphflow.engine.restart.run import SavedGraphsNotUsed
+from plans.toy_model import build_toy, toy_plan
+
+
+@st.composite
+def _ranges(draw):
+    """Disjoint ranges, as (start, size), at device-like addresses."""
+    sizes = draw(st.lists(st.integers(1, 4096), min_size=1, max_size=12))
+    gaps = draw(st.lists(st.integers(0, 4096), min_size=len(sizes), max_size=len(sizes)))
+    start, ranges = 0x7F0000000000, []
+    for size, gap in zip(sizes, gaps):
+        start += gap
+        ranges.append((start, size))
+        start += size
+    return ranges
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ranges(), st.data())
+def test_an_address_in_a_named_range_is_that_range_and_its_offset(ranges, data):
+    book = AddressBook()
+    for number, (start, size) in enumerate(ranges):
+        book.add(f"buffer:{number}", "buffer", start, size)
+    number = data.draw(st.integers(0, len(ranges) - 1))
+    start, size = ranges[number]
+    offset = data.draw(st.integers(0, size - 1))
+    assert book.where(start + offset) == saved.Where(f"buffer:{number}", offset)
+    end = ranges[-1][0] + ranges[-1][1]
+    assert book.where(end + data.draw(st.integers(0, 1 << 20))) is None  # nothing allocated there
+
+
+def test_a_range_overlapping_a_named_one_is_left_out():
+    book = AddressBook()
+    book.add("buffer:x", "buffer", 1000, 100)
+    book.add("model:view", "model", 1050, 10)  # a view of the buffer
+    book.add("model:around", "model", 900, 300)  # the buffer inside it
+    assert list(book.regions) == ["buffer:x"]
+    assert book.where(1060) == saved.Where("buffer:x", 60)
+
+
+def test_an_allocation_nothing_names_becomes_a_memory_region_with_its_bytes_when_small():
+    allocations = {(5000, 64), (9000, 1 << 27)}
+
+    def discover(address):
+        return next(((start, size) for start, size in allocations if start <= address < start + size), None)
+
+    book = AddressBook(discover)
+    book.add("pool:0.0", "pool", 1000, 100)
+    assert book.where(5010) == saved.Where("memory:0", 10)
+    assert book.where(9000 + 8) == saved.Where("memory:1", 8)
+    assert book.where(1 << 40) is None
+    regions = book.with_contents(lambda start, size: bytes(size))
+    assert regions["memory:0"].content == bytes(64)
+    assert regions["memory:1"].content is None  # too large to keep: restored as scratch
+    assert regions["pool:0.0"].content is None
+
+
+def test_the_model_s_tensors_are_found_by_path_plain_attributes_and_lists_too():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 3)
+            self.register_buffer("scale", torch.ones(3))
+            self.table = torch.zeros(4)  # kept out of parameters and buffers
+            self.caches = [torch.zeros(2), torch.zeros(5)]
+
+    found = dict(model_tensors(Block()))
+    assert {"linear.weight", "linear.bias", "scale", "table", "caches.0", "caches.1"} <= set(found)
+    assert found["caches.1"].shape == (5,)
+
+
+def _run() -> saved.SavedRun:
+    kernel = saved.Kernel("k", (1, 1, 1), (32, 1, 1), 0, bytes(16), (0, 8),
+                          (saved.Pointer(0, saved.Where("pool:0.0", 16)),))
+    graph = saved.SavedGraph((kernel, saved.Empty()), ((), (0,)))
+    return saved.SavedRun({"gpu": "a"}, {"pool:0.0": saved.Region("pool:0.0", "pool", 1024)},
+                          (saved.SavedDescriptor(4, "full", (graph,)),))
+
+
+def test_saved_graphs_read_back_as_written_and_a_manifest_says_what_they_are(tmp_path):
+    store.write(_run(), tmp_path)
+    assert store.load(tmp_path) == _run()
+    assert '"nodes": 2' in (tmp_path / store.MANIFEST).read_text()
+
+
+def test_a_graphs_file_that_would_make_anything_else_is_refused(tmp_path):
+    (tmp_path / store.GRAPHS).write_bytes(pickle.dumps(subprocess.Popen))
+    with pytest.raises(store.SavedGraphsError, match="subprocess.Popen is not part of saved graphs"):
+        store.load(tmp_path)
+    with pytest.raises(store.SavedGraphsError, match="holds no saved graphs"):
+        store.load(tmp_path / "missing")
+
+
+def test_the_key_says_which_parts_differ():
+    current = {"gpu": "NVIDIA H100", "torch": "2.11.0", "plan": "aa", "model tensors": "bb"}
+    assert differs(current, dict(current)) is None
+    changed = {**current, "torch": "2.12.0", "plan": "cc"}
+    assert differs(changed, current) == "plan; torch 2.12.0 when saved, 2.11.0"
+
+
+def test_nodes_are_ordered_after_the_nodes_they_wait_for():
+    before = [{2}, set(), {1}, {0, 2}]
+    order = _topological(before)
+    assert sorted(order) == [0, 1, 2, 3]
+    assert all(order.index(b) < order.index(n) for n, bs in enumerate(before) for b in bs)
+
+
+class _Params:
+    def __init__(self, kernel_params=0, extra=0):
+        self.kernelParams, self.extra = kernel_params, extra
+
+
+def test_a_kernel_s_arguments_are_packed_at_their_offsets_from_either_form():
+    first, second = ctypes.c_int32(7), ctypes.c_uint64(0x7F0000001234)
+    listed = (ctypes.c_void_p * 2)(ctypes.addressof(first), ctypes.addressof(second))
+    layout = [(0, 4), (8, 8)]
+    want = (7).to_bytes(4, "little") + bytes(4) + (0x7F0000001234).to_bytes(8, "little")
+    assert _args(_Params(kernel_params=ctypes.addressof(listed)), layout, "k") == want
+    buffer = ctypes.create_string_buffer(want, len(want))
+    size = ctypes.c_size_t(len(want))
+    extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buffer), 2, ctypes.addressof(size), 0)
+    assert _args(_Params(extra=ctypes.addressof(extra)), layout, "k") == want
+
+
+def test_saving_graphs_from_a_backend_that_records_none_is_refused_before_anything_is_built(tmp_path):
+    with pytest.raises(ValueError, match="records no graphs to save"):
+        run_pipeline(toy_plan(layers=2), RunOptions(backend="cpu", save_graphs=tmp_path), model=build_toy())
+
+
+def test_saved_graphs_are_refused_for_a_lazy_engine(tmp_path):
+    with pytest.raises(ValueError, match="captured in the foreground"):
+        run_pipeline(toy_plan(layers=2), RunOptions(backend="cpu", lazy=True, graphs_from=tmp_path), model=build_toy())
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_saved_graphs_that_cannot_be_used_are_refused_in_one_line_and_the_run_captures(tmp_path, written):
+    if written:
+        store.write(_run(), tmp_path)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine = run_pipeline(toy_plan(layers=2), RunOptions(backend="cpu", graphs_from=tmp_path), model=build_toy())
+    try:
+        refused = [w for w in said if issubclass(w.category, SavedGraphsNotUsed)]
+        assert len(refused) == 1 and "\n" not in str(refused[0].message)
+        why = "the cpu backend replays no graphs" if written else "holds no saved graphs"
+        assert why in str(refused[0].message) and engine.report.restart.refused == str(refused[0].message)
+        assert set(engine.programs) == set(toy_plan(layers=2).descriptors())  # captured as without saved graphs
+        assert all(r.bit_exact for r in engine.report.verify)
+    finally:
+        engine.close()
+
+
+def test_graphflow_run_says_why_saved_graphs_were_not_used_and_runs(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "graphflow", "run", "plans/toy_full.yaml", "--backend", "cpu",
+                           "--graphs-from", str(tmp_path), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"graphflow: saved graphs in {tmp_path} not used ({tmp_path} holds no saved graphs" in done.stderr
+    assert "Traceback" not in done.stderr and "Warning" not in done.stderr
+    saving = subprocess.run([sys.executable, "-m", "graphflow", "run", "plans/toy_full.yaml", "--backend", "cpu",
+                             "--save-graphs", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert saving.returncode == 2 and "records no graphs to save" in saving.stderr
