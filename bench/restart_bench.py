@@ -38,7 +38,7 @@ SMOKE = dict(n_layers=2, vocab_size=512, hidden_size=64, n_heads=4, kv_dim=32, r
              moe_inter=64, shared_inter=128, max_len=128, block_size=16, max_batch=32, dtype="float32")
 
 
-def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool) -> dict:
+def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: str = "sample") -> dict:
     from graphflow.engine import RunOptions, run_pipeline
     from graphflow.engine.model.binding import build_model
     from graphflow.integrations.dsv4.plans import plan_variant
@@ -56,7 +56,8 @@ def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool) -> dict:
         torch.cuda.synchronize()
     built = time.perf_counter()
     options = RunOptions(backend=device.type, save_graphs=saved if role == "capture" else None,
-                         graphs_from=None if role == "capture" else saved)
+                         graphs_from=None if role == "capture" else saved,
+                         verify=verify if role == "restore" else "sample")
     said = []
 
     def show(message, *args, **kwargs) -> None:  # said as it happens: a later crash still shows why
@@ -111,11 +112,13 @@ def main() -> int:
     parser.add_argument("--out", default="out")
     parser.add_argument("--plan", default="plans/dsv4_61l_full.yaml")
     parser.add_argument("--smoke", action="store_true", help="CPU, 2 layers, 3 sizes")
+    parser.add_argument("--verify", default="sample", choices=("sample", "off"),
+                        help="what the restoring process verifies before ready (off: only the comparison here)")
     parser.add_argument("--role", choices=("capture", "restore", "changed"), help=argparse.SUPPRESS)
     parser.add_argument("--saved", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
-        result = child(args.role, args.plan, pathlib.Path(args.saved), args.smoke)
+        result = child(args.role, args.plan, pathlib.Path(args.saved), args.smoke, args.verify)
         torch.save(result, pathlib.Path(args.saved) / f"{args.role}.pt")
         return 0
     out = pathlib.Path(args.out)
@@ -125,6 +128,7 @@ def main() -> int:
         for role in ("capture", "restore", "changed"):
             began = time.perf_counter()
             done = subprocess.run([sys.executable, __file__, "--role", role, "--saved", saved, "--plan", args.plan,
+                                   "--verify", args.verify,
                                    *(["--smoke"] if args.smoke else [])], capture_output=True, text=True)
             if done.returncode != 0:
                 results[role] = {"error": done.stderr[-3000:], "exit": done.returncode}

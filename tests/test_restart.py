@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.restart import saved, store
+from graphflow.engine.restart import driver as restart_driver
 from graphflow.engine.restart.driver import _args, _topological
 from graphflow.engine.restart.key import differs
 from graphflow.engine.restart.regions import AddressBook, model_tensors
@@ -75,6 +76,16 @@ def test_an_allocation_nothing_names_becomes_a_memory_region_with_its_bytes_when
     assert regions["memory:0"].content == bytes(64)
     assert regions["memory:1"].content is None  # too large to keep: restored as scratch
     assert regions["pool:0.0"].content is None
+
+
+def test_memory_around_named_tensors_in_one_allocation_is_a_region_of_its_own():
+    book = AddressBook(lambda address: (1000, 1000) if 1000 <= address < 2000 else None)
+    book.add("buffer:a", "buffer", 1200, 100)
+    book.add("buffer:b", "buffer", 1500, 100)
+    assert book.where(1350) == saved.Where("memory:0", 50)  # the gap between a and b: 1300..1500
+    assert book.regions["memory:0"].size == 200
+    assert book.where(1250) == saved.Where("buffer:a", 50)
+    assert book.where(1900) == saved.Where("memory:1", 300)  # after b: 1600..2000
 
 
 def test_the_model_s_tensors_are_found_by_path_plain_attributes_and_lists_too():
@@ -181,3 +192,64 @@ def test_graphflow_run_says_why_saved_graphs_were_not_used_and_runs(tmp_path):
     saving = subprocess.run([sys.executable, "-m", "graphflow", "run", "plans/toy_full.yaml", "--backend", "cpu",
                              "--save-graphs", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert saving.returncode == 2 and "records no graphs to save" in saving.stderr
+
+
+class _FakeDriver:
+    """What ``siblings`` asks of the driver, answered from tables: modules of JIT
+    functions (by handle), and libraries of kernels."""
+
+    class CUfunction_attribute:  # noqa: N801 - the driver's name
+        def __getattr__(self, name):
+            return name
+
+    CUfunction_attribute = CUfunction_attribute()
+
+    def __init__(self, modules, libraries):
+        self.modules, self.libraries = modules, libraries  # handle -> [(name, regs)], handle -> [names]
+
+    def CUkernel(self, value):  # noqa: N802 - the driver's name
+        return value
+
+    def cuFuncGetModule(self, func):  # noqa: N802
+        return 0, func // 100
+
+    def cuModuleGetFunctionCount(self, module):  # noqa: N802
+        return 0, len(self.modules[module])
+
+    def cuModuleEnumerateFunctions(self, count, module):  # noqa: N802
+        return 0, [module * 100 + index for index in range(count)]
+
+    def cuFuncGetName(self, func):  # noqa: N802
+        return 0, self.modules[func // 100][func % 100][0].encode()
+
+    def cuFuncGetAttribute(self, attribute, func):  # noqa: N802
+        return 0, self.modules[func // 100][func % 100][1] if attribute.endswith("NUM_REGS") else 0
+
+    def cuKernelGetLibrary(self, kernel):  # noqa: N802
+        return 0, kernel // 100
+
+    def cuLibraryGetKernelCount(self, library):  # noqa: N802
+        return 0, len(self.libraries[library])
+
+    def cuLibraryEnumerateKernels(self, count, library):  # noqa: N802
+        return 0, [library * 100 + index for index in range(count)]
+
+    def cuKernelGetName(self, kernel):  # noqa: N802
+        return 0, self.libraries[kernel // 100][kernel % 100].encode()
+
+
+class _Node:
+    def __init__(self, kern=0, func=0):
+        self.kern, self.func = kern, func
+
+
+def test_kernels_of_one_name_are_told_apart_by_their_library_or_jit_specialization(monkeypatch):
+    monkeypatch.setattr(restart_driver, "_LIBRARIES", {})
+    fake = _FakeDriver(modules={1: [("rms", 32)], 2: [("rms", 40)], 3: [("rms", 32)]},
+                       libraries={4: ["cos", "sin"], 5: ["cos", "exp"], 6: ["sin", "cos"]})
+    jit = [restart_driver.siblings(fake, _Node(func=module * 100))[0] for module in (1, 2, 3)]
+    assert jit[0] != jit[1] and jit[0] == jit[2]  # two specializations of "rms"; the same one in another module
+    library, found = restart_driver.siblings(fake, _Node(kern=400))
+    assert found == {"cos": 400, "sin": 401}
+    assert library != restart_driver.siblings(fake, _Node(kern=500))[0]  # "cos" of another library
+    assert library == restart_driver.siblings(fake, _Node(kern=600))[0]  # the same kernels, in any order

@@ -220,8 +220,10 @@ class Functions:
     built for).
 
     A name alone is not enough: the same template instance is compiled into several of
-    torch's libraries, with code that may round differently, so a kernel is found in the
-    library whose kernels are the ones it was saved with (``fingerprint``).
+    torch's libraries, with code that may round differently, and a JIT compiler names
+    every specialization of a kernel alike; so a kernel is found in the library whose
+    kernels are the ones it was saved with (``siblings``: their names, and for a JIT
+    module the resources each function uses).
 
     A kernel the runtime loaded as part of a library (``cudaLibrary``, how CUDA 12 and
     later load a program's kernels) is a ``CUkernel`` in its node, found again through
@@ -284,14 +286,29 @@ def siblings(driver, params) -> tuple[str, dict[str, int]]:
     key = int(module)
     if key not in _LIBRARIES:
         count = _ok(driver.cuModuleGetFunctionCount(module))
-        found = {_ok(driver.cuFuncGetName(f)).decode(): int(f)
-                 for f in (_ok(driver.cuModuleEnumerateFunctions(count, module)) if count else ())}
-        _LIBRARIES[key] = (_fingerprint(found), found)
+        functions = _ok(driver.cuModuleEnumerateFunctions(count, module)) if count else ()
+        found = {_ok(driver.cuFuncGetName(f)).decode(): int(f) for f in functions}
+        shapes = [f"{_ok(driver.cuFuncGetName(f)).decode()}:{_resources(driver, f)}" for f in functions]
+        _LIBRARIES[key] = (_fingerprint(shapes), found)
     return _LIBRARIES[key]
 
 
-def _fingerprint(names) -> str:
-    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:16]
+#: What a compiled function uses, read back from the driver: a JIT compiler (Triton, the
+#: CuTe DSL) names every specialization of one kernel alike, and these tell most apart.
+_RESOURCES = ("NUM_REGS", "SHARED_SIZE_BYTES", "CONST_SIZE_BYTES", "LOCAL_SIZE_BYTES", "MAX_THREADS_PER_BLOCK",
+              "PTX_VERSION", "BINARY_VERSION")
+
+
+def _resources(driver, func) -> str:
+    attribute = driver.CUfunction_attribute
+    return ",".join(str(_ok(driver.cuFuncGetAttribute(getattr(attribute, f"CU_FUNC_ATTRIBUTE_{name}"), func)))
+                    for name in _RESOURCES)
+
+
+def _fingerprint(entries) -> str:
+    """One library or module, as the hash of what each of its functions is (its name;
+    for a JIT module, with the resources it uses)."""
+    return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()[:16]
 
 
 def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, spent: dict | None = None) -> int:

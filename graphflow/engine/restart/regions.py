@@ -60,11 +60,9 @@ class AddressBook:
             allocation = self._discover(address)
             if allocation is None:
                 return None
-            start, size = allocation
-            self.add(f"memory:{sum(r.kind == 'memory' for r in self.regions.values())}", "memory", start, size)
+            start, end = self._gap(address, *allocation)
+            self.add(f"memory:{sum(r.kind == 'memory' for r in self.regions.values())}", "memory", start, end - start)
             found = self._at(address)
-            if found is None:  # the allocation overlaps a named range: its rest is not ours to name
-                return None
         start, _, name = found
         return Where(name, address - start)
 
@@ -74,6 +72,18 @@ class AddressBook:
         return {name: Region(region.name, region.kind, region.size, read(self.starts[name], region.size))
                 if region.kind == "memory" and region.size <= CONTENT_LIMIT else region
                 for name, region in self.regions.items()}
+
+    def _gap(self, address: int, start: int, size: int) -> tuple[int, int]:
+        """The part of the allocation ``[start, start + size)`` around ``address`` that no
+        named range covers: an allocator puts a workspace and named tensors in one
+        allocation, and the rest of it is its own region."""
+        index = bisect.bisect(self._starts, address)
+        end = start + size
+        if index > 0:
+            start = max(start, self._ranges[index - 1][1])
+        if index < len(self._ranges):
+            end = min(end, self._ranges[index][0])
+        return start, end
 
     def _at(self, address: int) -> tuple[int, int, str] | None:
         index = bisect.bisect(self._starts, address) - 1
