@@ -245,9 +245,9 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
     max_len = plan.model_args.get("max_len", 256)
     served, checks, exact, graph_steps, first_step, checking_s = 0, 0, True, 0, None, 0.0
     checked: set = set()
-    # (batch, seconds, whether graphflow checked a new graph in it) of the steps served
-    # while the thread captured
-    steps: list[tuple[int, float, bool]] = []
+    # (batch, seconds, whether graphflow checked a new graph in it, the size it was served
+    # at: None eagerly) of the steps served while the thread captured
+    steps: list[tuple[int, float, bool, int | None]] = []
     # What a step and its reference read and leave behind; internal buffers are written
     # before they are read in every step.
     touched = [b.name for b in plan.buffers if b.role is not BufferRole.INTERNAL]
@@ -273,7 +273,8 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
             descriptor = runner.descriptor_for(batch)  # after run: it switches new programs in
             got = logits.clone()
             if capturing:
-                steps.append((batch, took, _checked(runner) > first_uses))
+                steps.append((batch, took, _checked(runner) > first_uses,
+                              None if descriptor is None else descriptor.size))
             if check:
                 checked_at = time.perf_counter()
                 exact = exact and torch.equal(got, eager_from(runner, kept, batch, inputs, descriptor))
@@ -292,14 +293,14 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
         verified = all(v.bit_exact for v in background.verified)
         first_use = len(background.verified)
         thread = _thread_time(background)
-        eager = _eager_times(runner, sorted({b for b, _, _ in steps}), generator, device,
+        eager = _eager_times(runner, sorted({b for b, *_ in steps}), generator, device,
                              plan.model_args.get("vocab_size", 512), max_len)
     finally:
         engine.close()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    ratios = [(seconds / eager[batch], batch, seconds) for batch, seconds, checking in steps
+    ratios = [(seconds / eager[batch], batch, seconds, at) for batch, seconds, checking, at in steps
               if eager.get(batch) and not checking]
-    check_ratios = [(seconds / eager[batch], batch, seconds) for batch, seconds, checking in steps
+    check_ratios = [(seconds / eager[batch], batch, seconds, at) for batch, seconds, checking, at in steps
                     if eager.get(batch) and checking]
     worst = max(ratios, default=None)
     worst_check = max(check_ratios, default=None)
@@ -309,10 +310,14 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
             "served_bit_exact": exact, "verified_bit_exact": verified, "failures": failures, "thread": thread,
             "worst_step_vs_eager": None if worst is None else worst[0],
             "worst_step": None if worst is None else {"batch": worst[1], "seconds": worst[2],
-                                                       "eager_s": eager[worst[1]]},
+                                                       "eager_s": eager[worst[1]], "served_at": worst[3]},
+            # The slowest steps that checked nothing, to tell a wait for a recording's slice
+            # from a replay padded to a much larger graph.
+            "slowest_steps": [{"batch": b, "seconds": t, "vs_eager": r, "served_at": at}
+                              for r, b, t, at in sorted(ratios, reverse=True)[:8]],
             "first_use_steps": len(check_ratios),
             "worst_first_use_step_vs_eager": None if worst_check is None else worst_check[0],
-            "median_first_use_step_vs_eager": statistics.median(r for r, _, _ in check_ratios) if check_ratios
+            "median_first_use_step_vs_eager": statistics.median(r for r, *_ in check_ratios) if check_ratios
             else None,
             "eager_step_s": {str(b): t for b, t in eager.items()}}
 
@@ -536,7 +541,8 @@ def _print(results: dict) -> None:
             worst = lazy.get("worst_step")
             slowest = (f"slowest step while capturing (no check in it) {lazy['worst_step_vs_eager']:.2f}x an eager "
                        f"step of its size "
-                       f"(B={worst['batch']}: {worst['seconds'] * 1e3:.0f} ms, eager {worst['eager_s'] * 1e3:.0f} ms), "
+                       f"(B={worst['batch']} served {_served_at(worst)}: {worst['seconds'] * 1e3:.0f} ms, "
+                       f"eager {worst['eager_s'] * 1e3:.0f} ms), "
                        if worst else "")
             checking = (f"{lazy['first_use_checked']} descriptors checked on their first batch (those steps "
                         f"{lazy['median_first_use_step_vs_eager']:.2f}x an eager step, median; at most "
@@ -557,6 +563,10 @@ def _print(results: dict) -> None:
                   f"failures {len(lazy['failures'])}; the thread's seconds: {thread}")
         for run, error in {**entry["rows"].get("errors", {}), **entry.get("errors", {})}.items():
             print(f"{run} failed: {error}")
+
+def _served_at(step: dict) -> str:
+    return "eagerly" if step.get("served_at") is None else f"on the B={step['served_at']} graph"
+
 
 def _forecast(row: dict) -> str:
     """The pool forecast before capture over the pool measured after it, with both sizes."""
