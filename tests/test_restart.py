@@ -47,7 +47,7 @@ def test_an_address_in_a_named_range_is_that_range_and_its_offset(ranges, data):
     number = data.draw(st.integers(0, len(ranges) - 1))
     start, size = ranges[number]
     offset = data.draw(st.integers(0, size - 1))
-    assert book.where(start + offset) == saved.Where(f"buffer:{number}", offset)
+    assert book.where(start + offset) == saved.Place(f"buffer:{number}", offset)
     end = ranges[-1][0] + ranges[-1][1]
     assert book.where(end + data.draw(st.integers(0, 1 << 20))) is None  # nothing allocated there
 
@@ -58,7 +58,7 @@ def test_a_range_overlapping_a_named_one_is_left_out():
     book.add("model:view", "model", 1050, 10)  # a view of the buffer
     book.add("model:around", "model", 900, 300)  # the buffer inside it
     assert list(book.regions) == ["buffer:x"]
-    assert book.where(1060) == saved.Where("buffer:x", 60)
+    assert book.where(1060) == saved.Place("buffer:x", 60)
 
 
 def test_an_allocation_nothing_names_becomes_a_memory_region_with_its_bytes_when_small():
@@ -69,8 +69,8 @@ def test_an_allocation_nothing_names_becomes_a_memory_region_with_its_bytes_when
 
     book = AddressBook(discover)
     book.add("pool:0.0", "pool", 1000, 100)
-    assert book.where(5010) == saved.Where("memory:0", 10)
-    assert book.where(9000 + 8) == saved.Where("memory:1", 8)
+    assert book.where(5010) == saved.Place("memory:0", 10)
+    assert book.where(9000 + 8) == saved.Place("memory:1", 8)
     assert book.where(1 << 40) is None
     regions = book.with_contents(lambda start, size: bytes(size))
     assert regions["memory:0"].content == bytes(64)
@@ -82,10 +82,10 @@ def test_memory_around_named_tensors_in_one_allocation_is_a_region_of_its_own():
     book = AddressBook(lambda address: (1000, 1000) if 1000 <= address < 2000 else None)
     book.add("buffer:a", "buffer", 1200, 100)
     book.add("buffer:b", "buffer", 1500, 100)
-    assert book.where(1350) == saved.Where("memory:0", 50)  # the gap between a and b: 1300..1500
+    assert book.where(1350) == saved.Place("memory:0", 50)  # the gap between a and b: 1300..1500
     assert book.regions["memory:0"].size == 200
-    assert book.where(1250) == saved.Where("buffer:a", 50)
-    assert book.where(1900) == saved.Where("memory:1", 300)  # after b: 1600..2000
+    assert book.where(1250) == saved.Place("buffer:a", 50)
+    assert book.where(1900) == saved.Place("memory:1", 300)  # after b: 1600..2000
 
 
 def test_the_model_s_tensors_are_found_by_path_plain_attributes_and_lists_too():
@@ -104,7 +104,7 @@ def test_the_model_s_tensors_are_found_by_path_plain_attributes_and_lists_too():
 
 def _run() -> saved.SavedRun:
     kernel = saved.Kernel("k", (1, 1, 1), (32, 1, 1), 0, bytes(16), (0, 8),
-                          (saved.Pointer(0, saved.Where("pool:0.0", 16)),))
+                          (saved.Pointer(0, saved.Place("pool:0.0", 16)),))
     graph = saved.SavedGraph((kernel, saved.Empty()), ((), (0,)))
     return saved.SavedRun({"gpu": "a"}, {"pool:0.0": saved.Region("pool:0.0", "pool", 1024)},
                           (saved.SavedDescriptor(4, "full", (graph,)),))

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from graphflow.engine.restart.regions import AddressBook
-from graphflow.engine.restart.saved import Copy, Empty, Kernel, Memset, Pointer, SavedGraph, Where
+from graphflow.engine.restart.saved import Copy, Empty, Kernel, Memset, Place, Pointer, SavedGraph
 
 __all__ = ["DriverError", "Functions", "Unsupported", "allocation", "build", "check_available", "destroy",
            "driver_version", "launcher", "read", "siblings"]
@@ -122,7 +122,7 @@ def _node(driver, node, book: AddressBook):
     raise Unsupported(f"a {kind.name.removeprefix('CU_GRAPH_NODE_TYPE_').lower()} node")
 
 
-def _where(book: AddressBook, address: int, what: str) -> Where:
+def _where(book: AddressBook, address: int, what: str) -> Place:
     where = book.where(address)
     if where is None:
         raise Unsupported(f"{what} at {address:#x}, which is in no device allocation")

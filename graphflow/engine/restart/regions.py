@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from graphflow.engine.restart.saved import Region, Where
+from graphflow.engine.restart.saved import Place, Region
 
 __all__ = ["AddressBook", "model_tensors", "pool_blocks"]
 
@@ -52,7 +52,7 @@ class AddressBook:
         self.regions[name] = Region(name, kind, size)
         self.starts[name] = start
 
-    def where(self, address: int) -> Where | None:
+    def where(self, address: int) -> Place | None:
         """``address`` as a region and an offset; a new ``memory`` region for an
         allocation nothing named; None for a value that is no device address."""
         found = self._at(address)
@@ -64,7 +64,7 @@ class AddressBook:
             self.add(f"memory:{sum(r.kind == 'memory' for r in self.regions.values())}", "memory", start, end - start)
             found = self._at(address)
         start, _, name = found
-        return Where(name, address - start)
+        return Place(name, address - start)
 
     def with_contents(self, read: Callable[[int, int], bytes]) -> dict[str, Region]:
         """Every region, ``memory`` ones with their bytes (``read(start, size)``) where

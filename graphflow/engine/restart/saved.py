@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["Copy", "Empty", "Kernel", "Memset", "Output", "Pointer", "Region", "SavedDescriptor", "SavedGraph",
-           "SavedRun", "Where"]
+__all__ = ["Copy", "Empty", "Kernel", "Memset", "Output", "Place", "Pointer", "Region", "SavedDescriptor",
+           "SavedGraph", "SavedRun"]
 
 
 @attrs.frozen
-class Where:
+class Place:
     """A device address as a region and an offset into it."""
 
     region: str
@@ -30,7 +30,7 @@ class Pointer:
     """A device address inside a kernel's argument bytes, ``at`` bytes in."""
 
     at: int
-    where: Where
+    where: Place
 
 
 @attrs.frozen
@@ -56,7 +56,7 @@ class Kernel:
 
 @attrs.frozen
 class Memset:
-    dst: Where
+    dst: Place
     pitch: int
     value: int
     element: int
@@ -68,8 +68,8 @@ class Memset:
 class Copy:
     """A device-to-device copy of ``height`` rows of ``width`` bytes."""
 
-    src: Where
-    dst: Where
+    src: Place
+    dst: Place
     width: int
     height: int
     src_pitch: int
@@ -118,7 +118,7 @@ class Output:
     its buffer: ``graphflow.engine.model.returned``), as a tensor over that place."""
 
     buffer: str
-    where: Where
+    where: Place
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: str
