@@ -13,7 +13,12 @@ Three fresh processes, one after another, each building the model from the same 
   its logits must equal the capture's bit for bit, and the plan's eager step (the model's
   own code, outside any graph) on the same inputs;
 * **changed** does the same with a plan whose key differs (one more descriptor size
-  listed): the saved graphs must be refused in one line and the run captured.
+  listed): the saved graphs must be refused in one line and the run captured;
+* **again** (``--again``) captures and saves once more, in a fresh process: its saved
+  graphs are compared with the first process's node by node (kernel, library, launch
+  shape, each address as its region, every other argument byte). Graphs a restart
+  builds are only right if two captures save the same graphs: where they differ, the
+  first differing nodes of each descriptor are printed, and what differs.
 
 For each: seconds from the model built to every descriptor live (the 61-layer FULL plan's
 capture took 12-13 s on the H100; the target for a restart is at most 2 s), how many
@@ -55,8 +60,10 @@ def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: s
     if device.type == "cuda":
         torch.cuda.synchronize()
     built = time.perf_counter()
-    options = RunOptions(backend=device.type, save_graphs=saved if role == "capture" else None,
-                         graphs_from=None if role == "capture" else saved,
+    if role == "again":
+        saved = saved / "again"
+    options = RunOptions(backend=device.type, save_graphs=saved if role in ("capture", "again") else None,
+                         graphs_from=None if role in ("capture", "again") else saved,
                          verify=verify if role == "restore" else "sample")
     said = []
 
@@ -114,7 +121,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, 2 layers, 3 sizes")
     parser.add_argument("--verify", default="sample", choices=("sample", "off"),
                         help="what the restoring process verifies before ready (off: only the comparison here)")
-    parser.add_argument("--role", choices=("capture", "restore", "changed"), help=argparse.SUPPRESS)
+    parser.add_argument("--again", action="store_true",
+                        help="capture and save once more in a fresh process; compare the two saved runs node by node")
+    parser.add_argument("--role", choices=("capture", "restore", "changed", "again"), help=argparse.SUPPRESS)
     parser.add_argument("--saved", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
@@ -125,7 +134,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as saved:
-        for role in ("capture", "restore", "changed"):
+        for role in ("capture", "restore", "changed", *(("again",) if args.again else ())):
             began = time.perf_counter()
             done = subprocess.run([sys.executable, __file__, "--role", role, "--saved", saved, "--plan", args.plan,
                                    "--verify", args.verify,
@@ -140,15 +149,85 @@ def main() -> int:
             print(f"{role}: live {results[role]['live_s']:.2f} s after the model was built; "
                   f"{results[role]['restart']}", flush=True)
         saved_bytes = sum(p.stat().st_size for p in pathlib.Path(saved).glob("graphs.*"))
+        if args.again and "live_s" in results.get("again", {}):
+            from graphflow.engine.restart import store
+
+            results["again_differs"] = differs = saved_runs_differ(store.load(pathlib.Path(saved)),
+                                                                    store.load(pathlib.Path(saved) / "again"))
+            print("two captures saved " + ("the same graphs" if not differs else "different graphs:"))
+            for descriptor, lines in differs.items():
+                print(f"  {descriptor}:\n" + "\n".join(f"    {line}" for line in lines))
     _compare(results)
     results["saved_bytes"] = saved_bytes
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     _print(results)
-    for role in ("capture", "restore", "changed"):
+    for role in ("capture", "restore", "changed", "again"):
         if "logits" in results.get(role, {}):
             results[role]["logits"] = {k: v for k, v in results[role]["logits"].items() if k != "tensors"}
     (out / "restart.json").write_text(json.dumps(results, indent=1, default=str))
     return 0
+
+
+def saved_runs_differ(first, second, limit: int = 6) -> dict[str, list[str]]:
+    """Per descriptor, the first ``limit`` nodes whose saved form differs between two
+    saved runs, and how; a pool's or other memory's place is compared by its kind only
+    (its blocks are numbered as they were allocated)."""
+    theirs = {(d.size, d.mode): d for d in second.descriptors}
+    found: dict[str, list[str]] = {}
+    for mine in first.descriptors:
+        other = theirs.get((mine.size, mine.mode))
+        name = f"{mine.mode} B={mine.size}"
+        if other is None:
+            found[name] = ["not saved by the second run"]
+            continue
+        lines = []
+        if len(mine.graphs) != len(other.graphs):
+            lines.append(f"{len(mine.graphs)} graphs against {len(other.graphs)}")
+        for number, (a, b) in enumerate(zip(mine.graphs, other.graphs)):
+            if len(a.nodes) != len(b.nodes):
+                lines.append(f"graph {number}: {len(a.nodes)} nodes against {len(b.nodes)}")
+            if a.after != b.after:
+                lines.append(f"graph {number}: the nodes wait for different nodes")
+            for index, (x, y) in enumerate(zip(a.nodes, b.nodes)):
+                what = _node_differs(x, y)
+                if what:
+                    lines.append(f"graph {number} node {index} ({getattr(x, 'name', type(x).__name__)[:60]}): {what}")
+                if len(lines) >= limit:
+                    break
+        if lines:
+            found[name] = lines[:limit]
+    return found
+
+
+def _kind(place) -> tuple:
+    kind = place.region.split(":", 1)[0]
+    return (kind,) if kind in ("pool", "memory") else (place.region, place.offset)
+
+
+def _node_differs(x, y) -> str:
+    from graphflow.engine.restart.saved import Kernel
+
+    if type(x) is not type(y):
+        return f"a {type(x).__name__} against a {type(y).__name__}"
+    if not isinstance(x, Kernel):
+        fields = [f for f in ("pitch", "value", "element", "width", "height", "src_pitch", "dst_pitch")
+                  if getattr(x, f, None) != getattr(y, f, None)]
+        places = [f for f in ("dst", "src") if hasattr(x, f) and _kind(getattr(x, f)) != _kind(getattr(y, f))]
+        return ", ".join(fields + [f"{f} in {getattr(x, f).region} against {getattr(y, f).region}" for f in places])
+    said = [f"{f} {getattr(x, f)} against {getattr(y, f)}" for f in ("name", "library", "grid", "block", "shared",
+                                                                     "offsets", "cluster", "max_shared")
+            if getattr(x, f) != getattr(y, f)]
+    if said:
+        return "; ".join(said)
+    ours = {p.at: _kind(p.where) for p in x.pointers}
+    theirs = {p.at: _kind(p.where) for p in y.pointers}
+    if ours != theirs:
+        return f"addresses at bytes {sorted(set(ours.items()) ^ set(theirs.items()))[:4]}"
+    words = [at for at in range(0, len(x.args), 8) if at not in ours and x.args[at:at + 8] != y.args[at:at + 8]]
+    if words:
+        return "argument bytes differ, not as addresses: " + ", ".join(
+            f"at {at}: {x.args[at:at + 8].hex()} against {y.args[at:at + 8].hex()}" for at in words[:3])
+    return ""
 
 
 def _compare(results: dict) -> None:

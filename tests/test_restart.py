@@ -253,3 +253,21 @@ def test_kernels_of_one_name_are_told_apart_by_their_library_or_jit_specializati
     assert found == {"cos": 400, "sin": 401}
     assert library != restart_driver.siblings(fake, _Node(kern=500))[0]  # "cos" of another library
     assert library == restart_driver.siblings(fake, _Node(kern=600))[0]  # the same kernels, in any order
+
+
+def test_two_saved_runs_are_compared_node_by_node_addresses_as_their_regions():
+    from bench.restart_bench import saved_runs_differ
+
+    def run(args: bytes, pool_block: str, library: str = "lib") -> saved.SavedRun:
+        kernel = saved.Kernel("k", (1, 1, 1), (32, 1, 1), 0, args, (0, 8),
+                              (saved.Pointer(0, saved.Place(pool_block, 16)),), library)
+        graph = saved.SavedGraph((saved.Empty(), kernel), ((), (0,)))
+        return saved.SavedRun({}, {}, (saved.SavedDescriptor(4, "full", (graph,)),))
+
+    same = bytes(8) + (5).to_bytes(8, "little")
+    assert saved_runs_differ(run(same, "pool:0.1"), run(bytes(range(8)) + same[8:], "pool:0.7")) == {}
+    other = bytes(8) + (6).to_bytes(8, "little")
+    differs = saved_runs_differ(run(same, "pool:0.1"), run(other, "pool:0.1"))
+    assert list(differs) == ["full B=4"] and "at 8: 0500000000000000 against 0600000000000000" in differs["full B=4"][0]
+    assert "library lib against elsewhere" in saved_runs_differ(run(same, "pool:0.1"),
+                                                                 run(same, "pool:0.1", "elsewhere"))["full B=4"][0]
