@@ -19,8 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_a_new_process_restores_saved_graphs_bit_exact_and_a_changed_plan_captures(tmp_path):
-    done = subprocess.run([sys.executable, "bench/restart_bench.py", "--plan", "plans/dsv4_mini_full.yaml", "--again",
-                           "--out", str(tmp_path)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+    command = [sys.executable, "bench/restart_bench.py", "--plan", "plans/dsv4_mini_full.yaml", "--again", "--out",
+               str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=600)
     print(done.stdout[-4000:])
     assert done.returncode == 0, done.stderr[-4000:]
