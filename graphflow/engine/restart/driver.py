@@ -4,19 +4,20 @@ read into plain data (``read``), plain data built into a graph ready to launch
 
 The driver's graph API is complete enough for this: a kernel node gives its function
 and its argument bytes (``cuGraphKernelNodeGetParams``, laid out by
-``cuFuncGetParamInfo``), a function its name (``cuFuncGetName``) and its module's other
-functions (``cuFuncGetModule``, ``cuModuleEnumerateFunctions``), and a graph is built
-node by node (``cuGraphAdd*Node``) and instantiated without any stream capture.
+``cuFuncGetParamInfo``), a function its name (``cuFuncGetName``) and the other kernels
+of its library or module (``cuLibraryEnumerateKernels``, ``cuModuleEnumerateFunctions``),
+and a graph is built node by node (``cuGraphAdd*Node``) and instantiated without any
+stream capture.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import heapq
 import time
 from collections.abc import Mapping
 
+import networkx as nx
 import torch
 
 from graphflow.engine.restart.regions import AddressBook
@@ -71,8 +72,7 @@ def read(handle: int, book: AddressBook) -> SavedGraph:
     data; its addresses as places in ``book``'s regions (found there or added)."""
     driver = _driver()
     graph = driver.CUgraph(handle)
-    count = _ok(driver.cuGraphGetNodes(graph, 0))[1]
-    nodes = list(_ok(driver.cuGraphGetNodes(graph, count))[0]) if count else []
+    nodes = _graph_nodes(driver, graph)
     edge_count = _ok(driver.cuGraphGetEdges(graph, 0))[-1]
     got = _ok(driver.cuGraphGetEdges(graph, edge_count)) if edge_count else ([], [])
     position = {int(node): index for index, node in enumerate(nodes)}
@@ -86,24 +86,17 @@ def read(handle: int, book: AddressBook) -> SavedGraph:
     return SavedGraph(saved, after)
 
 
+def _graph_nodes(driver, graph) -> list:
+    count = _ok(driver.cuGraphGetNodes(graph, 0))[1]
+    return list(_ok(driver.cuGraphGetNodes(graph, count))[0]) if count else []
+
+
 def _topological(before: list[set[int]]) -> list[int]:
     """Node indices with each after those it waits for, else in the driver's order."""
-    waiting = [len(b) for b in before]
-    then: list[list[int]] = [[] for _ in before]
-    for node, sources in enumerate(before):
-        for source in sources:
-            then[source].append(node)
-    ready = [node for node, count in enumerate(waiting) if count == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        node = heapq.heappop(ready)
-        order.append(node)
-        for target in then[node]:
-            waiting[target] -= 1
-            if waiting[target] == 0:
-                heapq.heappush(ready, target)
-    return order
+    order = nx.DiGraph()
+    order.add_nodes_from(range(len(before)))
+    order.add_edges_from((source, node) for node, sources in enumerate(before) for source in sources)
+    return list(nx.lexicographical_topological_sort(order))
 
 
 def _node(driver, node, book: AddressBook):
@@ -239,9 +232,7 @@ class Functions:
 
     def add_graph(self, handle: int) -> None:
         driver = _driver()
-        graph = driver.CUgraph(handle)
-        count = _ok(driver.cuGraphGetNodes(graph, 0))[1]
-        for node in (_ok(driver.cuGraphGetNodes(graph, count))[0] if count else ()):
+        for node in _graph_nodes(driver, driver.CUgraph(handle)):
             if _ok(driver.cuGraphNodeGetType(node)) == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
                 params = _ok(driver.cuGraphKernelNodeGetParams(node))
                 handle_of = int(params.kern or 0) or int(params.func)
@@ -287,8 +278,9 @@ def siblings(driver, params) -> tuple[str, dict[str, int]]:
     if key not in _LIBRARIES:
         count = _ok(driver.cuModuleGetFunctionCount(module))
         functions = _ok(driver.cuModuleEnumerateFunctions(count, module)) if count else ()
-        found = {_ok(driver.cuFuncGetName(f)).decode(): int(f) for f in functions}
-        shapes = [f"{_ok(driver.cuFuncGetName(f)).decode()}:{_resources(driver, f)}" for f in functions]
+        names = [_ok(driver.cuFuncGetName(f)).decode() for f in functions]
+        found = {name: int(f) for name, f in zip(names, functions)}
+        shapes = [f"{name}:{_resources(driver, f)}" for name, f in zip(names, functions)]
         _LIBRARIES[key] = (_fingerprint(shapes), found)
     return _LIBRARIES[key]
 
@@ -322,12 +314,11 @@ def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, sp
     graph = _ok(driver.cuGraphCreate(0))
     try:
         made: list = []
-        keep: list = []  # argument buffers, alive until their nodes are added
         allowed: dict = {}
         for node, after in zip(saved.nodes, saved.after):
             deps = [made[index] for index in after]
             if isinstance(node, Kernel):
-                made.append(_add_kernel(driver, graph, deps, node, places, functions, keep, allowed))
+                made.append(_add_kernel(driver, graph, deps, node, places, functions, allowed))
             elif isinstance(node, Memset):
                 params = driver.CUDA_MEMSET_NODE_PARAMS()
                 params.dst = places[node.dst.region] + node.dst.offset
@@ -344,7 +335,6 @@ def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, sp
                 made.append(_ok(driver.cuGraphAddMemcpyNode(graph, deps, len(deps), params, context)))
             else:
                 made.append(_ok(driver.cuGraphAddEmptyNode(graph, deps, len(deps))))
-            keep.clear()
         added = time.perf_counter()
         executable = int(_ok(driver.cuGraphInstantiate(graph, 0)))
         if spent is not None:
@@ -356,8 +346,10 @@ def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, sp
         _ok(driver.cuGraphDestroy(graph))
 
 
-def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], functions: Functions, keep: list,
+def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], functions: Functions,
                 allowed: dict[tuple[str, str], int]):
+    """The kernel node added; its argument buffers are locals, alive until the driver has
+    copied them (``cuGraphAddKernelNode`` does)."""
     func = functions.function(node.library, node.name)
     if node.max_shared > allowed.get((node.library, node.name), 0):
         _ok(driver.cuFuncSetAttribute(func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -369,7 +361,6 @@ def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], fu
     buffer = (ctypes.c_char * max(len(args), 1)).from_buffer(args) if args else None
     base = ctypes.addressof(buffer) if buffer is not None else 0
     each = (ctypes.c_void_p * max(len(node.offsets), 1))(*(base + offset for offset in node.offsets))
-    keep += (args, buffer, each)
     params = driver.CUDA_KERNEL_NODE_PARAMS()
     params.func = func
     params.gridDimX, params.gridDimY, params.gridDimZ = node.grid

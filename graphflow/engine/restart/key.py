@@ -40,11 +40,13 @@ def restart_key(plan, model: object, device: torch.device) -> dict[str, str]:
 
 def differs(saved: dict[str, str], current: dict[str, str]) -> str | None:
     """Which parts of the key differ, as a user reads them; None when all match."""
-    parts = [f"{name} {saved.get(name)!s} here {current.get(name)!s}" if name in ("gpu", "driver", "torch", "cuda",
-                                                                                    "python", "graphflow")
-             else name for name in sorted(set(saved) | set(current)) if saved.get(name) != current.get(name)]
-    return None if not parts else "; ".join(
-        part if " here " not in part else part.replace(" here ", " when saved, ", 1) for part in parts)
+    parts = [f"{name} {saved.get(name)} when saved, {current.get(name)}" if name in _VERSIONS else name
+             for name in sorted(set(saved) | set(current)) if saved.get(name) != current.get(name)]
+    return "; ".join(parts) or None
+
+
+#: The parts of the key a user reads as they are (the others are digests, said by name).
+_VERSIONS = ("gpu", "driver", "torch", "cuda", "python", "graphflow")
 
 
 def _graphflow_version() -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator
 
+import attrs
 import torch
 
 from graphflow.engine.restart.saved import Place, Region
@@ -69,7 +70,7 @@ class AddressBook:
     def with_contents(self, read: Callable[[int, int], bytes]) -> dict[str, Region]:
         """Every region, ``memory`` ones with their bytes (``read(start, size)``) where
         they are at most ``CONTENT_LIMIT``."""
-        return {name: Region(region.name, region.kind, region.size, read(self.starts[name], region.size))
+        return {name: attrs.evolve(region, content=read(self.starts[name], region.size))
                 if region.kind == "memory" and region.size <= CONTENT_LIMIT else region
                 for name, region in self.regions.items()}
 

@@ -72,7 +72,7 @@ def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib
     device = next(iter(alloc.pools))
     book = _book(alloc, device)
     descriptors, left_out = [], []
-    for descriptor, program in captured.programs.items():
+    for descriptor in captured.programs:
         try:
             graphs = tuple(driver.read(_handle(graph), book) for graph in captured.graphs_of.get(descriptor, ()))
             outputs = _outputs(alloc, descriptor, book)
@@ -130,7 +130,7 @@ def _outputs(alloc: Allocation, descriptor: Descriptor, book: AddressBook) -> tu
 def _read_bytes(device: torch.device, start: int, size: int) -> bytes:
     storage = torch._C._construct_storage_from_data_pointer(start, device, size)
     torch.cuda.synchronize(device)
-    return bytes(torch.empty(0, dtype=torch.uint8, device=device).set_(storage).cpu().numpy().tobytes())
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage).cpu().numpy().tobytes()
 
 
 class _Refused(Exception):
@@ -151,8 +151,8 @@ def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Pa
         failures = own.stack.unwind()
         for pools in alloc.pool_sets.values():  # a pool the restore captured into is not captured into again
             pools.failed()
-        why = str(exc).splitlines()[0] if isinstance(exc, (_Refused, store.SavedGraphsError)) else \
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        first = (str(exc).splitlines() or [""])[0]
+        why = first if isinstance(exc, (_Refused, store.SavedGraphsError)) else f"{type(exc).__name__}: {first}"
         line = f"saved graphs in {directory} not used ({why}); capturing instead"
         if failures is not None:
             line += f" (undoing the restore: {failures})"
@@ -180,21 +180,14 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     places = _places(ctx, alloc, run.regions, device)
     # One real capture, the smallest descriptor's: this process's kernels are then found by name.
     order = list(enumerate(ctx.descriptors, 1))
-    index, reference = order[-1]
-    captured, _ = run_descriptor(ctx, alloc, None, reference, index, tally)
-    captured.settle()
     functions = driver.Functions()
-    for graph in captured.graphs_of.get(reference, ()):
-        functions.add_graph(_handle(graph))
+    captured = _capture(ctx, alloc, None, *order[-1], tally, functions)
     restored = []
     taken = 1
     for index, descriptor in order[:-1]:
         entry = saved.get((descriptor.size, descriptor.mode.value))
         if entry is None or functions.missing(set().union(*(g.functions for g in entry.graphs))):
-            captured, _ = run_descriptor(ctx, alloc, captured, descriptor, index, tally)
-            captured.settle()
-            for graph in captured.graphs_of.get(descriptor, ()):
-                functions.add_graph(_handle(graph))
+            captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
             taken += 1
             continue
         tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, functools.partial(
@@ -209,6 +202,17 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     alloc.owned.free_snapshots()
     captured.close()
     return captured, len(restored), taken
+
+
+def _capture(ctx: Context, alloc: Allocation, captured: Captured | None, index: int, descriptor: Descriptor,
+             tally: Tally, functions: driver.Functions) -> Captured:
+    """One descriptor captured for real, as without saved graphs; its kernels, and the
+    others of their libraries, are then this process's to build graphs with."""
+    captured, _ = run_descriptor(ctx, alloc, captured, descriptor, index, tally)
+    captured.settle()
+    for graph in captured.graphs_of.get(descriptor, ()):
+        functions.add_graph(_handle(graph))
+    return captured
 
 
 def _places(ctx: Context, alloc: Allocation, regions: dict[str, Region], device: torch.device) -> dict[str, int]:
