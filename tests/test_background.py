@@ -23,7 +23,7 @@ from graphflow.engine.lazy import TRIES
 from graphflow.errors import CaptureError
 from graphflow.events import EventKind, Phase
 from graphflow.plan import Descriptor, Mode
-from graphflow.runtime import FallbackReason, Runner
+from graphflow.runtime import Runner
 from plans.toy_model import build_toy, toy_plan
 
 P = Mode.PIECEWISE
@@ -46,11 +46,12 @@ def eager_reference(runner, batch: int, x: torch.Tensor) -> torch.Tensor:
 
 class Gate:
     """A listener that holds the capture thread at its ``nth`` PHASE_BEGIN of ``phase``
-    (before it takes the engine's lock)."""
+    (before it takes the engine's lock). The default holds the first capture beside
+    serving: the thread captures the largest descriptor before the engine is returned."""
 
     segment_events = False
 
-    def __init__(self, phase: Phase, nth: int = 1):
+    def __init__(self, phase: Phase, nth: int = 2):
         self.phase, self.nth = phase, nth
         self.reached, self.release = threading.Event(), threading.Event()
         self.foreground = threading.get_ident()
@@ -65,25 +66,28 @@ class Gate:
 
 
 class TestLazy:
-    def test_serves_at_once_eagerly_then_switches_each_descriptor_in_checked_on_its_first_batch(self):
+    def test_serves_at_once_on_the_largest_graph_then_switches_each_descriptor_in_checked_on_its_first_batch(self):
         gate = Gate(Phase.CAPTURE)
         engine = run_pipeline(toy_plan(3, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
         try:
-            assert engine.programs == {} and engine.report.graphs == 0
+            assert list(engine.programs) == [Descriptor(P, 8)], "the largest is captured before ready"
+            assert engine.live.unchecked == {Descriptor(P, 8)}
             runner = Runner(engine)
             x = torch.randn(3, 32)
-            (out,) = runner.run(x)  # nothing captured yet: eager, and counted as such
-            assert gate.reached.wait(30), "the capture thread started"
-            assert runner.descriptor_for(3) is None
-            assert runner.fallbacks[FallbackReason.NOT_CAPTURED_YET] == 1
-            want = torch.empty(3, 64)
-            build_toy(3).step(x.clone(), want)
-            assert torch.equal(out, want), "eager serving is the model's own step"
+            (out,) = runner.run(x)  # the largest holds every batch: padded, and checked by this step
+            assert gate.reached.wait(30), "the capture thread goes on"
+            assert runner.descriptor_for(3) == Descriptor(P, 8)
+            assert sum(runner.fallbacks.values()) == 0
+            padded, want = torch.zeros(8, 32), torch.empty(8, 64)
+            padded[:3] = x
+            build_toy(3).step(padded, want)
+            assert torch.equal(out, want[:3]), "the checked step serves the model's own step, padded"
+            assert [r.descriptor.size for r in engine.background.verified] == [8]
             gate.release.set()
             assert engine.background.wait(60)
             assert sorted(engine.programs) == sorted(Descriptor(P, s) for s in SIZES)
-            assert engine.background.failures == {} and engine.background.verified == []
-            assert set(engine.live.unchecked) == set(engine.programs), "none has served a batch yet"
+            assert engine.background.failures == {} and len(engine.background.verified) == 1
+            assert set(engine.live.unchecked) == set(engine.programs) - {Descriptor(P, 8)}, "no other served a batch"
             report = engine.report  # once done, it reads as a foreground run's
             assert sorted(report.descriptors) == sorted(engine.programs)
             assert report.phase(Phase.CAPTURE).outcome.value == "passed" and report.graphs == 4 * len(SIZES)  # 3 layers: 4 regions
@@ -93,9 +97,9 @@ class TestLazy:
                 assert runner.descriptor_for(batch) == Descriptor(P, {1: 1, 3: 4, 8: 8}[batch])
                 assert torch.equal(out.clone(), eager_reference(runner, batch, x))
             checked = [r.descriptor.size for r in engine.background.verified]
-            assert checked == [1, 4, 8] and all(r.bit_exact for r in engine.background.verified)
+            assert checked == [8, 1, 4] and all(r.bit_exact for r in engine.background.verified)
             assert engine.live.unchecked == {Descriptor(P, 2)}
-            assert [r.descriptor.size for r in engine.report.verify] == [1, 4, 8]
+            assert [r.descriptor.size for r in engine.report.verify] == [8, 1, 4]
         finally:
             gate.release.set()
             engine.close()
@@ -141,7 +145,8 @@ class TestLazy:
         with the recordings; while they run, a batch whose own graph waits for its check
         replays the smallest checked graph that holds it, and checks its own once the
         thread is done."""
-        gate = Gate(Phase.CAPTURE, nth=4)  # the thread captures 1 (asked), 8 (the largest), 4, then waits at 2
+        # The thread captures 8 (the largest, before ready), 1 (asked), 4, then waits at 2.
+        gate = Gate(Phase.CAPTURE, nth=4)
         model = build_toy(2)
 
         def model_step(x, size):  # the model's own step, on the batch padded to ``size`` rows
@@ -153,12 +158,14 @@ class TestLazy:
         engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate])
         try:
             runner = Runner(engine)
-            runner.run(torch.randn(1, 32))
+            x = torch.randn(1, 32)
+            (out,) = runner.run(x)  # no checked graph holds 1: the largest, checked now
+            assert runner.descriptor_for(1) == Descriptor(P, 8) and torch.equal(out, model_step(x, 8))
+            assert [r.descriptor.size for r in engine.background.verified] == [8]
             assert gate.reached.wait(30)
             x = torch.randn(8, 32)
-            (out,) = runner.run(x)  # no checked graph holds 8: its own, checked now
+            (out,) = runner.run(x)
             assert runner.descriptor_for(8) == Descriptor(P, 8) and torch.equal(out, model_step(x, 8))
-            assert [r.descriptor.size for r in engine.background.verified] == [8]
             x = torch.randn(3, 32)
             (out,) = runner.run(x)
             assert runner.descriptor_for(3) == Descriptor(P, 8), "its own graph waits: 8's serves it, padded"
@@ -174,8 +181,8 @@ class TestLazy:
             gate.release.set()
             engine.close()
 
-    def test_the_first_batch_seen_comes_first_then_the_largest_then_the_most_asked(self):
-        """Once the largest is live every batch replays a graph, padded up: no eager step
+    def test_the_largest_comes_before_ready_then_the_first_batch_seen_then_the_most_asked(self):
+        """With the largest live every batch replays a graph, padded up: no eager step
         competes with the capture for the host."""
         gate = Gate(Phase.CAPTURE)
         engine = run_pipeline(toy_plan(2, sizes=(1, 2, 4, 8, 16)), RunOptions(backend="cpu", lazy=True, verify=False),
@@ -186,12 +193,12 @@ class TestLazy:
             gate.release.set()
             assert engine.background.wait(60)
             order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
-            assert order == [2, 16, 1, 4, 8]
+            assert order == [16, 2, 1, 4, 8]
         finally:
             gate.release.set()
             engine.close()
 
-    def test_the_engines_first_step_goes_before_the_threads_first_capture_and_picks_its_descriptor(self, monkeypatch):
+    def test_the_engines_first_step_goes_before_the_threads_next_capture_and_picks_its_descriptor(self, monkeypatch):
         monkeypatch.setattr(background, "FIRST_STEP_S", 30.0)  # however slow the machine, the step comes first
         began = []
 
@@ -211,13 +218,15 @@ class TestLazy:
                             lambda self, inputs, live=None: (step(self, inputs, live), ended.append(time.perf_counter()))[0])
         engine = run_pipeline(toy_plan(2, sizes=(1, 2, 4, 8)), RunOptions(backend="cpu", lazy=True),
                               listeners=[Phases()])
+        returned = time.perf_counter()
         try:
             runner = Runner(engine)
             runner.run(torch.randn(3, 32))
             assert engine.background.wait(60)
-            assert began and min(began) > ended[0]
+            beside = [b for b in began if b > returned]
+            assert beside and min(beside) > ended[0]
             order = [t.descriptor.size for t in engine.background.times if t.phase is Phase.CAPTURE]
-            assert order[:2] == [4, 8], "the first batch's descriptor, then the largest"
+            assert order[:2] == [8, 4], "the largest before ready, then the first batch's descriptor"
         finally:
             engine.close()
 
@@ -244,12 +253,13 @@ class TestLazy:
 
         engine = run_pipeline(toy_plan(2, sizes=SIZES), RunOptions(backend="cpu", lazy=True), listeners=[gate, Ends()])
         try:
-            engine.live.asked(8)
-            assert gate.reached.wait(30)  # at its first capture phase, before its turn
+            assert ended.count(Phase.CAPTURE) == 1, "the largest, before ready"
+            engine.live.asked(1)
+            assert gate.reached.wait(30)  # at its next capture phase, before its turn
             with engine.live.step():
                 gate.release.set()
                 time.sleep(0.3)
-                assert Phase.CAPTURE not in ended, "the recording waits for the step"
+                assert ended.count(Phase.CAPTURE) == 1, "the recording waits for the step"
             assert engine.background.wait(60)
             assert ended.count(Phase.CAPTURE) == len(SIZES)
         finally:

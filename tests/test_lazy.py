@@ -55,9 +55,9 @@ def _core(keys="abcd", **kwargs) -> tuple[LazyCapture, Recorder]:
     return core, recorder
 
 
-def test_the_first_key_asked_then_then_then_the_most_asked_then_the_plans_order():
+def test_the_first_key_asked_then_the_most_asked_then_the_plans_order():
     hold = threading.Event()
-    core, recorder = _core("abcdef", then="a", hold=hold)
+    core, recorder = _core("abcdef", hold=hold)
     core.start()
     try:
         core.ask("c")  # the first step's key: the thread begins with it
@@ -68,8 +68,30 @@ def test_the_first_key_asked_then_then_then_the_most_asked_then_the_plans_order(
     finally:
         hold.set()
         core.stop()
-    assert [k for k, _ in recorder.captured] == ["c", "a", "e", "d", "b", "f"]
+    assert [k for k, _ in recorder.captured] == ["c", "e", "d", "a", "b", "f"]
     assert recorder.prepared and recorder.finished
+    assert set(core.states.values()) == {KeyState.CAPTURED}
+
+
+def test_first_is_captured_before_start_returns_and_the_rest_in_order():
+    core, recorder = _core("abcd", first="c")
+    core.start()
+    try:
+        assert [k for k, _ in recorder.captured] == ["c"]  # before any step asked for anything
+        assert core.states["c"] is KeyState.CAPTURED
+        core.ask("b")
+        assert core.wait(30)
+    finally:
+        core.stop()
+    assert [k for k, _ in recorder.captured] == ["c", "b", "a", "d"]
+
+
+def test_a_first_key_that_fails_before_ready_is_tried_again_later():
+    core, recorder = _core("ab", first="b", fail={"b": 1}, first_step_s=0.05)
+    core.start()
+    assert core.states["b"] is KeyState.PLANNED and core.tries == {"b": 1}
+    assert core.wait(30)
+    assert [k for k, _ in recorder.captured] == ["b", "b", "a"]
     assert set(core.states.values()) == {KeyState.CAPTURED}
 
 

@@ -251,10 +251,12 @@ class TestFailure:
         assert status == 0
         lines = err.splitlines()
         assert lines[0] == STARTING and lines[3] == "warmup: PIECEWISE(B=8) started (1/4), 0.0 s"
-        assert re.fullmatch(r"ready in \d+\.\d\d s: serving eagerly while 4 descriptors are captured in the "
-                            r"background", lines[4])
+        assert lines[4].startswith("capture: PIECEWISE(B=8) started (1/4)"), "the largest, before ready"
+        assert re.fullmatch(r"ready in \d+\.\d\d s: serving on 1 descriptor\(s\) while 3 more are captured in the "
+                            r"background", lines[5])
         assert lines[-1].startswith("captured 4 PIECEWISE descriptors (16 regions) in ")
-        assert re.search(r"^ready \d+\.\d\d s \(serving eagerly\), all descriptors live after ", out, re.M)
+        assert re.search(r"^ready \d+\.\d\d s \(serving on the largest descriptor\), all descriptors live after ",
+                         out, re.M)
 
     def test_lazy_exits_1_naming_a_descriptor_that_failed_in_the_background(self, capsys, tmp_path, monkeypatch):
         import functools

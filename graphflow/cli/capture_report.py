@@ -312,7 +312,7 @@ def print_report(document: dict) -> None:
          + (f", the other {waiting} checked against the eager step on their first batch (--verify all: every one "
             "before ready)" if waiting else ""))
     if document.get("ready_s") is not None:
-        line(f"ready {document['ready_s']:.2f} s (serving eagerly), all descriptors live after "
+        line(f"ready {document['ready_s']:.2f} s (serving on the largest descriptor), all descriptors live after "
              f"{document['capture_s']:.2f} s")
     line(f"capture {document['capture_s']:.2f} s; total {document['total_s']:.2f} s, reading the plan and timing "
          "included" + _outside_capture(document))

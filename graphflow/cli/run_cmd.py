@@ -81,7 +81,8 @@ def register(subparsers) -> None:
     parser.add_argument("--no-detectors", action="store_const", const="off", dest="detectors",
                         help="the same as --detectors off")
     parser.add_argument("--lazy", action="store_true",
-                        help="be ready after the first warmup, serving eagerly, and capture the descriptors in a "
+                        help="be ready after the first warmup and the largest descriptor's capture, serving every "
+                             "batch on it, padded up, and capture the others in a "
                              "background thread, each switched in and checked against the eager step on its first "
                              "batch (here, once all are captured, on verify's inputs; one rank, no channels); "
                              "reports when all are live")
@@ -235,8 +236,9 @@ def wait_lazy(engine, ready_s: float, *, say: bool) -> None:
     plan must hear of it)."""
     background = engine.background
     if say:
-        print(f"ready in {ready_s:.2f} s: serving eagerly while {len(engine.report.descriptors)} descriptors are "
-              "captured in the background", file=sys.stderr)
+        live, total = len(engine.programs), len(engine.report.descriptors)
+        print(f"ready in {ready_s:.2f} s: serving on {live} descriptor(s) while {total - live} more are captured in "
+              "the background", file=sys.stderr)
     background.wait()
     background.check_unchecked()  # no batch is served here: each descriptor is checked on verify's inputs
     if background.failures:

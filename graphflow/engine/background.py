@@ -1,10 +1,12 @@
 """A lazy engine: it serves at once while the lazy-capture thread records its descriptors.
 
 With ``RunOptions(lazy=True)`` the pipeline stops after allocate and the first
-descriptor's warmup and prewarm, and commits an engine with no step program: the runtime
-serves every batch eagerly (on the static buffers) from the first step. The capture
-thread (``graphflow.engine.lazy``, the one every integration shares: order, turns with
-the steps, retries, failures) records one descriptor at a time, as the pipeline does
+descriptor's warmup and prewarm, and commits an engine with no step program of its own;
+the capture thread has captured the largest descriptor before the engine is returned,
+so the runtime serves every batch on it, padded up, from the first step (eagerly, on the
+static buffers, only if that capture failed). The capture thread
+(``graphflow.engine.lazy``, the one every integration shares: order, turns with the
+steps, retries, failures) records one descriptor at a time, as the pipeline does
 (``graphflow.engine.phase.run_descriptor``), into a pool that a failed capture replaces
 (``graphflow.engine.pools``). This module is what is the engine's own:
 
@@ -173,7 +175,7 @@ class BackgroundCapture:
         self._checks = checks
         descriptors = ctx.descriptors
         largest = max(descriptors, key=lambda d: (d.size, d.mode is Mode.FULL), default=None)
-        self.core = LazyCapture(self, descriptors, turns=live.turns, then=largest, first_step_s=FIRST_STEP_S,
+        self.core = LazyCapture(self, descriptors, turns=live.turns, first=largest, first_step_s=FIRST_STEP_S,
                                 name="graphflow-background-capture")
         live.attach(self.core, dict(enumerate(holders(descriptors))))
 
