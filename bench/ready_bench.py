@@ -246,8 +246,9 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
     served, checks, exact, graph_steps, first_step, checking_s = 0, 0, True, 0, None, 0.0
     checked: set = set()
     # (batch, seconds, whether graphflow checked a new graph in it, the size it was served
-    # at: None eagerly) of the steps served while the thread captured
-    steps: list[tuple[int, float, bool, int | None]] = []
+    # at: None eagerly, which step it was, when it began after ready) of the steps served
+    # while the thread captured
+    steps: list[tuple[int, float, bool, int | None, int, float]] = []
     # What a step and its reference read and leave behind; internal buffers are written
     # before they are read in every step.
     touched = [b.name for b in plan.buffers if b.role is not BufferRole.INTERNAL]
@@ -274,7 +275,7 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
             got = logits.clone()
             if capturing:
                 steps.append((batch, took, _checked(runner) > first_uses,
-                              None if descriptor is None else descriptor.size))
+                              None if descriptor is None else descriptor.size, served, began - ready))
             if check:
                 checked_at = time.perf_counter()
                 exact = exact and torch.equal(got, eager_from(runner, kept, batch, inputs, descriptor))
@@ -298,23 +299,25 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
     finally:
         engine.close()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    ratios = [(seconds / eager[batch], batch, seconds, at) for batch, seconds, checking, at in steps
-              if eager.get(batch) and not checking]
-    check_ratios = [(seconds / eager[batch], batch, seconds, at) for batch, seconds, checking, at in steps
+    ratios = [(seconds / eager[batch], batch, seconds, at, index, when)
+              for batch, seconds, checking, at, index, when in steps if eager.get(batch) and not checking]
+    check_ratios = [(seconds / eager[batch], batch, seconds, at) for batch, seconds, checking, at, *_ in steps
                     if eager.get(batch) and checking]
-    worst = max(ratios, default=None)
-    worst_check = max(check_ratios, default=None)
+    worst = max(ratios, key=lambda x: x[0], default=None)
+    worst_check = max(check_ratios, key=lambda x: x[0], default=None)
     return {"ready_s": ready - start, "first_step_after_build_s": (first_step or ready) - built_at,
             "all_live_s": live, "served_steps": served, "checked_steps": checks, "checked_descriptors": len(checked),
             "checking_s": checking_s, "steps_on_graphs": graph_steps, "first_use_checked": first_use,
             "served_bit_exact": exact, "verified_bit_exact": verified, "failures": failures, "thread": thread,
             "worst_step_vs_eager": None if worst is None else worst[0],
             "worst_step": None if worst is None else {"batch": worst[1], "seconds": worst[2],
-                                                       "eager_s": eager[worst[1]], "served_at": worst[3]},
+                                                       "eager_s": eager[worst[1]], "served_at": worst[3],
+                                                       "step": worst[4], "after_ready_s": worst[5]},
             # The slowest steps that checked nothing, to tell a wait for a recording's slice
             # from a replay padded to a much larger graph.
-            "slowest_steps": [{"batch": b, "seconds": t, "vs_eager": r, "served_at": at}
-                              for r, b, t, at in sorted(ratios, reverse=True)[:8]],
+            "slowest_steps": [{"batch": b, "seconds": t, "vs_eager": r, "served_at": at, "step": i,
+                               "after_ready_s": w}
+                              for r, b, t, at, i, w in sorted(ratios, key=lambda x: x[0], reverse=True)[:8]],
             "first_use_steps": len(check_ratios),
             "worst_first_use_step_vs_eager": None if worst_check is None else worst_check[0],
             "median_first_use_step_vs_eager": statistics.median(r for r, *_ in check_ratios) if check_ratios
@@ -542,7 +545,8 @@ def _print(results: dict) -> None:
             slowest = (f"slowest step while capturing (no check in it) {lazy['worst_step_vs_eager']:.2f}x an eager "
                        f"step of its size "
                        f"(B={worst['batch']} served {_served_at(worst)}: {worst['seconds'] * 1e3:.0f} ms, "
-                       f"eager {worst['eager_s'] * 1e3:.0f} ms), "
+                       f"eager {worst['eager_s'] * 1e3:.0f} ms; step {worst['step']}, "
+                       f"{worst['after_ready_s']:.2f} s after ready), "
                        if worst else "")
             checking = (f"{lazy['first_use_checked']} descriptors checked on their first batch (those steps "
                         f"{lazy['median_first_use_step_vs_eager']:.2f}x an eager step, median; at most "

@@ -8,10 +8,11 @@ main thread, back to back, each step draws a batch size of the plan, makes fresh
 tensors on the device (allocated there each step, from a generator of the loop's own)
 and calls ``Runner.run``; it reads the logits and goes on, until every descriptor is
 captured and ``--after`` more steps. Every ``--check-every``-th step, and the first step
-of the first ``--first-checks`` descriptors served, is compared with the plan's eager step
-from the same state (the model's own code, segment by segment, outside any graph), bit for
-bit; graphflow checks every descriptor's first step itself, and the result says whether
-all of those were bit-exact too. Each check copies the plan's state (11 GB for the
+of the first ``--first-checks`` descriptors served on their graphs, is compared with the
+plan's eager step from the same state (the model's own code, segment by segment, outside
+any graph), bit for bit; graphflow checks every descriptor's first step itself (that step
+serves the eager step's results, so the loop does not check it), and the result says
+whether all of those were bit-exact too. Each check copies the plan's state (11 GB for the
 61-layer plans) for the reference to start from. The process exits
 0 when it got that far; CUDA aborting it shows as its exit status, which the caller
 reads (``tests/cuda/test_cuda_lazy_server.py`` runs it ten times per plan).
@@ -59,13 +60,21 @@ def serve(path: str, *, smoke: bool, after: int, check_every: int, first_checks:
             batch = max(1, batch - int(torch.randint(2, (1,), generator=picks)))
             inputs = _fresh(runner, bounds, batch, device, values)
             descriptor = runner.descriptor_for(batch)
-            check = served % check_every == 0 or (descriptor not in first_of and len(first_of) < first_checks)
+            # A step that graphflow checks itself serves the eager step's results: comparing
+            # it says nothing, and its copies beside ours would hold the state four times.
+            its_own = engine.first_use is not None and descriptor in engine.first_use.unchecked
+            check = not its_own and (served % check_every == 0
+                                     or (descriptor not in first_of and len(first_of) < first_checks))
             kept = {n: engine.buffers.tensors[n].clone() for n in touched} if check else {}
+            was_checked = _checked(engine)
             (logits,) = runner.run(*inputs)[:1]
             descriptor = runner.descriptor_for(batch)  # after run: it switches new programs in
             got = logits.clone()
             if device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # not the device: a capture may be open
+            if _checked(engine) != was_checked:  # a program switched in just before this step
+                kept.clear()
+                check = False
             if check:
                 checked += 1
                 differed += not torch.equal(got, eager_from(runner, kept, batch, inputs, descriptor))
@@ -84,10 +93,17 @@ def serve(path: str, *, smoke: bool, after: int, check_every: int, first_checks:
                   "all_live_s": (background.finished_at or time.perf_counter()) - background.started_at,
                   "pauses": engine.live.turns.pauses,
                   # What this process held at most: how many runs fit one device at once.
-                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None}
+                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
+                  "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     finally:
         engine.close()
     return result
+
+
+def _checked(engine) -> int:
+    """How many first-use checks graphflow ran so far, passed or failed."""
+    checks = engine.first_use
+    return 0 if checks is None else len(checks.verified) + len(checks.failures)
 
 
 def _fresh(runner: Runner, bounds: dict, batch: int, device: torch.device, values: torch.Generator) -> tuple:

@@ -138,3 +138,45 @@ def test_a_closed_engine_holds_no_model_through_its_checks(lazy):
     del model
     gc.collect()
     assert alive() is None and engine.first_use.unchecked == set()
+
+
+def test_a_check_holds_one_copy_of_the_state_at_a_time(monkeypatch):
+    """A 61-layer plan's state is 11 GB: a check that held the start and the eager
+    step's results at once needed two copies free beside it, and two servers no longer
+    fitted one device. The copies a check makes are counted while they live."""
+    import weakref
+
+    from graphflow.engine.model.binding import build_model
+    from graphflow.integrations.dsv4.plans import plan_variant
+    from tests.lazy_server import SMOKE
+
+    plan = plan_variant("plans/dsv4_61l_full.yaml", sizes=tuple(range(1, 9)), **SMOKE)
+    engine = run_pipeline(plan, RunOptions(backend="cpu"), model=build_model(plan, {"device": torch.device("cpu"),
+                                                                                    "plan": plan}))
+    try:
+        runner = Runner(engine)
+        unchecked = sorted(d.size for d in engine.first_use.unchecked)
+        assert unchecked, "the sample leaves a descriptor to check on its first batch"
+        size = unchecked[0]
+        views = engine.buffers.views(size)
+        start = engine.first_use._needs.start
+        state_bytes = sum(views[n].nbytes for n in start)
+        largest = max(views[n].nbytes for n in engine.first_use._needs.written)
+        alive, peak = [0], [0]
+        clone = torch.Tensor.clone
+
+        def counted(tensor, *args, **kwargs):
+            copy = clone(tensor, *args, **kwargs)
+            alive[0] += copy.nbytes
+            peak[0] = max(peak[0], alive[0])
+            weakref.finalize(copy, lambda n=copy.nbytes: alive.__setitem__(0, alive[0] - n))
+            return copy
+
+        inputs = [torch.randint(0, 2, (size,)) for _ in runner.inputs]
+        monkeypatch.setattr(torch.Tensor, "clone", counted)
+        runner.run(*inputs)
+        monkeypatch.undo()
+        assert runner.checks.on_first_use == 1
+        assert state_bytes < peak[0] <= state_bytes + largest + sum(views[n].nbytes for n in runner.outputs)
+    finally:
+        engine.close()

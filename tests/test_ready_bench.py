@@ -44,8 +44,13 @@ def test_lazy_runs_with_and_without_steps_served_and_says_where_the_thread_waite
         assert {"warmup", "capture", "waiting"} <= set(thread)
         assert sum(v for k, v in thread.items() if k != "wall") == pytest.approx(thread["wall"])
     assert serving["served_bit_exact"] is True and serving["checked_steps"] >= 1
-    assert serving["first_use_checked"] >= 1 and serving["worst_step_vs_eager"] > 0
-    assert str(serving["worst_step"]["batch"]) in serving["eager_step_s"]
+    assert serving["first_use_checked"] >= 1
+    # The steps served while the thread captured: checks (the largest, live before ready,
+    # checks on its first batch) in their own column, the others in the worst step's.
+    timed = [serving["worst_step"], serving["worst_first_use_step_vs_eager"]]
+    assert any(t is not None for t in timed)
+    if serving["worst_step"] is not None:
+        assert serving["worst_step_vs_eager"] > 0 and str(serving["worst_step"]["batch"]) in serving["eager_step_s"]
 
 
 def test_the_first_use_run_checks_every_descriptor_verify_left_out(results):

@@ -16,9 +16,10 @@ named (the verify phase's ``CaptureError``: the descriptor, the first buffer tha
 differs, the segment that last wrote it, how much), the eager step's values are put back
 where the replay wrote, and its batches go to a larger descriptor or eagerly.
 
-The start (inputs and state at the descriptor's size) and the eager step's results are
-copied for the check and freed after it: a check costs one eager step, one replay and the
-copies, once per descriptor, and nothing after it. Python values the step changes are
+The start (inputs and state at the descriptor's size) is copied for the check, and the
+eager step's results are swapped into that copy as the start goes back into the buffers,
+one buffer at a time; freed after the check, which costs one eager step, one replay and
+one copy of the state, once per descriptor, and nothing after it. Python values the step changes are
 not saved: an eager break runs twice in a checked step.
 """
 
@@ -101,7 +102,20 @@ class FirstUse:
         start = {name: views[name].clone() for name in self._needs.start}
         for segment, fn in self._segments:
             bind(segment, fn, views)()
-        expected = {name: views[name].clone() for name in self._needs.written}
+        # The eager results go where the start was kept and the start back into the
+        # buffers, one buffer at a time: a check holds one copy of the state, not two (a
+        # 61-layer plan's state is 11 GB, and a server has little memory to spare).
+        expected = {}
+        for name in self._needs.written:
+            kept = start.pop(name, None)
+            if kept is None:
+                expected[name] = views[name].clone()
+                continue
+            result = views[name].clone()
+            views[name].copy_(kept)
+            kept.copy_(result)
+            expected[name] = kept
+            del result
         for name, value in start.items():
             views[name].copy_(value)
         del start

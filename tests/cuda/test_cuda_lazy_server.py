@@ -4,9 +4,11 @@ Before the lazy-capture core took turns with the steps, 67 of 67 descriptors fai
 2 of 3 processes aborted (exit 134) on the H100 and the H200.
 
 ``GRAPHFLOW_LAZY_RUNS`` (default 10) runs per plan; ``GRAPHFLOW_LAZY_PARALLEL`` of them at
-once (default: one per 40 GiB of the device's memory: a run's process holds the plan's
-11 GB of state, one copy of it while a step is checked, the weights and the graphs' pools).
-Each run's line is printed as it ends.
+once (default: one per 39 GiB of the device's memory, two on an 80 GB H100: a run's process
+holds the plan's state, one copy of it while a step is checked, the weights and the
+graphs' pools; its peak was 38.8-41.0 GiB reserved over 20 runs on the H100, two at once,
+whose peaks never met). Each run's line is printed as it ends
+(``bench/results/lazy-server-h100.txt``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _parallel() -> int:
         return int(os.environ["GRAPHFLOW_LAZY_PARALLEL"])
     import torch
 
-    return max(1, torch.cuda.get_device_properties(0).total_memory // (40 << 30)) if torch.cuda.is_available() else 1
+    return max(1, torch.cuda.get_device_properties(0).total_memory // (39 << 30)) if torch.cuda.is_available() else 1
 
 
 def _one(plan: str, seed: int) -> tuple[int, dict | None, str]:
