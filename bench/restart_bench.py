@@ -82,7 +82,7 @@ def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: s
     result = {"role": role, "live_s": live_s, "descriptors": len(engine.programs),
               "restart": None if restart is None else {k: getattr(restart, k) for k in
                                                        ("saved", "restored", "captured", "refused", "seconds",
-                                                        "left_out", "built")},
+                                                        "left_out", "built", "saving")},
               "warnings": [str(message) for message in said]}
     try:
         result["logits"] = _serve(engine, Runner(engine), plan, device)

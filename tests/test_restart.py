@@ -271,3 +271,38 @@ def test_two_saved_runs_are_compared_node_by_node_addresses_as_their_regions():
     assert list(differs) == ["full B=4"] and "at 8: 0500000000000000 against 0600000000000000" in differs["full B=4"][0]
     assert "library lib against elsewhere" in saved_runs_differ(run(same, "pool:0.1"),
                                                                  run(same, "pool:0.1", "elsewhere"))["full B=4"][0]
+
+
+def test_a_node_the_driver_refuses_is_named_and_the_graph_is_destroyed(monkeypatch):
+    """A restore that fails says which node of which graph the driver refused, so that
+    one run shows what cannot be rebuilt."""
+    destroyed = []
+
+    class Params:
+        pass
+
+    class Driver:
+        CUDA_MEMSET_NODE_PARAMS = Params
+
+        def cuCtxGetCurrent(self):
+            return 0, "context"
+
+        def cuGraphCreate(self, flags):
+            return 0, "graph"
+
+        def cuGraphAddEmptyNode(self, graph, deps, count):
+            return 0, f"empty after {count}"
+
+        def cuGraphAddMemsetNode(self, graph, deps, count, params, context):
+            return (1, None) if params.dst == 1024 + 64 else (0, "memset")
+
+        def cuGraphDestroy(self, graph):
+            destroyed.append(graph)
+            return (0,)
+
+    monkeypatch.setattr(restart_driver, "_driver", Driver)
+    place = saved.Place("buffer:x", 64)
+    graph = saved.SavedGraph((saved.Empty(), saved.Empty(), saved.Memset(place, 0, 0, 4, 16, 1)), ((), (0,), (1,)))
+    with pytest.raises(restart_driver.DriverError, match=r"^adding node 2 of 3 \(memset\): 1$"):
+        restart_driver.build(graph, {"buffer:x": 1024}, restart_driver.Functions())
+    assert destroyed == ["graph"]

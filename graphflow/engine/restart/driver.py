@@ -132,12 +132,27 @@ def _copy(driver, params, book: AddressBook) -> Copy:
                 int(params.WidthInBytes), int(params.Height), int(params.srcPitch), int(params.dstPitch))
 
 
+#: What the kernel nodes read need to know of each function (by handle): its name, its
+#: library's fingerprint, its parameters' layout and its dynamic shared memory limit, read
+#: from the driver once per function of the process (the 61-layer plan's graphs launch a
+#: few hundred functions from a few hundred thousand nodes).
+_FUNCTIONS: dict[int, tuple[str, str, list[tuple[int, int]], int]] = {}
+
+
+def _function(driver, params) -> tuple[str, str, list[tuple[int, int]], int]:
+    key = int(params.func)
+    if key not in _FUNCTIONS:
+        func = params.func
+        max_shared = _ok(driver.cuFuncGetAttribute(
+            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func))
+        _FUNCTIONS[key] = (_ok(driver.cuFuncGetName(func)).decode(), siblings(driver, params)[0],
+                           _layout(driver, func), int(max_shared))
+    return _FUNCTIONS[key]
+
+
 def _kernel(driver, node, book: AddressBook) -> Kernel:
     params = _ok(driver.cuGraphKernelNodeGetParams(node))
-    func = params.func
-    name = _ok(driver.cuFuncGetName(func)).decode()
-    library, _ = siblings(driver, params)
-    layout = _layout(driver, func)
+    name, library, layout, max_shared = _function(driver, params)
     args = _args(params, layout, name)
     pointers = []
     for offset, size in layout:
@@ -155,11 +170,9 @@ def _kernel(driver, node, book: AddressBook) -> Kernel:
         cluster = dims if dims != (0, 0, 0) and dims != (1, 1, 1) else None
     except DriverError:
         pass
-    max_shared = _ok(driver.cuFuncGetAttribute(
-        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func))
     return Kernel(name, (int(params.gridDimX), int(params.gridDimY), int(params.gridDimZ)),
                   (int(params.blockDimX), int(params.blockDimY), int(params.blockDimZ)), int(params.sharedMemBytes),
-                  args, tuple(offset for offset, _ in layout), tuple(pointers), library, cluster, int(max_shared))
+                  args, tuple(offset for offset, _ in layout), tuple(pointers), library, cluster, max_shared)
 
 
 def _layout(driver, func) -> list[tuple[int, int]]:
@@ -315,28 +328,16 @@ def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, sp
     try:
         made: list = []
         allowed: dict = {}
-        for node, after in zip(saved.nodes, saved.after):
-            deps = [made[index] for index in after]
-            if isinstance(node, Kernel):
-                made.append(_add_kernel(driver, graph, deps, node, places, functions, allowed))
-            elif isinstance(node, Memset):
-                params = driver.CUDA_MEMSET_NODE_PARAMS()
-                params.dst = places[node.dst.region] + node.dst.offset
-                params.pitch, params.value, params.elementSize = node.pitch, node.value, node.element
-                params.width, params.height = node.width, node.height
-                made.append(_ok(driver.cuGraphAddMemsetNode(graph, deps, len(deps), params, context)))
-            elif isinstance(node, Copy):
-                params = driver.CUDA_MEMCPY3D()
-                params.srcMemoryType = params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
-                params.srcDevice = places[node.src.region] + node.src.offset
-                params.dstDevice = places[node.dst.region] + node.dst.offset
-                params.srcPitch, params.dstPitch = node.src_pitch, node.dst_pitch
-                params.WidthInBytes, params.Height, params.Depth = node.width, node.height, 1
-                made.append(_ok(driver.cuGraphAddMemcpyNode(graph, deps, len(deps), params, context)))
-            else:
-                made.append(_ok(driver.cuGraphAddEmptyNode(graph, deps, len(deps))))
+        for index, (node, after) in enumerate(zip(saved.nodes, saved.after)):
+            try:
+                made.append(_add(driver, graph, context, [made[i] for i in after], node, places, functions, allowed))
+            except DriverError as error:
+                raise DriverError(f"adding node {index} of {len(saved.nodes)} ({_what(node)}): {error}") from None
         added = time.perf_counter()
-        executable = int(_ok(driver.cuGraphInstantiate(graph, 0)))
+        try:
+            executable = int(_ok(driver.cuGraphInstantiate(graph, 0)))
+        except DriverError as error:
+            raise DriverError(f"instantiating a graph of {len(saved.nodes)} nodes: {error}") from None
         if spent is not None:
             spent["add_s"] = spent.get("add_s", 0.0) + added - began
             spent["instantiate_s"] = spent.get("instantiate_s", 0.0) + time.perf_counter() - added
@@ -344,6 +345,35 @@ def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, sp
         return executable
     finally:
         _ok(driver.cuGraphDestroy(graph))
+
+
+def _what(node) -> str:
+    """A node as an error names it."""
+    if isinstance(node, Kernel):
+        return f"kernel {node.name[:80]}, grid {node.grid}, block {node.block}, shared {node.shared}"
+    return type(node).__name__.lower()
+
+
+def _add(driver, graph, context, deps: list, node, places: Mapping[str, int], functions: Functions,
+         allowed: dict[tuple[str, str], int]):
+    """One saved node added to ``graph`` after ``deps``: its handle."""
+    if isinstance(node, Kernel):
+        return _add_kernel(driver, graph, deps, node, places, functions, allowed)
+    if isinstance(node, Memset):
+        params = driver.CUDA_MEMSET_NODE_PARAMS()
+        params.dst = places[node.dst.region] + node.dst.offset
+        params.pitch, params.value, params.elementSize = node.pitch, node.value, node.element
+        params.width, params.height = node.width, node.height
+        return _ok(driver.cuGraphAddMemsetNode(graph, deps, len(deps), params, context))
+    if isinstance(node, Copy):
+        params = driver.CUDA_MEMCPY3D()
+        params.srcMemoryType = params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        params.srcDevice = places[node.src.region] + node.src.offset
+        params.dstDevice = places[node.dst.region] + node.dst.offset
+        params.srcPitch, params.dstPitch = node.src_pitch, node.dst_pitch
+        params.WidthInBytes, params.Height, params.Depth = node.width, node.height, 1
+        return _ok(driver.cuGraphAddMemcpyNode(graph, deps, len(deps), params, context))
+    return _ok(driver.cuGraphAddEmptyNode(graph, deps, len(deps)))
 
 
 def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], functions: Functions,

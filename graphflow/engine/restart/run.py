@@ -63,6 +63,8 @@ class Restart:
     seconds: float = 0.0
     #: Restoring: nodes added, and the seconds adding them and instantiating the graphs took.
     built: dict = attrs.field(factory=dict)
+    #: Saving: nodes read, and the seconds reading the graphs, the regions' bytes and writing took.
+    saving: dict = attrs.field(factory=dict)
 
 
 def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib.Path) -> Restart:
@@ -80,12 +82,17 @@ def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib
             left_out.append((descriptor.size, descriptor.mode.value, f"its graph holds {exc}"))
             continue
         descriptors.append(SavedDescriptor(descriptor.size, descriptor.mode.value, graphs, outputs))
+    read = time.perf_counter()
     regions = book.with_contents(functools.partial(_read_bytes, device))
+    contents = time.perf_counter()
     store.write(SavedRun(restart_key(ctx.plan, alloc.model, device), regions, tuple(descriptors), tuple(left_out)),
                 directory)
+    done = time.perf_counter()
+    nodes = sum(len(g.nodes) for d in descriptors for g in d.graphs)
     return Restart(str(directory), saved=len(descriptors),
-                   left_out=tuple(f"{size} {mode}: {why}" for size, mode, why in left_out),
-                   seconds=time.perf_counter() - began)
+                   left_out=tuple(f"{size} {mode}: {why}" for size, mode, why in left_out), seconds=done - began,
+                   saving={"nodes": nodes, "read_s": read - began, "contents_s": contents - read,
+                           "write_s": done - contents})
 
 
 def _handle(graph: Graph) -> int:
@@ -266,7 +273,10 @@ def _build(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Desc
             if isinstance(item, Segment):
                 program.append(bind(item, alloc.fns[item.name], views))
                 continue
-            graph = _Rebuilt(driver.build(next(graphs), places, functions, spent))
+            try:
+                graph = _Rebuilt(driver.build(next(graphs), places, functions, spent))
+            except driver.DriverError as error:
+                raise driver.DriverError(f"{descriptor} graph {item[0].name}: {error}") from None
             ctx.stack.push(f"destroy restored graph {item[0].name} {descriptor}", graph.destroy)
             captured.graphs.append(graph)
             captured.graphs_of.setdefault(descriptor, []).append(graph)
