@@ -82,7 +82,7 @@ def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: s
     result = {"role": role, "live_s": live_s, "descriptors": len(engine.programs),
               "restart": None if restart is None else {k: getattr(restart, k) for k in
                                                        ("saved", "restored", "captured", "refused", "seconds",
-                                                        "left_out", "built", "saving")},
+                                                        "left_out", "built", "saving", "recaptured")},
               "warnings": [str(message) for message in said]}
     try:
         result["logits"] = _serve(engine, Runner(engine), plan, device)
@@ -258,6 +258,8 @@ def _print(results: dict) -> None:
         exact = (all(row.get("equal_to_capture", {}).values()) if role != "capture" else "-",
                  all(row["logits"]["eager_equal"].values()))
         print(f"{role:<10}{row['live_s']:>22.2f}{ratio:>12}  {counts:<20}  {exact}")
+        for line in restart.get("recaptured") or ():
+            print(f"{'':<10}captured {line}")
         if restart.get("refused"):
             print(f"{'':<10}refused: {restart['refused']}")
 

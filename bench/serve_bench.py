@@ -46,7 +46,13 @@ its capture; lazy: from ``serve`` until every key was live or failed, waited for
 ``--lazy-wait`` seconds after the warm wave); keys captured of planned; and the graph
 memory (the bytes of the engine's own graph pool, or graphflow's pools and static
 attention buffers, after the warm wave) with its ratio to the engine's own graph pool.
-The JSON has every wave's TTFT p50/p99, step counts and the coverage of each graphflow row.
+Under the table, a line for each row and wave whose tokens differ from the engine's own
+graphs' (the eager row's where there are none): how many requests differ, and where the
+earliest differing token was made: the step of each row (by the engine's token stamps)
+and what served it (graphflow: the key, why it ran eagerly, whether it checked a new
+graph; the engine: its own graph, or a capture inline).
+The JSON has every wave's TTFT p50/p99, step counts, those first differences
+(``differs_own``, ``differs_eager``) and the coverage of each graphflow row.
 Targets: identical tokens in every row; graphflow's cold start shorter than the engine's
 own graphs' and its warm tokens/s at or above theirs; lazy's worst step while capturing at
 most 1.5x the eager row's median step; graph memory at most the engine's own pool.
@@ -60,6 +66,7 @@ with its error, the other rows still run, and the script exits 1.
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib.metadata
 import json
 import logging
@@ -68,6 +75,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 import torch
 
@@ -97,6 +105,21 @@ SMOKE = {"layers": 2, "hidden": 128, "vocab": 512, "requests": "6", "prompt": "4
                       "q_padding_interval_size": 16, "kv_padding_interval_size": 256}}
 
 _BEGAN = time.perf_counter()
+
+
+class Step(NamedTuple):
+    """One step of a row: its seconds; whether graphs were being captured meanwhile; its
+    wave; whether graphflow checked a new graph in it (an eager step and a replay by
+    design); when it ended (``perf_counter``, as the engine stamps each token after its
+    step); and what served it (graphflow: its key, and why it ran eagerly; the engine's
+    own graphs: whether it captured inline)."""
+
+    took: float
+    capturing: bool
+    wave: int
+    checking: bool
+    ended: float
+    served: str
 
 
 def say(line: str) -> None:
@@ -214,22 +237,31 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
         say(f"{label}: {len(serving.plan.keys)} keys planned; serve returned in {setup_s:.2f} s")
     elif graphs:
         say(f"{label}: engine warmup {setup_s:.2f} s")
-    # (seconds, capturing, wave, checking: whether graphflow checked a new graph in the step,
-    # an eager step and a replay by design)
-    steps = []
+    steps: list[Step] = []
     step = processor._generation_step
     wave_now = [0]
+    served_by: list[str] = []
+    if serving is not None:
+        served = serving.coverage.served
+
+        def counted(key, tokens, fallback):
+            served_by.append(f"{key}" + (f", eager: {fallback}" if fallback is not None else ""))
+            served(key, tokens, fallback)
+
+        serving.coverage.served = counted
 
     def timed(model_):
         capturing = serving is not None and serving.capturing
         keys_before = len(processor.inputs_and_outputs.graphs._storage) if graphs else 0
         checks_before = _checks_done(serving)
+        served_by.clear()
         start = time.perf_counter()
         step(model_)  # synchronous batching: the step's tokens are on the host when it returns
-        took = time.perf_counter() - start
+        ended = time.perf_counter()
         if graphs:
             capturing = len(processor.inputs_and_outputs.graphs._storage) > keys_before
-        steps.append((took, capturing, wave_now[0], _checks_done(serving) > checks_before))
+        how = ("captured inline" if capturing else "own graph") if graphs else "; ".join(served_by) or "eager"
+        steps.append(Step(ended - start, capturing, wave_now[0], _checks_done(serving) > checks_before, ended, how))
 
     processor._generation_step = timed
     manager.start()
@@ -249,10 +281,11 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
         answered = time.perf_counter()
         served_s = answered - submitted
         tokens = [outputs[rid].generated_tokens for rid in ids]
+        stamps = [outputs[rid].timestamps or [] for rid in ids]
         first = [outputs[rid].timestamps[0] - submitted for rid in ids if outputs[rid].timestamps]
-        ours = [s for s, _, w, _ in steps if w == index]
+        ours = [s.took for s in steps if s.wave == index]
         generated = sum(len(t) for t in tokens)
-        waves.append({"wave": wave, "tokens": tokens, "generated": generated, "served_s": served_s,
+        waves.append({"wave": wave, "tokens": tokens, "stamps": stamps, "generated": generated, "served_s": served_s,
                       "tokens_per_s": generated / served_s, "ttft_p50_s": _quantile(first, 0.5),
                       "ttft_p99_s": _quantile(first, 0.99), "steps": len(ours),
                       "median_step_s": statistics.median(ours) if ours else None,
@@ -270,11 +303,11 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
         lazy_done = serving.wait_captured(lazy_wait)
     _sync(cuda)
     memory = _graph_memory(processor, serving) if cuda else None
-    checking = [s for s, _, _, check in steps if check]
-    result = {"row": row, "waves": waves, "setup_s": setup_s, "cold_start_s": cold_start_s,
-              "steps": len(steps), "median_step_s": statistics.median(s for s, _, _, _ in steps),
-              "worst_step_capturing_s": max((s for s, c, _, check in steps if c and not check), default=None),
-              "worst_step_s": max(s for s, _, _, _ in steps),
+    checking = [s.took for s in steps if s.checking]
+    result = {"row": row, "waves": waves, "step_log": steps, "setup_s": setup_s, "cold_start_s": cold_start_s,
+              "steps": len(steps), "median_step_s": statistics.median(s.took for s in steps),
+              "worst_step_capturing_s": max((s.took for s in steps if s.capturing and not s.checking), default=None),
+              "worst_step_s": max(s.took for s in steps),
               "checking_steps": len(checking), "median_checking_step_s": statistics.median(checking) if checking
               else None, "worst_checking_step_s": max(checking, default=None),
               "ready_s": setup_s if graphs else None, "graph_memory_bytes": memory}
@@ -340,11 +373,73 @@ def compare(results: list[dict]) -> None:
         for name, other in (("eager", eager), ("padded", padded), ("own", own)):
             r[f"identical_{name}"] = None if other is None else {
                 w["wave"]: w["tokens"] == o["tokens"] for w, o in zip(r["waves"], other["waves"])}
+            r[f"differs_{name}"] = None if other is None else {
+                w["wave"]: _first_difference(r, other, index) for index, w in enumerate(r["waves"])}
         r["cold_start_vs_own"] = _over(r["cold_start_s"], own and own["cold_start_s"])
         for w, o in zip(r["waves"], own["waves"] if own else [None] * len(r["waves"])):
             w["tokens_per_s_vs_own"] = _over(w["tokens_per_s"], o and o["tokens_per_s"])
         r["graph_memory_vs_own"] = _over(r["graph_memory_bytes"], own and own["graph_memory_bytes"])
         r["worst_capturing_vs_eager_step"] = _over(r["worst_step_capturing_s"], eager and eager["median_step_s"])
+
+
+def _first_difference(row: dict, other: dict, wave: int) -> dict | None:
+    """Where ``row``'s tokens of one wave first part from ``other``'s: how many requests
+    differ, and the earliest differing token (by when ``row`` made it): its request, its
+    place, and the step of each row that made it, with what served that step. None where
+    every token is the same."""
+    mine, theirs = row["waves"][wave], other["waves"][wave]
+    found = []
+    for request, (a, b) in enumerate(zip(mine["tokens"], theirs["tokens"])):
+        if a == b:
+            continue
+        token = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        found.append((_stamp(mine, request, token), _stamp(theirs, request, token), request, token))
+    if not found:
+        return None
+    at, other_at, request, token = min(found, key=lambda f: (f[0] is None, f[0] or 0.0))
+    return {"requests": len(found), "of": len(mine["tokens"]), "request": request, "token": token,
+            "step": _step_of(row["step_log"], at), "other_step": _step_of(other["step_log"], other_at)}
+
+
+def _stamp(wave: dict, request: int, token: int) -> float | None:
+    stamps = wave["stamps"][request]
+    return stamps[token] if token < len(stamps) else None
+
+
+def _step_of(steps: list[Step], stamp: float | None) -> dict | None:
+    """The step that made a token stamped at ``stamp``: the last to end before it (the
+    engine stamps a step's tokens after the step), with its place and what served it."""
+    if stamp is None:
+        return None
+    index = bisect.bisect_right([s.ended for s in steps], stamp) - 1
+    if index < 0:
+        return None
+    return {"index": index, "served": steps[index].served, "checking": steps[index].checking}
+
+
+def differences(results: list[dict]) -> list[str]:
+    """A line for each row and wave whose tokens differ from the engine's own graphs' (the
+    eager row's where there are none): where they first part, and what served each side."""
+    lines = []
+    for r in results:
+        if "error" in r or r["row"] in ("engine graphs", "engine eager"):
+            continue
+        name, label = ("own", "the engine's own graphs") if r.get("differs_own") is not None else \
+            ("eager", "the engine's eager step")
+        for wave, first in (r.get(f"differs_{name}") or {}).items():
+            if first is None:
+                continue
+            mine, theirs = first["step"], first["other_step"]
+            lines.append(f"{r['row']}, {wave} wave: {first['requests']} of {first['of']} requests differ from "
+                         f"{label}; first at request {first['request']} token {first['token']}, "
+                         f"step {_described(mine)}; theirs: step {_described(theirs)}")
+    return lines
+
+
+def _described(step: dict | None) -> str:
+    if step is None:
+        return "?"
+    return f"{step['index']} ({step['served']}{', a check' if step['checking'] else ''})"
 
 
 def _over(value, reference) -> float | None:
@@ -378,7 +473,7 @@ def table(results: list[dict], requests: int) -> str:
             f"{ready:>8} {keys:>9} {(r['graph_memory_bytes'] or 0) / 2**20:9.1f} {_ratio(r['graph_memory_vs_own']):>6}"
             + (f"  pauses {r['recording_pauses']}, retried {r['retried_keys']}"
                if r.get("recording_pauses") is not None else ""))
-    return "\n".join(lines)
+    return "\n".join(lines + differences(results))
 
 
 def _same(identical: dict | None) -> str:
@@ -483,11 +578,11 @@ def main() -> int:
 
 
 def _recorded(r: dict) -> dict:
-    """A row as the JSON keeps it: everything but the tokens."""
+    """A row as the JSON keeps it: everything but the tokens, their stamps and the steps."""
     if "waves" not in r:
         return r
-    return {k: v for k, v in r.items() if k != "waves"} | {
-        "waves": [{k: v for k, v in w.items() if k != "tokens"} for w in r["waves"]]}
+    return {k: v for k, v in r.items() if k not in ("waves", "step_log")} | {
+        "waves": [{k: v for k, v in w.items() if k not in ("tokens", "stamps")} for w in r["waves"]]}
 
 
 def _write(out: pathlib.Path, stem: str, text: str, everything: dict) -> None:

@@ -939,6 +939,26 @@ def test_the_pool_forecast_is_a_warm_probed_run_of_each_modes_largest_key(monkey
         serving.close()
 
 
+def test_a_foreground_capture_leaves_the_read_trash_block_zero():
+    """Foreground capture fills the cache with random values before its verification
+    batches (so that an eager step and a wrong replay cannot agree by reading zeros or
+    NaN), but not the read-trash block: the engine zeroes it once, and every padded KV
+    read of every later step reads it."""
+    model, _ = shared("llama")
+    mgr = manager(model, NEW)
+    processor = mgr.batch_processor = mgr._create_batch_processor()
+    cache = processor.cache
+    trash = slice(cache.read_trash_index, cache.read_trash_index + cache.block_size)
+    serving = serve(mgr)
+    try:
+        layers = (*cache.key_cache, *cache.value_cache)
+        assert all(not t[trash].any() for t in layers)
+        assert all(t[: cache.num_pages].abs().sum() > 0 for t in layers)  # the rest was filled
+    finally:
+        serving.close()
+        model.destroy_cached_continuous_batching_manager()
+
+
 def test_a_backend_that_cannot_probe_forecasts_nothing():
     serving = serve(manager(shared("llama")[0], NEW))
     try:

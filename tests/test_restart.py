@@ -306,3 +306,71 @@ def test_a_node_the_driver_refuses_is_named_and_the_graph_is_destroyed(monkeypat
     with pytest.raises(restart_driver.DriverError, match=r"^adding node 2 of 3 \(memset\): 1$"):
         restart_driver.build(graph, {"buffer:x": 1024}, restart_driver.Functions())
     assert destroyed == ["graph"]
+
+
+def test_a_descriptor_the_driver_refuses_is_captured_and_the_others_are_restored(tmp_path, monkeypatch):
+    """A restore keeps the largest part that works: a descriptor whose graph the driver
+    refuses is captured instead (the graphs already built for it destroyed), every other
+    one is built from its saved graphs, and the report says which was captured and why.
+    What is tested is the restore's bookkeeping, with the driver and a graph-recording
+    backend stood in for (``tests/cuda/test_cuda_restart.py`` builds real graphs)."""
+    import attrs
+
+    from graphflow.cli.capture_report import restart_line
+    from graphflow.engine.backend import CpuBackend
+    from graphflow.engine.restart import run as restart_run
+    from graphflow.runtime import Runner
+
+    class Recording(CpuBackend):
+        captures_graphs = True
+
+    class Functions:
+        def add_graph(self, handle):
+            pass
+
+        def missing(self, kernels):
+            return []
+
+    refused = saved.Memset(saved.Place("pool:0.0", 0), 0, 0, 1, 13, 1)  # the node the stand-in driver refuses
+    built, destroyed = [], []
+
+    def build(graph, places, functions, spent=None):
+        if refused in graph.nodes:
+            raise restart_driver.DriverError("adding node 0 of 1 (memset): CUDA_ERROR_INVALID_VALUE")
+        built.append(len(built))
+        return built[-1]
+
+    monkeypatch.setattr(restart_driver, "Functions", Functions)
+    monkeypatch.setattr(restart_driver, "build", build)
+    monkeypatch.setattr(restart_driver, "launcher", lambda executable: lambda: None)
+    monkeypatch.setattr(restart_driver, "destroy", destroyed.append)
+    monkeypatch.setattr(restart_run, "_handle", lambda graph: 0)
+    monkeypatch.setattr(restart_run, "pool_blocks", lambda pool: [])
+    monkeypatch.setattr(restart_run, "restart_key", lambda plan, model, device: {"gpu": "stand-in"})
+    plan = toy_plan(layers=2, sizes=(1, 2, 4))
+    good = saved.SavedGraph((saved.Empty(),), ((),))
+    bad = saved.SavedGraph((refused,), ((),))
+    store.write(saved.SavedRun({"gpu": "stand-in"}, {"pool:0.0": saved.Region("pool:0.0", "pool", 64)}, (
+        saved.SavedDescriptor(4, "PIECEWISE", (good, good, good)),
+        saved.SavedDescriptor(2, "PIECEWISE", (good, bad, good)))), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SavedGraphsNotUsed)
+        engine = run_pipeline(plan, RunOptions(backend="cpu", graphs_from=tmp_path, verify="off"),
+                              model=build_toy(layers=2), backend=Recording())
+    try:
+        restart = engine.report.restart
+        assert (restart.restored, restart.captured, restart.refused) == (1, 2, None), restart.recaptured
+        (line,) = restart.recaptured
+        assert line.startswith("PIECEWISE(B=2): graph ") and line.endswith("CUDA_ERROR_INVALID_VALUE"), line
+        assert built == [0, 1, 2, 3] and destroyed == [3]  # B=4's three, and B=2's first, undone at once
+        assert f"1 descriptors restored from {tmp_path}, 2 captured" in restart_line(attrs.asdict(restart))
+        assert "; captured PIECEWISE(B=2): graph " in restart_line(attrs.asdict(restart))
+        runner = Runner(engine)
+        x = torch.randn(2, 32)
+        (captured_logits,) = runner.run(x.clone())[:1]
+        expected = torch.empty(2, 64)
+        build_toy(layers=2).step(x.clone(), expected)
+        assert torch.equal(captured_logits, expected)  # B=2 was captured: it computes the model's step
+    finally:
+        engine.close()
+    assert sorted(destroyed) == [0, 1, 2, 3]  # closing the engine destroyed B=4's restored graphs

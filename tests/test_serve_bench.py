@@ -90,3 +90,35 @@ def test_a_row_that_fails_is_recorded_with_why_and_the_others_still_run(tmp_path
     assert rows["graphflow lazy"] == {"row": "graphflow lazy", "error": "RuntimeError: injected failure"}
     assert rows["graphflow foreground"]["identical_eager"] == {"cold": True, "warm": True}
     assert "graphflow lazy         failed: RuntimeError: injected failure" in (tmp_path / "serve.txt").read_text()
+
+
+def test_no_smoke_row_differs_from_the_eager_step(default):
+    results, text = default
+    for r in results["workloads"]["6"]:
+        assert r["differs_eager"] == {"cold": None, "warm": None}, r["row"]
+    assert "differ from" not in text
+
+
+def _row(name: str, tokens: list[list[int]], served: list[str], ended: list[float],
+         stamps: list[list[float]]) -> dict:
+    steps = [serve_bench.Step(0.01, False, 0, label.endswith("check"), at, label) for label, at in zip(served, ended)]
+    return {"row": name, "step_log": steps, "waves": [{"wave": "cold", "tokens": tokens, "stamps": stamps}]}
+
+
+def test_a_difference_is_placed_at_the_step_that_made_the_first_differing_token():
+    """Two requests of three differ; the earlier differing token (by when the row made
+    it) is request 2's second, made by step 1 (the last step to end before its stamp);
+    the reference made it in its step 2."""
+    ours = _row("graphflow foreground", [[5, 6, 7], [1, 2, 3], [8, 9]], ["piecewise(q=16)", "decode check", "x"],
+                [1.0, 2.0, 3.0], [[1.1, 2.1, 3.1], [1.1, 2.1, 3.1], [1.1, 2.2]])
+    own = _row("engine graphs", [[5, 6, 0], [1, 2, 3], [8, 4]], ["own graph", "captured inline", "own graph"],
+               [1.5, 2.5, 3.5], [[1.6, 2.6, 3.6], [1.6, 2.6, 3.6], [1.6, 3.6]])
+    first = serve_bench._first_difference(ours, own, 0)
+    assert first == {"requests": 2, "of": 3, "request": 2, "token": 1,
+                     "step": {"index": 1, "served": "decode check", "checking": True},
+                     "other_step": {"index": 2, "served": "own graph", "checking": False}}
+    assert serve_bench._first_difference(own, own, 0) is None
+    ours["differs_own"] = {"cold": first}
+    (line,) = serve_bench.differences([own, ours])
+    assert line == ("graphflow foreground, cold wave: 2 of 3 requests differ from the engine's own graphs; first at "
+                    "request 2 token 1, step 1 (decode check, a check); theirs: step 2 (own graph)")

@@ -222,8 +222,11 @@ def restart_line(restart: dict) -> str:
         left = "".join(f"; left out {why}" for why in restart["left_out"])
         return (f"graphs of {restart['saved']} descriptors saved in {restart['directory']} "
                 f"({restart['seconds']:.2f} s){left}")
+    recaptured = restart.get("recaptured") or ()
+    why = "".join(f"; captured {line}" for line in recaptured[:3]) + (
+        f"; {len(recaptured) - 3} more captured (the JSON report lists them)" if len(recaptured) > 3 else "")
     return (f"{restart['restored']} descriptors restored from {restart['directory']}, {restart['captured']} captured "
-            f"({restart['seconds']:.2f} s)")
+            f"({restart['seconds']:.2f} s){why}")
 
 
 def print_report(document: dict) -> None:

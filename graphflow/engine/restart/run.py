@@ -9,10 +9,14 @@ the static buffers made), it checks the key, places every region (the model's te
 and the buffers where this process has them, the pool's blocks and other memory
 allocated afresh), captures one descriptor for real (its kernels, and every kernel of
 the modules they are in, are then found by name, ``Functions``), and builds every other
-descriptor's graphs from the saved nodes. The usual sample is then verified against a
-fresh eager step, and the rest are checked on their first batch, as after a capture.
-All of it runs on a rollback stack of its own: anything that does not match or fails
-unwinds it, says why in one line, and the run captures as it would have.
+descriptor's graphs from the saved nodes. A descriptor that cannot be built (not saved,
+a kernel not found here, a node or a graph the driver refuses) is captured instead, and
+``Restart.recaptured`` says why: the restore keeps the largest part that works, and one
+run shows every node that cannot be rebuilt, not only the first. The usual sample is
+then verified against a fresh eager step, and the rest are checked on their first batch,
+as after a capture. All of it runs on a rollback stack of its own: a key that does not
+match, a region that is not here or a verification that fails unwinds it, says why in
+one line, and the run captures as it would have.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ class SavedGraphsNotUsed(UserWarning):
 @attrs.frozen
 class Restart:
     """What saving or restoring did, for the report: ``restored`` descriptors built from
-    saved graphs, ``captured`` ones captured (the reference, and any whose kernels were
-    not found), ``refused`` the one line saying why saved graphs were not used at all."""
+    saved graphs, ``captured`` ones captured (the reference, and any that could not be
+    built, each with why in ``recaptured``), ``refused`` the one line saying why saved
+    graphs were not used at all."""
 
     directory: str
     saved: int = 0
@@ -65,6 +70,9 @@ class Restart:
     built: dict = attrs.field(factory=dict)
     #: Saving: nodes read, and the seconds reading the graphs, the regions' bytes and writing took.
     saving: dict = attrs.field(factory=dict)
+    #: Restoring: each descriptor captured because it could not be built, and why (the
+    #: reference capture is not listed).
+    recaptured: tuple[str, ...] = ()
 
 
 def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib.Path) -> Restart:
@@ -153,7 +161,7 @@ def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Pa
     mine = Tally()
     try:
         spent: dict = {}
-        captured, restored, captured_count = _restore(own, alloc, mine, directory, spent)
+        captured, restored, recaptured = _restore(own, alloc, mine, directory, spent)
     except Exception as exc:  # noqa: BLE001 - every failure falls back to a capture, said in one line
         failures = own.stack.unwind()
         for pools in alloc.pool_sets.values():  # a pool the restore captured into is not captured into again
@@ -170,12 +178,12 @@ def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Pa
     tally.times += mine.times
     tally.verified += mine.verified
     tally.prewarm, tally.pool_probe = mine.prewarm, mine.pool_probe
-    return captured, Restart(str(directory), restored=restored, captured=captured_count,
-                             seconds=time.perf_counter() - began, built=spent)
+    return captured, Restart(str(directory), restored=restored, captured=1 + len(recaptured),
+                             seconds=time.perf_counter() - began, built=spent, recaptured=recaptured)
 
 
 def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Path, spent: dict
-             ) -> tuple[Captured, int, int]:
+             ) -> tuple[Captured, int, tuple[str, ...]]:
     run = store.load(directory)
     if not ctx.backend.captures_graphs:
         raise _Refused(f"the {ctx.backend.name} backend replays no graphs")
@@ -189,17 +197,17 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     order = list(enumerate(ctx.descriptors, 1))
     functions = driver.Functions()
     captured = _capture(ctx, alloc, None, *order[-1], tally, functions)
-    restored = []
-    taken = 1
+    restored, recaptured = [], []
     for index, descriptor in order[:-1]:
         entry = saved.get((descriptor.size, descriptor.mode.value))
-        if entry is None or functions.missing(set().union(*(g.functions for g in entry.graphs))):
-            captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
-            taken += 1
+        why = "not saved" if entry is None else _missing(functions, entry)
+        if why is None:
+            why = _built(ctx, alloc, captured, descriptor, index, entry, places, functions, spent, tally)
+        if why is None:
+            restored.append((index, descriptor))
             continue
-        tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, functools.partial(
-            _build, ctx, alloc, captured, descriptor, index, entry, places, functions, spent)))
-        restored.append((index, descriptor))
+        captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
+        recaptured.append(f"{descriptor}: {why}")
     for index, descriptor in restored:
         if ctx.verifies(descriptor):
             warmed = run_phase(ctx, tally.phases, Phase.WARMUP,
@@ -208,7 +216,36 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
             run_verify(ctx, alloc, captured, Waiting(descriptor, index, warmed), tally)
     alloc.owned.free_snapshots()
     captured.close()
-    return captured, len(restored), taken
+    return captured, len(restored), tuple(recaptured)
+
+
+def _missing(functions: driver.Functions, entry: SavedDescriptor) -> str | None:
+    """Why ``entry``'s graphs cannot be built here for want of kernels, or None."""
+    missing = functions.missing(set().union(*(g.functions for g in entry.graphs)))
+    if not missing:
+        return None
+    names = ", ".join(name[:60] for _, name in missing[:3])
+    return f"{len(missing)} kernel{'s' if len(missing) > 1 else ''} not found here ({names}" + \
+        (", ..." if len(missing) > 3 else "") + ")"
+
+
+def _built(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
+           entry: SavedDescriptor, places: dict[str, int], functions: driver.Functions, spent: dict,
+           tally: Tally) -> str | None:
+    """``descriptor`` built from ``entry`` on a stack of its own, joined to the run's once
+    every graph is built: None, or what the driver refused (the graphs built before it
+    destroyed)."""
+    own = attrs.evolve(ctx, stack=UndoStack())
+    try:
+        tally.times.append(run_phase(own, tally.phases, Phase.CAPTURE, functools.partial(
+            _build, own, alloc, captured, descriptor, index, entry, places, functions, spent)))
+    except driver.DriverError as error:
+        failure = own.stack.unwind()
+        if failure is not None:
+            raise failure from error
+        return str(error).removeprefix(f"{descriptor} ")
+    ctx.stack.adopt(own.stack)
+    return None
 
 
 def _capture(ctx: Context, alloc: Allocation, captured: Captured | None, index: int, descriptor: Descriptor,
@@ -265,10 +302,12 @@ def _destroyed() -> None:
 
 def _build(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
            entry: SavedDescriptor, places: dict[str, int], functions: driver.Functions, spent: dict) -> DescriptorTime:
+    """``descriptor``'s program from its saved graphs, published in ``captured`` only once
+    every graph is built."""
     with ctx.descriptor(descriptor, index) as block:
         graphs = iter(entry.graphs)
         views = alloc.buffers.views(descriptor.size)
-        program = []
+        program, built = [], []
         for item in step_items(ctx, descriptor.mode):
             if isinstance(item, Segment):
                 program.append(bind(item, alloc.fns[item.name], views))
@@ -278,9 +317,10 @@ def _build(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Desc
             except driver.DriverError as error:
                 raise driver.DriverError(f"{descriptor} graph {item[0].name}: {error}") from None
             ctx.stack.push(f"destroy restored graph {item[0].name} {descriptor}", graph.destroy)
-            captured.graphs.append(graph)
-            captured.graphs_of.setdefault(descriptor, []).append(graph)
+            built.append(graph)
             program.append(graph.replay)
+        captured.graphs.extend(built)
+        captured.graphs_of.setdefault(descriptor, []).extend(built)
         if entry.outputs:
             alloc.buffers.place(descriptor, {o.buffer: _tensor(o, places, views[o.buffer].device)
                                              for o in entry.outputs})

@@ -137,13 +137,16 @@ class KeyCapture:
         single size never serves. A key is warmed only when it needs it (``_warms``): a
         PIECEWISE key after the first is captured cold, without a batch of its own.
 
-        The warmup requests read cache slots nobody wrote: the cache is filled with seeded
-        random values first (before serving it holds nothing), so verify compares steps
-        that attend to something. Left as allocated it may hold NaN, and an eager step and
-        a wrong replay would then agree on every token."""
+        The warmup requests read cache slots nobody wrote: the blocks requests use are
+        filled with seeded random values first (before serving they hold nothing), so
+        verify compares steps that attend to something. Left as allocated they may hold
+        NaN, and an eager step and a wrong replay would then agree on every token. The
+        engine's two blocks past them are left as it keeps them: the read-trash block,
+        which every padded KV read of every step reads, stays zero."""
         generator = torch.Generator(device=self._device()).manual_seed(0)
-        for tensor in (*self.processor.cache.key_cache, *self.processor.cache.value_cache):
-            tensor.normal_(generator=generator)
+        cache = self.processor.cache
+        for tensor in (*cache.key_cache, *cache.value_cache):
+            tensor[: cache.num_pages].normal_(generator=generator)
         keys = self.plan.keys if keys is None else tuple(keys)
         if len(keys) > AHEAD_MOST:
             log.warning("graphflow: capturing all %d keys of %s before serving; lazy=True captures the keys steps "
