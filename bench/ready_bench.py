@@ -34,7 +34,13 @@ In one process, on one model (the weights built once and shared), for each plan 
   taken under ``CHECK_SHARE`` of the time) were bit-exact to the plan's eager step on
   the same (padded) inputs;
 * **graphflow lazy-idle**: the same with no step served, the capture thread
-  alone: what lazy capture costs by itself, apart from what serving beside it costs.
+  alone: what lazy capture costs by itself, apart from what serving beside it costs;
+* **restart** (``--runs`` only): a warm restart, in two fresh processes of
+  ``bench/restart_bench.py`` (the same plan, layers and sizes): one captures and saves
+  the graphs, the next brings every descriptor live from them; the second's seconds
+  from its model built to every descriptor live, how many it restored and captured
+  (and why each was captured), whether its logits are bit-exact to the first process's
+  and to the eager step, and its ratio to the hand loop's last round.
 
 The hand, bare and default rows run ``--rounds`` times (4 by default), every other
 round in reverse order (hand, bare, default, then default, bare, hand). One run of the
@@ -62,7 +68,8 @@ hand loop, and writes ``ready.json`` to ``--out`` (``ready-full.json`` for ``--p
 alone, and so on, so that one call per plan keeps both). Targets: default at or below
 1.0x the hand loop, bare at or below 0.85x, lazy all live within 1.25x with its first
 step within 2 s of the model being built and no step served while it captures slower than
-1.5x an eager step of its size, the pool forecast within 5 % of the measured pool.
+1.5x an eager step of its size, the pool forecast within 5 % of the measured pool, a
+restart live within 2 s of its model being built.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ import json
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -405,7 +413,8 @@ def main() -> int:
                              "default-at-once (every graph instantiated as its capture ends, as torch.cuda.graph "
                              "does); first-use (the default engine serving a first and a second batch of each "
                              "size: what checking every descriptor on its first batch costs); lazy (serving steps "
-                             "back to back) and lazy-idle (the capture thread alone)")
+                             "back to back) and lazy-idle (the capture thread alone); restart (a new process live "
+                             "from the graphs another saved)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="run the hand, bare and default rows this many times, every other round in reverse "
                              "order (even: every row's mean place in the run is the same); ratios are paired over "
@@ -475,10 +484,40 @@ def main() -> int:
                 if key in entry and last_hand:
                     entry[key]["vs_hand_last_round"] = entry[key]["all_live_s"] / last_hand[-1]
                 done(f"{name} {key}" if key in entry else f"{name} {key} (failed)")
+        if "restart" in runs:
+            model = None  # two processes of their own build the model: this one's weights go first
+            gc.collect()
+            if backend == "cuda":
+                torch.cuda.empty_cache()
+            guard(entry, "restart", lambda: restart_run(PLANS[name], overrides["n_layers"], sizes, args.smoke))
+            last_hand = [t for t in rows.get("hand loop", {}).get("rounds_total_s", ()) if t is not None]
+            if "restart" in entry and last_hand and entry["restart"]["live_s"] is not None:
+                entry["restart"]["vs_hand_last_round"] = entry["restart"]["live_s"] / last_hand[-1]
+            done(f"{name} restart" if "restart" in entry else f"{name} restart (failed)")
         model = None  # the weights go before the next plan builds its own (the lambdas above read it late)
         gc.collect()
     _print(results)
     return 0
+
+
+def restart_run(plan_path: pathlib.Path, layers: int, sizes: tuple[int, ...] | None, smoke: bool) -> dict:
+    """A warm restart of the plan in fresh processes (``bench/restart_bench.py``: capture
+    and save, then restore): what the restoring process did."""
+    from bench import restart_bench
+
+    with tempfile.TemporaryDirectory() as saved:
+        found = restart_bench.processes(("capture", "restore"), str(plan_path), pathlib.Path(saved), smoke=smoke,
+                                        layers=None if smoke else layers, sizes=sizes)
+    capture, restore = found.get("capture", {}), found.get("restore", {})
+    if "error" in capture or "error" in restore:
+        raise RuntimeError((capture.get("error") or restore.get("error")).strip().splitlines()[-1])
+    restart = restore["restart"] or {}
+    return {"capture_live_s": capture["live_s"], "live_s": restore["live_s"],
+            "restored": restart.get("restored", 0), "captured": restart.get("captured", 0),
+            "refused": restart.get("refused"), "recaptured": list(restart.get("recaptured", ())),
+            "built": restart.get("built", {}),
+            "bit_exact_to_capture": all(restore.get("equal_to_capture", {}).values()),
+            "bit_exact_to_eager": all(restore["logits"]["eager_equal"].values())}
 
 
 def at_once(backend: str):
@@ -565,6 +604,17 @@ def _print(results: dict) -> None:
                   f"({against}); "
                   f"{served}verified bit-exact {lazy['verified_bit_exact']}, "
                   f"failures {len(lazy['failures'])}; the thread's seconds: {thread}")
+        restart = entry.get("restart")
+        if restart:
+            against = (f" ({restart['vs_hand_last_round']:.2f}x the hand loop's last round)"
+                       if "vs_hand_last_round" in restart else "")
+            said = f"; refused: {restart['refused']}" if restart["refused"] else "".join(
+                f"; captured {line}" for line in restart["recaptured"][:3])
+            print(f"restart: a new process live {restart['live_s']:.2f} s after its model was built{against}, "
+                  f"{restart['restored']} descriptors restored, {restart['captured']} captured{said}; bit-exact to "
+                  f"the capturing process {restart['bit_exact_to_capture']}, to the eager step "
+                  f"{restart['bit_exact_to_eager']} (the capturing process: live {restart['capture_live_s']:.2f} s, "
+                  f"saving included)")
         for run, error in {**entry["rows"].get("errors", {}), **entry.get("errors", {})}.items():
             print(f"{run} failed: {error}")
 

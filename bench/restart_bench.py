@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/restart_bench.py --out DIR                  # GPU: the 61-layer FULL plan
     PYTHONPATH=. python3 bench/restart_bench.py --out DIR --smoke          # CPU, 2 layers: checks the script
+                                                                           # (nothing saved: the restore captures)
 
 Three fresh processes, one after another, each building the model from the same seed:
 
@@ -39,22 +40,26 @@ import warnings
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # graphflow and bench, run from anywhere
+
 SMOKE = dict(n_layers=2, vocab_size=512, hidden_size=64, n_heads=4, kv_dim=32, rope_dim=16, n_experts=8, top_k=2,
              moe_inter=64, shared_inter=128, max_len=128, block_size=16, max_batch=32, dtype="float32")
 
 
-def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: str = "sample") -> dict:
+def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: str = "sample",
+          layers: int | None = None, sizes: tuple[int, ...] | None = None) -> dict:
     from graphflow.engine import RunOptions, run_pipeline
     from graphflow.engine.model.binding import build_model
     from graphflow.integrations.dsv4.plans import plan_variant
     from graphflow.runtime import Runner
 
     device = torch.device("cpu" if smoke else "cuda:0")
-    sizes = (1, 2, 4) if smoke else None
-    plan = plan_variant(plan_path, sizes=sizes, **(SMOKE if smoke else {}))
+    sizes = sizes or ((1, 2, 4) if smoke else None)
+    model_args = {**(SMOKE if smoke else {}), **({"n_layers": layers} if layers else {})}
+    plan = plan_variant(plan_path, sizes=sizes, **model_args)
     if role == "changed":
         more = next(n for n in range(1, 1 << 20) if n not in plan.capture.all_sizes)
-        plan = plan_variant(plan_path, sizes=tuple(sorted({*plan.capture.all_sizes, more})), **(SMOKE if smoke else {}))
+        plan = plan_variant(plan_path, sizes=tuple(sorted({*plan.capture.all_sizes, more})), **model_args)
     torch.manual_seed(0)
     model = build_model(plan, {"device": device, "plan": plan})
     if device.type == "cuda":
@@ -62,7 +67,9 @@ def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: s
     built = time.perf_counter()
     if role == "again":
         saved = saved / "again"
-    options = RunOptions(backend=device.type, save_graphs=saved if role in ("capture", "again") else None,
+    # The CPU backend records no graphs to save: a smoke run's restore is refused and captures.
+    saving = role in ("capture", "again") and device.type == "cuda"
+    options = RunOptions(backend=device.type, save_graphs=saved if saving else None,
                          graphs_from=None if role in ("capture", "again") else saved,
                          verify=verify if role == "restore" else "sample")
     said = []
@@ -123,31 +130,21 @@ def main() -> int:
                         help="what the restoring process verifies before ready (off: only the comparison here)")
     parser.add_argument("--again", action="store_true",
                         help="capture and save once more in a fresh process; compare the two saved runs node by node")
+    parser.add_argument("--layers", type=int, help="the plan's layers (default: the plan's, 2 with --smoke)")
+    parser.add_argument("--sizes", help="descriptor sizes (default: the plan's; 1,2,4 with --smoke)")
     parser.add_argument("--role", choices=("capture", "restore", "changed", "again"), help=argparse.SUPPRESS)
     parser.add_argument("--saved", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    sizes = tuple(int(n) for n in args.sizes.split(",")) if args.sizes else None
     if args.role:
-        result = child(args.role, args.plan, pathlib.Path(args.saved), args.smoke, args.verify)
+        result = child(args.role, args.plan, pathlib.Path(args.saved), args.smoke, args.verify, args.layers, sizes)
         torch.save(result, pathlib.Path(args.saved) / f"{args.role}.pt")
         return 0
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
     with tempfile.TemporaryDirectory() as saved:
-        for role in ("capture", "restore", "changed", *(("again",) if args.again else ())):
-            began = time.perf_counter()
-            done = subprocess.run([sys.executable, __file__, "--role", role, "--saved", saved, "--plan", args.plan,
-                                   "--verify", args.verify,
-                                   *(["--smoke"] if args.smoke else [])], capture_output=True, text=True)
-            if done.returncode != 0:
-                results[role] = {"error": done.stderr[-3000:], "exit": done.returncode}
-                said = "\n".join(line for line in done.stderr.splitlines() if line.startswith(f"{role}: "))
-                print(f"{role}: exit {done.returncode}\n{said}\n{done.stderr[-3000:]}", flush=True)
-                continue
-            results[role] = torch.load(pathlib.Path(saved) / f"{role}.pt", weights_only=False)
-            results[role]["process_s"] = time.perf_counter() - began
-            print(f"{role}: live {results[role]['live_s']:.2f} s after the model was built; "
-                  f"{results[role]['restart']}", flush=True)
+        results = processes(("capture", "restore", "changed", *(("again",) if args.again else ())), args.plan,
+                            pathlib.Path(saved), smoke=args.smoke, verify=args.verify, layers=args.layers, sizes=sizes)
         saved_bytes = sum(p.stat().st_size for p in pathlib.Path(saved).glob("graphs.*"))
         if args.again and "live_s" in results.get("again", {}):
             from graphflow.engine.restart import store
@@ -157,7 +154,6 @@ def main() -> int:
             print("two captures saved " + ("the same graphs" if not differs else "different graphs:"))
             for descriptor, lines in differs.items():
                 print(f"  {descriptor}:\n" + "\n".join(f"    {line}" for line in lines))
-    _compare(results)
     results["saved_bytes"] = saved_bytes
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     _print(results)
@@ -166,6 +162,32 @@ def main() -> int:
             results[role]["logits"] = {k: v for k, v in results[role]["logits"].items() if k != "tensors"}
     (out / "restart.json").write_text(json.dumps(results, indent=1, default=str))
     return 0
+
+
+def processes(roles, plan: str, saved: pathlib.Path, *, smoke: bool, verify: str = "sample",
+              layers: int | None = None, sizes: tuple[int, ...] | None = None) -> dict[str, dict]:
+    """Each role in a fresh process of its own, one after another, sharing ``saved``:
+    what each did (``child``), or its exit status and the end of its stderr; the
+    restoring processes' logits compared with the capturing one's (``equal_to_capture``)."""
+    results: dict[str, dict] = {}
+    for role in roles:
+        began = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--role", role, "--saved", str(saved), "--plan", str(plan),
+                               "--verify", verify, *(["--smoke"] if smoke else []),
+                               *(["--layers", str(layers)] if layers else []),
+                               *(["--sizes", ",".join(map(str, sizes))] if sizes else [])],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            results[role] = {"error": done.stderr[-3000:], "exit": done.returncode}
+            said = "\n".join(line for line in done.stderr.splitlines() if line.startswith(f"{role}: "))
+            print(f"{role}: exit {done.returncode}\n{said}\n{done.stderr[-3000:]}", flush=True)
+            continue
+        results[role] = torch.load(saved / f"{role}.pt", weights_only=False)
+        results[role]["process_s"] = time.perf_counter() - began
+        print(f"{role}: live {results[role]['live_s']:.2f} s after the model was built; "
+              f"{results[role]['restart']}", flush=True)
+    _compare(results)
+    return results
 
 
 def saved_runs_differ(first, second, limit: int = 6) -> dict[str, list[str]]:

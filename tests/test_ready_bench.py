@@ -96,3 +96,19 @@ def test_the_at_once_rows_run_when_asked_for(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "ready-full.json").read_text())["plans"]["FULL"]["rows"]
     assert set(rows) == {"hand loop", "bare, at once", "default, at once"}
     assert rows["default, at once"]["bit_exact"] is True and rows["bare, at once"]["bit_exact"] is None
+
+
+def test_the_restart_run_restores_in_a_new_process_or_says_why_not(tmp_path, monkeypatch):
+    """The restart row runs two fresh processes of bench/restart_bench.py: on the CPU nothing
+    is saved (it records no graphs), so the new process says so in one line and captures,
+    bit-exact to the capturing process and to the eager step; the row is in the JSON and
+    the table."""
+    monkeypatch.setattr(sys, "argv", ["ready_bench.py", "--smoke", "--plans", "FULL", "--rounds", "1", "--no-warm",
+                                      "--runs", "hand,restart", "--out", str(tmp_path)])
+    assert ready_bench.main() == 0
+    entry = json.loads((tmp_path / "ready-full.json").read_text())["plans"]["FULL"]
+    restart = entry["restart"]
+    assert "holds no saved graphs" in restart["refused"] and (restart["restored"], restart["captured"]) == (0, 0)
+    assert restart["bit_exact_to_capture"] is True and restart["bit_exact_to_eager"] is True
+    assert restart["live_s"] > 0 and restart["vs_hand_last_round"] == pytest.approx(
+        restart["live_s"] / entry["rows"]["hand loop"]["rounds_total_s"][-1])

@@ -303,7 +303,7 @@ def test_a_node_the_driver_refuses_is_named_and_the_graph_is_destroyed(monkeypat
     monkeypatch.setattr(restart_driver, "_driver", Driver)
     place = saved.Place("buffer:x", 64)
     graph = saved.SavedGraph((saved.Empty(), saved.Empty(), saved.Memset(place, 0, 0, 4, 16, 1)), ((), (0,), (1,)))
-    with pytest.raises(restart_driver.DriverError, match=r"^adding node 2 of 3 \(memset\): 1$"):
+    with pytest.raises(restart_driver.DriverError, match=r"^adding node 2 of 3 \(memset\): cuGraphAddMemsetNode: 1$"):
         restart_driver.build(graph, {"buffer:x": 1024}, restart_driver.Functions())
     assert destroyed == ["graph"]
 
@@ -374,3 +374,23 @@ def test_a_descriptor_the_driver_refuses_is_captured_and_the_others_are_restored
     finally:
         engine.close()
     assert sorted(destroyed) == [0, 1, 2, 3]  # closing the engine destroyed B=4's restored graphs
+
+
+def test_the_restart_bench_runs_its_three_processes_on_the_cpu(tmp_path):
+    """``bench/restart_bench.py --smoke``: the CPU records no graphs, so nothing is saved and
+    the restoring process says so in one line and captures; every process's logits equal
+    the plan's eager step, and the table and JSON say what each did."""
+    import json
+    import os
+
+    done = subprocess.run([sys.executable, "bench/restart_bench.py", "--smoke", "--out", str(tmp_path)],
+                          env={**os.environ, "PYTHONPATH": "."}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "restart.json").read_text())
+    assert result["device"] == "cpu"
+    for role in ("capture", "restore", "changed"):
+        assert all(result[role]["logits"]["eager_equal"].values()), role
+    assert result["capture"]["restart"] is None
+    refused = result["restore"]["restart"]["refused"]
+    assert "holds no saved graphs" in refused and "\n" not in refused
+    assert "restore " in done.stdout and "refused: saved graphs" in done.stdout

@@ -60,10 +60,11 @@ def check_available() -> None:
     _driver()
 
 
-def _ok(result):
+def _ok(result, call: str | None = None):
+    """The values of a driver call's result; ``DriverError`` (naming ``call``) if it failed."""
     error, *values = result if isinstance(result, tuple) else (result,)
     if int(error) != 0:
-        raise DriverError(repr(error))
+        raise DriverError(f"{call}: {error!r}" if call else repr(error))
     return values[0] if len(values) == 1 else tuple(values) if values else None
 
 
@@ -263,7 +264,7 @@ class Functions:
         func = self._functions.get((library, name))
         if func is None:
             kernel = driver.CUkernel(self._kernels[library, name])
-            func = self._functions[library, name] = int(_ok(driver.cuKernelGetFunction(kernel)))
+            func = self._functions[library, name] = int(_ok(driver.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
         return driver.CUfunction(func)
 
     def missing(self, kernels) -> list[tuple[str, str]]:
@@ -335,7 +336,7 @@ def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, sp
                 raise DriverError(f"adding node {index} of {len(saved.nodes)} ({_what(node)}): {error}") from None
         added = time.perf_counter()
         try:
-            executable = int(_ok(driver.cuGraphInstantiate(graph, 0)))
+            executable = int(_ok(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
         except DriverError as error:
             raise DriverError(f"instantiating a graph of {len(saved.nodes)} nodes: {error}") from None
         if spent is not None:
@@ -364,7 +365,7 @@ def _add(driver, graph, context, deps: list, node, places: Mapping[str, int], fu
         params.dst = places[node.dst.region] + node.dst.offset
         params.pitch, params.value, params.elementSize = node.pitch, node.value, node.element
         params.width, params.height = node.width, node.height
-        return _ok(driver.cuGraphAddMemsetNode(graph, deps, len(deps), params, context))
+        return _ok(driver.cuGraphAddMemsetNode(graph, deps, len(deps), params, context), "cuGraphAddMemsetNode")
     if isinstance(node, Copy):
         params = driver.CUDA_MEMCPY3D()
         params.srcMemoryType = params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
@@ -372,8 +373,8 @@ def _add(driver, graph, context, deps: list, node, places: Mapping[str, int], fu
         params.dstDevice = places[node.dst.region] + node.dst.offset
         params.srcPitch, params.dstPitch = node.src_pitch, node.dst_pitch
         params.WidthInBytes, params.Height, params.Depth = node.width, node.height, 1
-        return _ok(driver.cuGraphAddMemcpyNode(graph, deps, len(deps), params, context))
-    return _ok(driver.cuGraphAddEmptyNode(graph, deps, len(deps)))
+        return _ok(driver.cuGraphAddMemcpyNode(graph, deps, len(deps), params, context), "cuGraphAddMemcpyNode")
+    return _ok(driver.cuGraphAddEmptyNode(graph, deps, len(deps)), "cuGraphAddEmptyNode")
 
 
 def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], functions: Functions,
@@ -382,8 +383,9 @@ def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], fu
     copied them (``cuGraphAddKernelNode`` does)."""
     func = functions.function(node.library, node.name)
     if node.max_shared > allowed.get((node.library, node.name), 0):
-        _ok(driver.cuFuncSetAttribute(func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                      node.max_shared))
+        shared = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _ok(driver.cuFuncSetAttribute(func, shared, node.max_shared),
+            f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {node.max_shared})")
         allowed[node.library, node.name] = node.max_shared
     args = bytearray(node.args)
     for pointer in node.pointers:
@@ -397,12 +399,14 @@ def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], fu
     params.blockDimX, params.blockDimY, params.blockDimZ = node.block
     params.sharedMemBytes = node.shared
     params.kernelParams = ctypes.addressof(each) if node.offsets else 0
-    added = _ok(driver.cuGraphAddKernelNode(graph, deps, len(deps), params))
+    added = _ok(driver.cuGraphAddKernelNode(graph, deps, len(deps), params),
+                f"cuGraphAddKernelNode ({len(node.offsets)} parameters, {len(node.args)} bytes)")
     if node.cluster is not None:
         value = driver.CUkernelNodeAttrValue()
         value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = node.cluster
         _ok(driver.cuGraphKernelNodeSetAttribute(
-            added, driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, value))
+            added, driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, value),
+            f"cuGraphKernelNodeSetAttribute(CLUSTER_DIMENSION, {node.cluster})")
     return added
 
 
