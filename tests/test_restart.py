@@ -88,6 +88,20 @@ def test_memory_around_named_tensors_in_one_allocation_is_a_region_of_its_own():
     assert book.where(1900) == saved.Place("memory:1", 300)  # after b: 1600..2000
 
 
+def test_a_value_that_is_no_address_is_asked_about_once():
+    asked = []
+
+    def discover(address):
+        asked.append(address)
+        return (5000, 64) if 5000 <= address < 5064 else None
+
+    book = AddressBook(discover)
+    for _ in range(3):
+        assert book.where(0x3F800000_3F800000) is None  # two floats 1.0, in every layer's arguments
+        assert book.where(5008) == saved.Place("memory:0", 8)
+    assert asked == [0x3F800000_3F800000, 5008]
+
+
 def test_the_model_s_tensors_are_found_by_path_plain_attributes_and_lists_too():
     class Block(torch.nn.Module):
         def __init__(self):

@@ -31,6 +31,10 @@ class AddressBook:
 
     ``discover`` is asked about an address in no named range: it returns the allocation
     the address is in (start, size), or None for a value that is not a device address.
+    It is asked once per value: a step's kernels pass the same constants (a norm's
+    epsilon, a scale) at every layer, and a save reads every argument word of every
+    node. Allocations do not change while a book is read, so a value that is no address
+    stays none.
     """
 
     def __init__(self, discover: Callable[[int], tuple[int, int] | None] = lambda address: None) -> None:
@@ -39,6 +43,7 @@ class AddressBook:
         self.regions: dict[str, Region] = {}
         self.starts: dict[str, int] = {}
         self._discover = discover
+        self._not_addresses: set[int] = set()
 
     def add(self, name: str, kind: str, start: int, size: int) -> None:
         """A named range; one that overlaps a range already named is left out (a view
@@ -58,8 +63,11 @@ class AddressBook:
         allocation nothing named; None for a value that is no device address."""
         found = self._at(address)
         if found is None:
+            if address in self._not_addresses:
+                return None
             allocation = self._discover(address)
             if allocation is None:
+                self._not_addresses.add(address)
                 return None
             start, end = self._gap(address, *allocation)
             self.add(f"memory:{sum(r.kind == 'memory' for r in self.regions.values())}", "memory", start, end - start)
