@@ -408,3 +408,20 @@ def test_the_restart_bench_runs_its_three_processes_on_the_cpu(tmp_path):
     refused = result["restore"]["restart"]["refused"]
     assert "holds no saved graphs" in refused and "\n" not in refused
     assert "restore " in done.stdout and "refused: saved graphs" in done.stdout
+
+
+def test_a_descriptor_whose_kernels_are_not_here_says_which():
+    from graphflow.engine.restart.run import _missing
+
+    class Functions:
+        def __init__(self, absent):
+            self.absent = absent
+
+        def missing(self, kernels):
+            return sorted(k for k in kernels if k[1] in self.absent)
+
+    kernels = tuple(saved.Kernel(name, (1, 1, 1), (32, 1, 1), 0, b"", (), (), "lib") for name in "abcde")
+    entry = saved.SavedDescriptor(4, "FULL", (saved.SavedGraph(kernels, ((),) * 5),))
+    assert _missing(Functions(set()), entry) is None
+    assert _missing(Functions({"b"}), entry) == "1 kernel not found here (b)"
+    assert _missing(Functions(set("abcde")), entry) == "5 kernels not found here (a, b, c, ...)"

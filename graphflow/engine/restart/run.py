@@ -224,9 +224,8 @@ def _missing(functions: driver.Functions, entry: SavedDescriptor) -> str | None:
     missing = functions.missing(set().union(*(g.functions for g in entry.graphs)))
     if not missing:
         return None
-    names = ", ".join(name[:60] for _, name in missing[:3])
-    return f"{len(missing)} kernel{'s' if len(missing) > 1 else ''} not found here ({names}" + \
-        (", ..." if len(missing) > 3 else "") + ")"
+    names = ", ".join(name[:60] for _, name in missing[:3]) + (", ..." if len(missing) > 3 else "")
+    return f"{len(missing)} kernel{'s' if len(missing) > 1 else ''} not found here ({names})"
 
 
 def _built(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
