@@ -242,7 +242,7 @@ def _built(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Desc
         failure = own.stack.unwind()
         if failure is not None:
             raise failure from error
-        return str(error).removeprefix(f"{descriptor} ")
+        return str(error)
     ctx.stack.adopt(own.stack)
     return None
 
@@ -314,7 +314,7 @@ def _build(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Desc
             try:
                 graph = _Rebuilt(driver.build(next(graphs), places, functions, spent))
             except driver.DriverError as error:
-                raise driver.DriverError(f"{descriptor} graph {item[0].name}: {error}") from None
+                raise driver.DriverError(f"graph {item[0].name}: {error}") from None
             ctx.stack.push(f"destroy restored graph {item[0].name} {descriptor}", graph.destroy)
             built.append(graph)
             program.append(graph.replay)
