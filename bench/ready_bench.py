@@ -267,7 +267,7 @@ def lazy_run(plan, model, options: RunOptions, built_at: float, timeout_s: float
             check = ((runner.descriptor_for(batch) not in checked or served % CHECK_EVERY == 0)
                      and checking_s <= CHECK_SHARE * (time.perf_counter() - ready))
             # The bench's copy of the state, outside the step's time: it is no server's work.
-            kept = {n: engine.buffers.tensors[n].clone() for n in touched} if check else {}
+            kept = kept_before(engine, touched) if check else {}
             capturing = not engine.background.done
             first_uses = _checked(runner)
             # Made on the device each step, as a server's are; timed apart from the step, as
@@ -365,6 +365,15 @@ def _inputs(runner, batch, generator, device, vocab, max_len):
               "positions": torch.randint(0, max_len, (batch,), generator=generator)}
     values["positions_host"] = values["positions"].clone()
     return tuple(values[name].to(device) if name != "positions_host" else values[name] for name in runner.inputs)
+
+
+def kept_before(engine, names) -> dict[str, torch.Tensor]:
+    """Copies of the buffers ``names`` as the next step will start from, taken in a step's
+    turn of their own: a lazy engine's thread changes buffers inside its turns (a warmup,
+    a CPU capture) and puts them back before the turn ends, so a copy taken outside a turn
+    may hold a phase's work half done, and a check against it differ from a right step."""
+    with engine.live.step() if engine.live is not None else contextlib.nullcontext():
+        return {name: engine.buffers.tensors[name].clone() for name in names}
 
 
 def eager_from(runner, kept: dict, batch, inputs, descriptor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from graphflow.engine.model.binding import build_model
 from graphflow.integrations.dsv4.plans import plan_variant
 from graphflow.plan import BufferRole
 from graphflow.runtime import Runner
-from bench.ready_bench import eager_from
+from bench.ready_bench import eager_from, kept_before
 
 #: --smoke: the 61-layer plans' structure with the mini model's widths, on the CPU.
 SMOKE = dict(n_layers=2, vocab_size=512, hidden_size=64, n_heads=4, kv_dim=32, rope_dim=16, n_experts=8, top_k=2,
@@ -65,7 +65,7 @@ def serve(path: str, *, smoke: bool, after: int, check_every: int, first_checks:
             its_own = engine.first_use is not None and descriptor in engine.first_use.unchecked
             check = not its_own and (served % check_every == 0
                                      or (descriptor not in first_of and len(first_of) < first_checks))
-            kept = {n: engine.buffers.tensors[n].clone() for n in touched} if check else {}
+            kept = kept_before(engine, touched) if check else {}
             was_checked = _checked(engine)
             (logits,) = runner.run(*inputs)[:1]
             descriptor = runner.descriptor_for(batch)  # after run: it switches new programs in
