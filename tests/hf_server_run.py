@@ -260,7 +260,7 @@ def compare_servers(tmp_path, *, serve_args: list[str], questions: list[str], ma
         for each, mode in zip(servers[1:], server.MODES):
             stop = STOPS[mode]
             status, log, steps = each.stop(stop)  # it stops transformers' manager, so it exits by itself
-            assert status == 128 + stop, log[-5000:]
+            assert status == 128 + stop, f"{each.name} exited with status {status}:\n{log[-5000:]}"
             # It says what it starts first, before transformers and the model load (a warning
             # of torch's import may come before it).
             said = log.find(START)
