@@ -134,8 +134,12 @@ class Server:
     def __init__(self, name: str, command: list[str], env: dict, log_path) -> None:
         self.name, self.port, self.log_path = name, free_port(), pathlib.Path(log_path)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - the process writes it until kill() closes it
+        # As from a terminal, Ctrl-C's signal acts: a runner that started the tests in the
+        # background (a script's `cmd &`) passes SIGINT on ignored, and the server would
+        # then stop on it (uvicorn's own handler) but exit 0.
         self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(self.port)], env=env,
-                                        cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+                                        cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                        preexec_fn=_sigint_as_from_a_terminal)
 
     def log(self) -> str:
         self._log.flush()
@@ -182,6 +186,10 @@ class Server:
             self.process.kill()
             self.process.wait(timeout=30)
         self._log.close()
+
+
+def _sigint_as_from_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def coverage_block(log: str) -> str:

@@ -28,7 +28,9 @@ default lazy). It refuses bad arguments and says what it starts before it import
 transformers and the model (seconds; torch has loaded with this package). transformers' server leaves its manager's thread running when
 it shuts down (which keeps the process alive after Ctrl-C); this entry point stops it, so
 the coverage is logged and the process exits: 130 after Ctrl-C, 143 after SIGTERM (128 and
-the signal's number, as a shell reports a process the signal ended).
+the signal's number, as a shell reports a process the signal ended). A process started
+with SIGINT ignored (a script's background job) keeps it ignored while it loads; once
+serving, uvicorn stops on it all the same, and the process then exits 0.
 """
 
 from __future__ import annotations
