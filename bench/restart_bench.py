@@ -15,6 +15,8 @@ Three fresh processes, one after another, each building the model from the same 
   own code, outside any graph) on the same inputs;
 * **changed** does the same with a plan whose key differs (one more descriptor size
   listed): the saved graphs must be refused in one line and the run captured;
+* **restore-wN** (``--workers N,...``): the restore again, its graphs built by ``N``
+  threads at once (the engine's default is one per core, at most 16);
 * **again** (``--again``) captures and saves once more, in a fresh process: its saved
   graphs are compared with the first process's node by node (kernel, library, launch
   shape, each address as its region, every other argument byte). Graphs a restart
@@ -49,6 +51,7 @@ SMOKE = dict(n_layers=2, vocab_size=512, hidden_size=64, n_heads=4, kv_dim=32, r
 def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: str = "sample",
           layers: int | None = None, sizes: tuple[int, ...] | None = None) -> dict:
     from graphflow.engine import RunOptions, run_pipeline
+    from graphflow.engine.restart import driver as restart_driver
     from graphflow.engine.model.binding import build_model
     from graphflow.integrations.dsv4.plans import plan_variant
     from graphflow.runtime import Runner
@@ -67,11 +70,13 @@ def child(role: str, plan_path: str, saved: pathlib.Path, smoke: bool, verify: s
     built = time.perf_counter()
     if role == "again":
         saved = saved / "again"
+    if role.startswith("restore-w"):
+        restart_driver.WORKERS = int(role.removeprefix("restore-w"))
     # The CPU backend records no graphs to save: a smoke run's restore is refused and captures.
     saving = role in ("capture", "again") and device.type == "cuda"
     options = RunOptions(backend=device.type, save_graphs=saved if saving else None,
                          graphs_from=None if role in ("capture", "again") else saved,
-                         verify=verify if role == "restore" else "sample")
+                         verify=verify if role.startswith("restore") else "sample")
     said = []
 
     def show(message, *args, **kwargs) -> None:  # said as it happens: a later crash still shows why
@@ -132,7 +137,10 @@ def main() -> int:
                         help="capture and save once more in a fresh process; compare the two saved runs node by node")
     parser.add_argument("--layers", type=int, help="the plan's layers (default: the plan's, 2 with --smoke)")
     parser.add_argument("--sizes", help="descriptor sizes (default: the plan's; 1,2,4 with --smoke)")
-    parser.add_argument("--role", choices=("capture", "restore", "changed", "again"), help=argparse.SUPPRESS)
+    parser.add_argument("--workers", default="",
+                        help="comma-separated thread counts: one more restoring process for each, its graphs built "
+                             "by that many threads")
+    parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--saved", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = tuple(int(n) for n in args.sizes.split(",")) if args.sizes else None
@@ -143,7 +151,8 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as saved:
-        results = processes(("capture", "restore", "changed", *(("again",) if args.again else ())), args.plan,
+        workers = tuple(f"restore-w{n}" for n in args.workers.split(",") if n)
+        results = processes(("capture", "restore", *workers, "changed", *(("again",) if args.again else ())), args.plan,
                             pathlib.Path(saved), smoke=args.smoke, verify=args.verify, layers=args.layers, sizes=sizes)
         saved_bytes = sum(p.stat().st_size for p in pathlib.Path(saved).glob("graphs.*"))
         if args.again and "live_s" in results.get("again", {}):
@@ -157,8 +166,8 @@ def main() -> int:
     results["saved_bytes"] = saved_bytes
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     _print(results)
-    for role in ("capture", "restore", "changed", "again"):
-        if "logits" in results.get(role, {}):
+    for role in results:
+        if isinstance(results[role], dict) and "logits" in results[role]:
             results[role]["logits"] = {k: v for k, v in results[role]["logits"].items() if k != "tensors"}
     (out / "restart.json").write_text(json.dumps(results, indent=1, default=str))
     return 0
@@ -205,7 +214,7 @@ def saved_runs_differ(first, second, limit: int = 6) -> dict[str, list[str]]:
         lines = []
         if len(mine.graphs) != len(other.graphs):
             lines.append(f"{len(mine.graphs)} graphs against {len(other.graphs)}")
-        for number, (a, b) in enumerate(zip(mine.graphs, other.graphs)):
+        for number, (a, b) in enumerate(zip((g.unpack() for g in mine.graphs), (g.unpack() for g in other.graphs))):
             if len(a.nodes) != len(b.nodes):
                 lines.append(f"graph {number}: {len(a.nodes)} nodes against {len(b.nodes)}")
             if a.after != b.after:
@@ -256,7 +265,7 @@ def _compare(results: dict) -> None:
     if "logits" not in results.get("capture", {}):
         return
     reference = results["capture"]["logits"]["tensors"]
-    for role in ("restore", "changed"):
+    for role in [role for role in results if role.startswith("restore") or role == "changed"]:
         got = results.get(role, {}).get("logits")
         if got is not None:
             results[role]["equal_to_capture"] = {size: bool(torch.equal(reference[size], tensor))
@@ -267,8 +276,8 @@ def _print(results: dict) -> None:
     capture = results.get("capture", {}).get("live_s")
     print(f"\nwarm restart, {results['device']}; saved graphs {results['saved_bytes'] / 2**20:.1f} MiB")
     print(f"{'process':<10}{'live after model (s)':>22}{'vs capture':>12}  restored / captured   "
-          "bit-exact (capture, eager)")
-    for role in ("capture", "restore", "changed"):
+          "bit-exact (capture, eager)  built")
+    for role in [role for role in results if role.startswith(("capture", "restore", "changed"))]:
         row = results.get(role, {})
         if "live_s" not in row:
             print(f"{role:<10}  failed: exit {row.get('exit')}")
@@ -279,7 +288,10 @@ def _print(results: dict) -> None:
             f"saved {restart.get('saved', 0)}"
         exact = (all(row.get("equal_to_capture", {}).values()) if role != "capture" else "-",
                  all(row["logits"]["eager_equal"].values()))
-        print(f"{role:<10}{row['live_s']:>22.2f}{ratio:>12}  {counts:<20}  {exact}")
+        built = restart.get("built") or {}
+        said = (f"{built['nodes']} nodes: add {built['add_s']:.2f} s, instantiate {built['instantiate_s']:.2f} s, "
+                f"{built['wall_s']:.2f} s on {built['threads']} threads" if built.get("nodes") else "")
+        print(f"{role:<10}{row['live_s']:>22.2f}{ratio:>12}  {counts:<20}  {str(exact):<26}  {said}")
         for line in restart.get("recaptured") or ():
             print(f"{'':<10}captured {line}")
         if restart.get("refused"):

@@ -20,6 +20,7 @@ from graphflow.engine.restart import saved, store
 from graphflow.engine.restart import driver as restart_driver
 from graphflow.engine.restart.driver import _args, _topological
 from graphflow.engine.restart.key import differs
+from graphflow.engine.restart.packed import pack
 from graphflow.engine.restart.regions import AddressBook, model_tensors
 from graphflow.engine.restart.run import SavedGraphsNotUsed
 from plans.toy_model import build_toy, toy_plan
@@ -119,7 +120,7 @@ def test_the_model_s_tensors_are_found_by_path_plain_attributes_and_lists_too():
 def _run() -> saved.SavedRun:
     kernel = saved.Kernel("k", (1, 1, 1), (32, 1, 1), 0, bytes(16), (0, 8),
                           (saved.Pointer(0, saved.Place("pool:0.0", 16)),))
-    graph = saved.SavedGraph((kernel, saved.Empty()), ((), (0,)))
+    graph = pack(saved.SavedGraph((kernel, saved.Empty()), ((), (0,))))
     return saved.SavedRun({"gpu": "a"}, {"pool:0.0": saved.Region("pool:0.0", "pool", 1024)},
                           (saved.SavedDescriptor(4, "full", (graph,)),))
 
@@ -275,7 +276,7 @@ def test_two_saved_runs_are_compared_node_by_node_addresses_as_their_regions():
     def run(args: bytes, pool_block: str, library: str = "lib") -> saved.SavedRun:
         kernel = saved.Kernel("k", (1, 1, 1), (32, 1, 1), 0, args, (0, 8),
                               (saved.Pointer(0, saved.Place(pool_block, 16)),), library)
-        graph = saved.SavedGraph((saved.Empty(), kernel), ((), (0,)))
+        graph = pack(saved.SavedGraph((saved.Empty(), kernel), ((), (0,))))
         return saved.SavedRun({}, {}, (saved.SavedDescriptor(4, "full", (graph,)),))
 
     same = bytes(8) + (5).to_bytes(8, "little")
@@ -285,41 +286,6 @@ def test_two_saved_runs_are_compared_node_by_node_addresses_as_their_regions():
     assert list(differs) == ["full B=4"] and "at 8: 0500000000000000 against 0600000000000000" in differs["full B=4"][0]
     assert "library lib against elsewhere" in saved_runs_differ(run(same, "pool:0.1"),
                                                                  run(same, "pool:0.1", "elsewhere"))["full B=4"][0]
-
-
-def test_a_node_the_driver_refuses_is_named_and_the_graph_is_destroyed(monkeypatch):
-    """A restore that fails says which node of which graph the driver refused, so that
-    one run shows what cannot be rebuilt."""
-    destroyed = []
-
-    class Params:
-        pass
-
-    class Driver:
-        CUDA_MEMSET_NODE_PARAMS = Params
-
-        def cuCtxGetCurrent(self):
-            return 0, "context"
-
-        def cuGraphCreate(self, flags):
-            return 0, "graph"
-
-        def cuGraphAddEmptyNode(self, graph, deps, count):
-            return 0, f"empty after {count}"
-
-        def cuGraphAddMemsetNode(self, graph, deps, count, params, context):
-            return (1, None) if params.dst == 1024 + 64 else (0, "memset")
-
-        def cuGraphDestroy(self, graph):
-            destroyed.append(graph)
-            return (0,)
-
-    monkeypatch.setattr(restart_driver, "_driver", Driver)
-    place = saved.Place("buffer:x", 64)
-    graph = saved.SavedGraph((saved.Empty(), saved.Empty(), saved.Memset(place, 0, 0, 4, 16, 1)), ((), (0,), (1,)))
-    with pytest.raises(restart_driver.DriverError, match=r"^adding node 2 of 3 \(memset\): cuGraphAddMemsetNode: 1$"):
-        restart_driver.build(graph, {"buffer:x": 1024}, restart_driver.Functions())
-    assert destroyed == ["graph"]
 
 
 def test_a_descriptor_the_driver_refuses_is_captured_and_the_others_are_restored(tmp_path, monkeypatch):
@@ -348,22 +314,26 @@ def test_a_descriptor_the_driver_refuses_is_captured_and_the_others_are_restored
     refused = saved.Memset(saved.Place("pool:0.0", 0), 0, 0, 1, 13, 1)  # the node the stand-in driver refuses
     built, destroyed = [], []
 
-    def build(graph, places, functions, spent=None):
-        if refused in graph.nodes:
-            raise restart_driver.DriverError("adding node 0 of 1 (memset): CUDA_ERROR_INVALID_VALUE")
-        built.append(len(built))
-        return built[-1]
+    def build_all(graphs, places, functions, spent=None):
+        results = []
+        for graph in graphs:
+            if refused in graph.unpack().nodes:
+                results.append(restart_driver.DriverError("adding node 0 of 1 (memset): CUDA_ERROR_INVALID_VALUE"))
+            else:
+                built.append(len(built))
+                results.append(built[-1])
+        return results
 
     monkeypatch.setattr(restart_driver, "Functions", Functions)
-    monkeypatch.setattr(restart_driver, "build", build)
+    monkeypatch.setattr(restart_driver, "build_all", build_all)
     monkeypatch.setattr(restart_driver, "launcher", lambda executable: lambda: None)
     monkeypatch.setattr(restart_driver, "destroy", destroyed.append)
     monkeypatch.setattr(restart_run, "_handle", lambda graph: 0)
     monkeypatch.setattr(restart_run, "pool_blocks", lambda pool: [])
     monkeypatch.setattr(restart_run, "restart_key", lambda plan, model, device: {"gpu": "stand-in"})
     plan = toy_plan(layers=2, sizes=(1, 2, 4))
-    good = saved.SavedGraph((saved.Empty(),), ((),))
-    bad = saved.SavedGraph((refused,), ((),))
+    good = pack(saved.SavedGraph((saved.Empty(),), ((),)))
+    bad = pack(saved.SavedGraph((refused,), ((),)))
     store.write(saved.SavedRun({"gpu": "stand-in"}, {"pool:0.0": saved.Region("pool:0.0", "pool", 64)}, (
         saved.SavedDescriptor(4, "PIECEWISE", (good, good, good)),
         saved.SavedDescriptor(2, "PIECEWISE", (good, bad, good)))), tmp_path)
@@ -376,7 +346,8 @@ def test_a_descriptor_the_driver_refuses_is_captured_and_the_others_are_restored
         assert (restart.restored, restart.captured, restart.refused) == (1, 2, None), restart.recaptured
         (line,) = restart.recaptured
         assert line.startswith("PIECEWISE(B=2): graph ") and line.endswith("CUDA_ERROR_INVALID_VALUE"), line
-        assert built == [0, 1, 2, 3] and destroyed == [3]  # B=4's three, and B=2's first, undone at once
+        # All built at once: B=4's three, and B=2's other two, destroyed at once for its refused one.
+        assert built == [0, 1, 2, 3, 4] and sorted(destroyed) == [3, 4]
         assert f"1 descriptors restored from {tmp_path}, 2 captured" in restart_line(attrs.asdict(restart))
         assert "; captured PIECEWISE(B=2): graph " in restart_line(attrs.asdict(restart))
         runner = Runner(engine)
@@ -387,7 +358,7 @@ def test_a_descriptor_the_driver_refuses_is_captured_and_the_others_are_restored
         assert torch.equal(captured_logits, expected)  # B=2 was captured: it computes the model's step
     finally:
         engine.close()
-    assert sorted(destroyed) == [0, 1, 2, 3]  # closing the engine destroyed B=4's restored graphs
+    assert sorted(destroyed) == [0, 1, 2, 3, 4]  # closing the engine destroyed B=4's restored graphs
 
 
 def test_the_restart_bench_runs_its_three_processes_on_the_cpu(tmp_path):
@@ -421,7 +392,40 @@ def test_a_descriptor_whose_kernels_are_not_here_says_which():
             return sorted(k for k in kernels if k[1] in self.absent)
 
     kernels = tuple(saved.Kernel(name, (1, 1, 1), (32, 1, 1), 0, b"", (), (), "lib") for name in "abcde")
-    entry = saved.SavedDescriptor(4, "FULL", (saved.SavedGraph(kernels, ((),) * 5),))
+    entry = saved.SavedDescriptor(4, "FULL", (pack(saved.SavedGraph(kernels, ((),) * 5)),))
     assert _missing(Functions(set()), entry) is None
     assert _missing(Functions({"b"}), entry) == "1 kernel not found here (b)"
     assert _missing(Functions(set("abcde")), entry) == "5 kernels not found here (a, b, c, ...)"
+
+
+def test_the_fewest_descriptors_are_captured_to_find_every_kernel_library():
+    """A kernel of a library the process has not used yet is found only through a graph
+    that launches it; capturing a descriptor teaches every kernel of its libraries. The
+    descriptor whose missing libraries the most others lack goes first, and once every
+    library is known no more are captured."""
+    from graphflow.engine.restart.run import _lacking
+    from graphflow.plan import Descriptor, Mode
+
+    class Functions:
+        known = {"torch"}
+
+        def missing(self, kernels):
+            return sorted(k for k in kernels if k[0] not in self.known)
+
+    def entry(size, *libraries):
+        kernels = tuple(saved.Kernel(f"k-{lib}", (1, 1, 1), (32, 1, 1), 0, b"", (), (), lib)
+                        for lib in ("torch", *libraries))
+        return Descriptor(Mode.FULL, size), saved.SavedDescriptor(size, "FULL", (pack(saved.SavedGraph(
+            kernels, ((),) * len(kernels))),))
+
+    functions = Functions()
+    pending = {1: entry(64, "gemm-wide"), 2: entry(32, "gemm-wide", "gemm-tall"), 3: entry(16, "gemm-tall"),
+               4: entry(8), 5: entry(4, "gemm-small"), 6: entry(2, "gemm-small")}
+    chosen = []
+    for index, why in _lacking(functions, pending):
+        chosen.append((index, why))
+        descriptor, captured = pending.pop(index)
+        functions.known |= {lib for lib, _ in captured.graphs[0].kernel_names}
+    assert chosen == [(2, "2 kernels not found here (k-gemm-tall, k-gemm-wide)"),
+                      (6, "1 kernel not found here (k-gemm-small)")]
+    assert sorted(pending) == [1, 3, 4, 5]

@@ -12,18 +12,24 @@ stream capture.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import functools
 import hashlib
+import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import networkx as nx
+import numpy as np
 import torch
 
+from graphflow.engine.restart.packed import Laid, NodeKind, PackedGraph, lay_out
 from graphflow.engine.restart.regions import AddressBook
 from graphflow.engine.restart.saved import Copy, Empty, Kernel, Memset, Place, Pointer, SavedGraph
 
-__all__ = ["DriverError", "Functions", "Unsupported", "allocation", "build", "check_available", "destroy",
+__all__ = ["DriverError", "Functions", "Unsupported", "allocation", "build_all", "check_available", "destroy",
            "driver_version", "launcher", "read", "siblings"]
 
 _LOWEST_ADDRESS = 1 << 16  # smaller words are counts and flags, never device addresses
@@ -317,97 +323,174 @@ def _fingerprint(entries) -> str:
     return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()[:16]
 
 
-def build(saved: SavedGraph, places: Mapping[str, int], functions: Functions, spent: dict | None = None) -> int:
-    """The graph built again from ``saved``, its addresses where ``places`` says each
-    region now lives, instantiated: the executable graph's handle (``launcher``).
-    ``spent`` adds up the seconds of adding nodes and of instantiating (``add_s``,
-    ``instantiate_s``), and the nodes added."""
+#: Threads that build graphs at once: adding a node and instantiating a graph are
+#: driver calls that release the GIL, and most of a graph's time is spent in them.
+WORKERS = min(16, os.cpu_count() or 1)
+
+
+def build_all(graphs: Sequence[PackedGraph], places: Mapping[str, int], functions: Functions,
+              spent: dict | None = None, workers: int | None = None) -> list[int | DriverError]:
+    """Each graph built again from its packed form, its addresses where ``places`` says
+    each region now lives, and instantiated, ``workers`` at a time (``WORKERS``): per graph, the
+    executable graph's handle (``launcher``) or the ``DriverError`` saying what the
+    driver refused. Should this fail or be interrupted, every graph it built is
+    destroyed. ``spent`` adds up the nodes added and the seconds adding and instantiating
+    took, over all threads (``add_s``, ``instantiate_s``), and the time it all took
+    (``wall_s``)."""
     driver = _driver()
-    began = time.perf_counter()
-    context = _ok(driver.cuCtxGetCurrent())
-    graph = _ok(driver.cuGraphCreate(0))
-    try:
-        made: list = []
-        allowed: dict = {}
-        for index, (node, after) in enumerate(zip(saved.nodes, saved.after)):
-            try:
-                made.append(_add(driver, graph, context, [made[i] for i in after], node, places, functions, allowed))
-            except DriverError as error:
-                raise DriverError(f"adding node {index} of {len(saved.nodes)} ({_what(node)}): {error}") from None
-        added = time.perf_counter()
+    calls = _calls()
+    context = int(_ok(driver.cuCtxGetCurrent()))
+    wanted = {(library, name): max_shared for graph in graphs for library, name, max_shared in graph.functions}
+    handles = {}
+    for (library, name), max_shared in wanted.items():
+        func = functions.function(library, name)
+        if max_shared:  # a function found again by name has the default limit until it is raised
+            shared = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _ok(driver.cuFuncSetAttribute(func, shared, max_shared),
+                f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {max_shared}) of {name[:60]}")
+        handles[library, name] = int(func)
+    totals = spent if spent is not None else {}
+    lock = threading.Lock()
+    threads = max(1, min(workers or WORKERS, len(graphs)))
+
+    def attempt(graph: PackedGraph) -> int | DriverError:
+        took: dict = {}
         try:
-            executable = int(_ok(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
+            return _build(driver, calls, context, graph, places, handles, took)
         except DriverError as error:
-            raise DriverError(f"instantiating a graph of {len(saved.nodes)} nodes: {error}") from None
-        if spent is not None:
-            spent["add_s"] = spent.get("add_s", 0.0) + added - began
-            spent["instantiate_s"] = spent.get("instantiate_s", 0.0) + time.perf_counter() - added
-            spent["nodes"] = spent.get("nodes", 0) + len(saved.nodes)
-        return executable
+            return error
+        finally:
+            with lock:
+                for key, value in took.items():
+                    totals[key] = totals.get(key, 0) + value
+
+    began = time.perf_counter()
+    results: list[int | DriverError] = []
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="graphflow-build",
+                                               initializer=_current, initargs=(context,)) as pool:
+        futures = [pool.submit(attempt, graph) for graph in graphs]
+        try:
+            results = [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
+            for future in futures:
+                if not future.cancelled() and future.exception() is None and isinstance(future.result(), int):
+                    destroy(future.result())
+            raise
+    totals["wall_s"] = totals.get("wall_s", 0.0) + time.perf_counter() - began
+    totals["threads"] = threads
+    return results
+
+
+def _current(context: int) -> None:
+    """A build thread works in the context of the thread that started it."""
+    driver = _driver()
+    _ok(driver.cuCtxSetCurrent(driver.CUcontext(context)), "cuCtxSetCurrent")
+
+
+class _Calls:
+    """The driver calls a build makes per node, as plain foreign functions (``ctypes``:
+    a call costs well under a microsecond, and releases the GIL), found with
+    ``cuGetProcAddress`` in the form CUDA 12.0 defined them."""
+
+    def __init__(self) -> None:
+        driver = _driver()
+        pointer, size = ctypes.c_void_p, ctypes.c_size_t
+
+        def procedure(name: str, *argtypes):
+            flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+            found = _ok(driver.cuGetProcAddress(name.encode(), 12000, flags), f"cuGetProcAddress({name})")
+            address = int(found[0] if isinstance(found, tuple) else found)
+            if not address:
+                raise DriverError(f"the driver has no {name} of CUDA 12.0")
+            return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(address)
+
+        self.add_kernel = procedure("cuGraphAddKernelNode", pointer, pointer, pointer, size, pointer)
+        self.add_memset = procedure("cuGraphAddMemsetNode", pointer, pointer, pointer, size, pointer, pointer)
+        self.add_empty = procedure("cuGraphAddEmptyNode", pointer, pointer, pointer, size)
+        self.instantiate = procedure("cuGraphInstantiate", pointer, pointer, ctypes.c_ulonglong)
+
+
+@functools.cache
+def _calls() -> _Calls:
+    return _Calls()
+
+
+def _build(driver, calls: _Calls, context: int, packed: PackedGraph, places: Mapping[str, int],
+           functions: Mapping[tuple[str, str], int], took: dict) -> int:
+    began = time.perf_counter()
+    graph = int(_ok(driver.cuGraphCreate(0), "cuGraphCreate"))
+    try:
+        laid = lay_out(packed, places, functions)
+        handles, scratch, deps = laid.handles, laid.scratch, laid.deps
+        add_kernel, add_memset, add_empty = calls.add_kernel, calls.add_memset, calls.add_empty
+        for index, (kind, out, waits, count, params, first, end) in enumerate(laid.rows):
+            if end:
+                scratch[first:end] = handles[deps[first:end]]
+            if kind == NodeKind.KERNEL:
+                error = add_kernel(out, graph, waits, count, params)
+            elif kind == NodeKind.MEMSET:
+                error = add_memset(out, graph, waits, count, params, context)
+            elif kind == NodeKind.EMPTY:
+                error = add_empty(out, graph, waits, count)
+            else:
+                error = _add_copy(driver, graph, context, laid, index, count)
+            if error:
+                raise DriverError(f"adding node {index} of {packed.node_count} ({_what(packed, index)}): "
+                                  f"{_result(driver, error)}")
+        for index, dims in laid.clusters.items():
+            value = driver.CUkernelNodeAttrValue()
+            value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = dims
+            cluster = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            _ok(driver.cuGraphKernelNodeSetAttribute(driver.CUgraphNode(int(handles[index])), cluster, value),
+                f"cuGraphKernelNodeSetAttribute(CLUSTER_DIMENSION, {dims}) of node {index}")
+        added = time.perf_counter()
+        executable = ctypes.c_void_p()
+        error = calls.instantiate(ctypes.addressof(executable), graph, 0)
+        if error:
+            raise DriverError(f"instantiating a graph of {packed.node_count} nodes: cuGraphInstantiate: "
+                              f"{_result(driver, error)}")
+        took["add_s"] = added - began
+        took["instantiate_s"] = time.perf_counter() - added
+        took["nodes"] = packed.node_count
+        return int(executable.value)
     finally:
-        _ok(driver.cuGraphDestroy(graph))
+        _ok(driver.cuGraphDestroy(driver.CUgraph(graph)))
 
 
-def _what(node) -> str:
+def _add_copy(driver, graph: int, context: int, laid: Laid, index: int, count: int) -> int:
+    """A device-to-device copy node, added through the bindings (copies are few); its
+    handle written where ``laid.rows`` says; the driver's result."""
+    source, destination, copy = laid.copies[index]
+    params = driver.CUDA_MEMCPY3D()
+    params.srcMemoryType = params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    params.srcDevice, params.dstDevice = source, destination
+    params.srcPitch, params.dstPitch = copy.src_pitch, copy.dst_pitch
+    params.WidthInBytes, params.Height, params.Depth = copy.width, copy.height, 1
+    waits = laid.rows[index][2]
+    after = [driver.CUgraphNode(int(handle)) for handle in
+             np.frombuffer(ctypes.string_at(waits, 8 * count), dtype=np.uint64)] if count else None
+    error, node = driver.cuGraphAddMemcpyNode(driver.CUgraph(graph), after, count, params, driver.CUcontext(context))
+    if int(error) == 0:
+        laid.handles[index] = int(node)
+    return int(error)
+
+
+def _result(driver, error: int) -> str:
+    try:
+        return driver.CUresult(error).name
+    except ValueError:
+        return f"CUresult {error}"
+
+
+def _what(packed: PackedGraph, index: int) -> str:
     """A node as an error names it."""
+    node = packed.unpack().nodes[index]
     if isinstance(node, Kernel):
         return f"kernel {node.name[:80]}, grid {node.grid}, block {node.block}, shared {node.shared}"
     return type(node).__name__.lower()
-
-
-def _add(driver, graph, context, deps: list, node, places: Mapping[str, int], functions: Functions,
-         allowed: dict[tuple[str, str], int]):
-    """One saved node added to ``graph`` after ``deps``: its handle."""
-    if isinstance(node, Kernel):
-        return _add_kernel(driver, graph, deps, node, places, functions, allowed)
-    if isinstance(node, Memset):
-        params = driver.CUDA_MEMSET_NODE_PARAMS()
-        params.dst = places[node.dst.region] + node.dst.offset
-        params.pitch, params.value, params.elementSize = node.pitch, node.value, node.element
-        params.width, params.height = node.width, node.height
-        return _ok(driver.cuGraphAddMemsetNode(graph, deps, len(deps), params, context), "cuGraphAddMemsetNode")
-    if isinstance(node, Copy):
-        params = driver.CUDA_MEMCPY3D()
-        params.srcMemoryType = params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        params.srcDevice = places[node.src.region] + node.src.offset
-        params.dstDevice = places[node.dst.region] + node.dst.offset
-        params.srcPitch, params.dstPitch = node.src_pitch, node.dst_pitch
-        params.WidthInBytes, params.Height, params.Depth = node.width, node.height, 1
-        return _ok(driver.cuGraphAddMemcpyNode(graph, deps, len(deps), params, context), "cuGraphAddMemcpyNode")
-    return _ok(driver.cuGraphAddEmptyNode(graph, deps, len(deps)), "cuGraphAddEmptyNode")
-
-
-def _add_kernel(driver, graph, deps, node: Kernel, places: Mapping[str, int], functions: Functions,
-                allowed: dict[tuple[str, str], int]):
-    """The kernel node added; its argument buffers are locals, alive until the driver has
-    copied them (``cuGraphAddKernelNode`` does)."""
-    func = functions.function(node.library, node.name)
-    if node.max_shared > allowed.get((node.library, node.name), 0):
-        shared = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _ok(driver.cuFuncSetAttribute(func, shared, node.max_shared),
-            f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {node.max_shared})")
-        allowed[node.library, node.name] = node.max_shared
-    args = bytearray(node.args)
-    for pointer in node.pointers:
-        args[pointer.at:pointer.at + 8] = (places[pointer.where.region] + pointer.where.offset).to_bytes(8, "little")
-    buffer = (ctypes.c_char * max(len(args), 1)).from_buffer(args) if args else None
-    base = ctypes.addressof(buffer) if buffer is not None else 0
-    each = (ctypes.c_void_p * max(len(node.offsets), 1))(*(base + offset for offset in node.offsets))
-    params = driver.CUDA_KERNEL_NODE_PARAMS()
-    params.func = func
-    params.gridDimX, params.gridDimY, params.gridDimZ = node.grid
-    params.blockDimX, params.blockDimY, params.blockDimZ = node.block
-    params.sharedMemBytes = node.shared
-    params.kernelParams = ctypes.addressof(each) if node.offsets else 0
-    added = _ok(driver.cuGraphAddKernelNode(graph, deps, len(deps), params),
-                f"cuGraphAddKernelNode ({len(node.offsets)} parameters, {len(node.args)} bytes)")
-    if node.cluster is not None:
-        value = driver.CUkernelNodeAttrValue()
-        value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = node.cluster
-        _ok(driver.cuGraphKernelNodeSetAttribute(
-            added, driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, value),
-            f"cuGraphKernelNodeSetAttribute(CLUSTER_DIMENSION, {node.cluster})")
-    return added
 
 
 def launcher(executable: int):

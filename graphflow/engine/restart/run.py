@@ -21,10 +21,12 @@ one line, and the run captures as it would have.
 
 from __future__ import annotations
 
+import collections
 import functools
 import pathlib
 import time
 import warnings
+from collections.abc import Iterator
 
 import attrs
 import torch
@@ -38,6 +40,7 @@ from graphflow.engine.execute import bind
 from graphflow.engine.phase import Tally, Waiting, run_descriptor, run_phase, run_verify
 from graphflow.engine.restart import driver, store
 from graphflow.engine.restart.key import differs, restart_key
+from graphflow.engine.restart.packed import pack
 from graphflow.engine.restart.regions import AddressBook, model_tensors, pool_blocks
 from graphflow.engine.restart.saved import Output, Region, SavedDescriptor, SavedRun
 from graphflow.engine.rollback import UndoStack
@@ -84,7 +87,7 @@ def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib
     descriptors, left_out = [], []
     for descriptor in captured.programs:
         try:
-            graphs = tuple(driver.read(_handle(graph), book) for graph in captured.graphs_of.get(descriptor, ()))
+            graphs = tuple(pack(driver.read(_handle(graph), book)) for graph in captured.graphs_of.get(descriptor, ()))
             outputs = _outputs(alloc, descriptor, book)
         except driver.Unsupported as exc:
             left_out.append((descriptor.size, descriptor.mode.value, f"its graph holds {exc}"))
@@ -96,7 +99,7 @@ def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib
     store.write(SavedRun(restart_key(ctx.plan, alloc.model, device), regions, tuple(descriptors), tuple(left_out)),
                 directory)
     done = time.perf_counter()
-    nodes = sum(len(g.nodes) for d in descriptors for g in d.graphs)
+    nodes = sum(g.node_count for d in descriptors for g in d.graphs)
     return Restart(str(directory), saved=len(descriptors),
                    left_out=tuple(f"{size} {mode}: {why}" for size, mode, why in left_out), seconds=done - began,
                    saving={"nodes": nodes, "read_s": read - began, "contents_s": contents - read,
@@ -197,15 +200,33 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     order = list(enumerate(ctx.descriptors, 1))
     functions = driver.Functions()
     captured = _capture(ctx, alloc, None, *order[-1], tally, functions)
-    restored, recaptured = [], []
-    for index, descriptor in order[:-1]:
-        entry = saved.get((descriptor.size, descriptor.mode.value))
-        why = "not saved" if entry is None else _missing(functions, entry)
-        if why is None:
-            why = _built(ctx, alloc, captured, descriptor, index, entry, places, functions, spent, tally)
-        if why is None:
+    unbuilt = [(index, descriptor, "not saved") for index, descriptor in order[:-1]
+               if (descriptor.size, descriptor.mode.value) not in saved]
+    pending = {index: (descriptor, saved[descriptor.size, descriptor.mode.value]) for index, descriptor in order[:-1]
+               if (descriptor.size, descriptor.mode.value) in saved}
+    recaptured = []
+    for index, why in _lacking(functions, pending):
+        descriptor = pending.pop(index)[0]
+        captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
+        recaptured.append(f"{descriptor}: {why}")
+    buildable = [(index, descriptor, entry) for index, (descriptor, entry) in pending.items()]
+    built = iter(driver.build_all([graph for *_, entry in buildable for graph in entry.graphs], places, functions,
+                                  spent))
+    restored = []
+    for index, descriptor, entry in buildable:
+        results = [next(built) for _ in entry.graphs]
+        graphs = [_Rebuilt(result) for result in results if isinstance(result, int)]
+        undos = [ctx.stack.push(f"destroy a restored graph of {descriptor}", graph.destroy) for graph in graphs]
+        refused = next((result for result in results if isinstance(result, driver.DriverError)), None)
+        if refused is None:
+            tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, functools.partial(
+                _publish, ctx, alloc, captured, descriptor, index, entry, graphs, places)))
             restored.append((index, descriptor))
             continue
+        for undo in undos:
+            ctx.stack.run_now(undo)
+        unbuilt.append((index, descriptor, f"graph {results.index(refused)}: {refused}"))
+    for index, descriptor, why in sorted(unbuilt, key=lambda item: item[0]):
         captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
         recaptured.append(f"{descriptor}: {why}")
     for index, descriptor in restored:
@@ -219,32 +240,39 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     return captured, len(restored), tuple(recaptured)
 
 
+def _lacking(functions: driver.Functions, pending: dict[int, tuple[Descriptor, SavedDescriptor]]
+             ) -> Iterator[tuple[int, str]]:
+    """The descriptors to capture because kernels their graphs launch are not found here,
+    and why, the next chosen once the last is captured (``Functions`` has then learnt its
+    kernels' libraries): a library the process has loaded lists all its kernels, but
+    one it has not used yet (a kernel a matrix library picks for larger batches only)
+    is found only through a graph that launches one of its kernels. Each next is the
+    descriptor whose missing kernels' libraries the most descriptors lack, the smallest
+    of equals: the fewest captures find every library."""
+    while True:
+        missing = {index: functions.missing(_kernels(entry)) for index, (_, entry) in pending.items()}
+        missing = {index: found for index, found in missing.items() if found}
+        if not missing:
+            return
+        lacked = collections.Counter(library for found in missing.values() for library in {lib for lib, _ in found})
+        index = max(missing, key=lambda i: (sum(lacked[lib] for lib in {lib for lib, _ in missing[i]}),
+                                            -pending[i][0].size))
+        yield index, _said(missing[index])
+
+
+def _kernels(entry: SavedDescriptor) -> set[tuple[str, str]]:
+    return set().union(*(graph.kernel_names for graph in entry.graphs))
+
+
 def _missing(functions: driver.Functions, entry: SavedDescriptor) -> str | None:
     """Why ``entry``'s graphs cannot be built here for want of kernels, or None."""
-    missing = functions.missing(set().union(*(g.functions for g in entry.graphs)))
-    if not missing:
-        return None
+    missing = functions.missing(_kernels(entry))
+    return _said(missing) if missing else None
+
+
+def _said(missing: list[tuple[str, str]]) -> str:
     names = ", ".join(name[:60] for _, name in missing[:3]) + (", ..." if len(missing) > 3 else "")
     return f"{len(missing)} kernel{'s' if len(missing) > 1 else ''} not found here ({names})"
-
-
-def _built(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
-           entry: SavedDescriptor, places: dict[str, int], functions: driver.Functions, spent: dict,
-           tally: Tally) -> str | None:
-    """``descriptor`` built from ``entry`` on a stack of its own, joined to the run's once
-    every graph is built: None, or what the driver refused (the graphs built before it
-    destroyed)."""
-    own = attrs.evolve(ctx, stack=UndoStack())
-    try:
-        tally.times.append(run_phase(own, tally.phases, Phase.CAPTURE, functools.partial(
-            _build, own, alloc, captured, descriptor, index, entry, places, functions, spent)))
-    except driver.DriverError as error:
-        failure = own.stack.unwind()
-        if failure is not None:
-            raise failure from error
-        return str(error)
-    ctx.stack.adopt(own.stack)
-    return None
 
 
 def _capture(ctx: Context, alloc: Allocation, captured: Captured | None, index: int, descriptor: Descriptor,
@@ -299,27 +327,16 @@ def _destroyed() -> None:
     raise RuntimeError("this graph was destroyed (its engine closed or rolled back); it cannot replay")
 
 
-def _build(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
-           entry: SavedDescriptor, places: dict[str, int], functions: driver.Functions, spent: dict) -> DescriptorTime:
-    """``descriptor``'s program from its saved graphs, published in ``captured`` only once
-    every graph is built."""
+def _publish(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
+             entry: SavedDescriptor, graphs: list[_Rebuilt], places: dict[str, int]) -> DescriptorTime:
+    """``descriptor``'s program, its graphs built from ``entry``, published in ``captured``."""
     with ctx.descriptor(descriptor, index) as block:
-        graphs = iter(entry.graphs)
+        replays = iter(graph.replay for graph in graphs)
         views = alloc.buffers.views(descriptor.size)
-        program, built = [], []
-        for item in step_items(ctx, descriptor.mode):
-            if isinstance(item, Segment):
-                program.append(bind(item, alloc.fns[item.name], views))
-                continue
-            try:
-                graph = _Rebuilt(driver.build(next(graphs), places, functions, spent))
-            except driver.DriverError as error:
-                raise driver.DriverError(f"graph {item[0].name}: {error}") from None
-            ctx.stack.push(f"destroy restored graph {item[0].name} {descriptor}", graph.destroy)
-            built.append(graph)
-            program.append(graph.replay)
-        captured.graphs.extend(built)
-        captured.graphs_of.setdefault(descriptor, []).extend(built)
+        program = [bind(item, alloc.fns[item.name], views) if isinstance(item, Segment) else next(replays)
+                   for item in step_items(ctx, descriptor.mode)]
+        captured.graphs.extend(graphs)
+        captured.graphs_of.setdefault(descriptor, []).extend(graphs)
         if entry.outputs:
             alloc.buffers.place(descriptor, {o.buffer: _tensor(o, places, views[o.buffer].device)
                                              for o in entry.outputs})

@@ -11,7 +11,12 @@ that region lives in the new process (``graphflow.engine.restart.regions``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
+
+if TYPE_CHECKING:
+    from graphflow.engine.restart.packed import PackedGraph
 
 __all__ = ["Copy", "Empty", "Kernel", "Memset", "Output", "Place", "Pointer", "Region", "SavedDescriptor",
            "SavedGraph", "SavedRun"]
@@ -92,11 +97,6 @@ class SavedGraph:
     nodes: tuple[Node, ...]
     after: tuple[tuple[int, ...], ...]
 
-    @property
-    def functions(self) -> frozenset[tuple[str, str]]:
-        """Each kernel's (library, name)."""
-        return frozenset((node.library, node.name) for node in self.nodes if isinstance(node, Kernel))
-
 
 @attrs.frozen
 class Region:
@@ -131,7 +131,7 @@ class SavedDescriptor:
 
     size: int
     mode: str
-    graphs: tuple[SavedGraph, ...]
+    graphs: tuple[PackedGraph, ...]
     outputs: tuple[Output, ...] = ()
 
 

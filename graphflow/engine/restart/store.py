@@ -11,12 +11,13 @@ import pickle
 
 import attrs
 
-from graphflow.engine.restart import saved
+from graphflow.engine.restart import packed, saved
 
 __all__ = ["SavedGraphsError", "load", "write"]
 
 MANIFEST, GRAPHS = "manifest.json", "graphs.pickle"
-_CLASSES = {name: getattr(saved, name) for name in saved.__all__}
+_CLASSES = {(module.__name__, name): getattr(module, name) for module in (saved, packed)
+            for name in module.__all__}
 
 
 class SavedGraphsError(Exception):
@@ -27,7 +28,7 @@ def write(run: saved.SavedRun, directory: pathlib.Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / GRAPHS).write_bytes(pickle.dumps(run, protocol=5))
     manifest = {"key": run.key, "descriptors": [{"size": d.size, "mode": d.mode, "graphs": len(d.graphs),
-                                                "nodes": sum(len(g.nodes) for g in d.graphs)} for d in run.descriptors],
+                                                "nodes": sum(g.node_count for g in d.graphs)} for d in run.descriptors],
                 "left out": [{"size": size, "mode": mode, "why": why} for size, mode, why in run.left_out],
                 "regions": {kind: sum(r.kind == kind for r in run.regions.values())
                             for kind in ("model", "buffer", "pool", "memory")}}
@@ -49,8 +50,8 @@ def load(directory: pathlib.Path) -> saved.SavedRun:
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module == saved.__name__ and name in _CLASSES and attrs.has(_CLASSES[name]):
-            return _CLASSES[name]
+        if (module, name) in _CLASSES and attrs.has(_CLASSES[module, name]):
+            return _CLASSES[module, name]
         if (module, name) in (("copyreg", "_reconstructor"), ("builtins", "object")):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of saved graphs")
