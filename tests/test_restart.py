@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphflow.engine import RunOptions, run_pipeline
-from graphflow.engine.restart import saved, store
 from graphflow.engine.restart import driver as restart_driver
+from graphflow.engine.restart import saved, store
 from graphflow.engine.restart.driver import _args, _topological
 from graphflow.engine.restart.key import differs
 from graphflow.engine.restart.packed import pack

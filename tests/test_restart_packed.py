@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from graphflow.engine.restart import driver as restart_driver
 from graphflow.engine.restart import saved
-from graphflow.engine.restart.packed import NodeKind, lay_out, pack
+from graphflow.engine.restart.packed import lay_out, pack
+from graphflow.engine.restart.saved import NodeKind
 
 bindings = pytest.importorskip("cuda.bindings.driver")
 

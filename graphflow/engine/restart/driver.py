@@ -25,9 +25,19 @@ import networkx as nx
 import numpy as np
 import torch
 
-from graphflow.engine.restart.packed import Laid, NodeKind, PackedGraph, lay_out
+from graphflow.engine.restart.packed import Laid, lay_out
 from graphflow.engine.restart.regions import AddressBook
-from graphflow.engine.restart.saved import Copy, Empty, Kernel, Memset, Place, Pointer, SavedGraph
+from graphflow.engine.restart.saved import (
+    Copy,
+    Empty,
+    Kernel,
+    Memset,
+    NodeKind,
+    PackedGraph,
+    Place,
+    Pointer,
+    SavedGraph,
+)
 
 __all__ = ["DriverError", "Functions", "Unsupported", "allocation", "build_all", "check_available", "destroy",
            "driver_version", "launcher", "read", "siblings"]

@@ -1,5 +1,6 @@
-"""A saved graph as flat arrays: what a new process builds it from at a few
-microseconds a node.
+"""Saved graphs packed into flat arrays (``pack``), and laid out as the driver's
+parameter structs in a new process (``lay_out``): a graph built at a few microseconds
+a node.
 
 The 61-layer plan's 67 graphs hold over half a million nodes. Kept as one object per
 node (``SavedGraph``), unpickling them and filling the driver's structs field by field
@@ -9,7 +10,7 @@ one buffer, its launch in a row of a table, the nodes each node waits for as ind
 arrays, and every device address as a (word, region, offset) triple. A new process
 writes all addresses with one numpy operation and lays out the driver's parameter
 structs for every kernel at once (``lay_out``); adding a node is then one foreign call
-with pointers worked out beforehand (``graphflow.engine.restart.driver.build``).
+with pointers worked out beforehand (``graphflow.engine.restart.driver.build_all``).
 
 ``pack`` and ``PackedGraph.unpack`` convert between the two forms: the object form is
 what is read from the driver and what two saves are compared in.
@@ -22,13 +23,9 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 
-from graphflow.engine.restart.saved import Copy, Empty, Kernel, Memset, Node, Place, Pointer, SavedGraph
+from graphflow.engine.restart.saved import ARRAYS, Copy, Kernel, Memset, NodeKind, PackedGraph, SavedGraph
 
-__all__ = ["KERNEL_PARAMS", "MEMSET_PARAMS", "Laid", "NodeKind", "PackedGraph", "lay_out", "pack"]
-
-
-class NodeKind:
-    KERNEL, MEMSET, COPY, EMPTY = range(4)
+__all__ = ["KERNEL_PARAMS", "MEMSET_PARAMS", "Laid", "lay_out", "pack"]
 
 
 #: ``CUDA_KERNEL_NODE_PARAMS`` (the ``_v2`` struct of CUDA 12 and 13), field by field.
@@ -43,110 +40,12 @@ MEMSET_PARAMS = np.dtype({
     "formats": ["<u8", "<u8", "<u4", "<u4", "<u8", "<u8"],
     "offsets": [0, 8, 16, 20, 24, 32], "itemsize": 40})
 
-# Each array of a packed graph, by field: its dtype, and its columns where it is a table.
-_ARRAYS = {"kinds": ("u1", 0), "dep_start": ("<i8", 0), "deps": ("<i8", 0), "kernel_function": ("<i4", 0),
-           "launch": ("<u4", 7), "args_start": ("<i8", 0), "arg_size": ("<i8", 0), "param_start": ("<i8", 0),
-           "param_offsets": ("<u4", 0), "args": ("<u8", 0), "pointer_word": ("<i8", 0),
-           "pointer_region": ("<i4", 0), "pointer_offset": ("<i8", 0), "memsets": ("<u8", 5),
-           "memset_region": ("<i4", 0), "memset_offset": ("<i8", 0)}
-
-
-@attrs.frozen
-class PackedGraph:
-    """One graph, packed. Every array is kept as bytes (``array`` reads it as numpy) so
-    that a saved run unpickles as plain values. Kernels, memsets and the other nodes
-    are numbered in node order within their kind.
-
-    ``kinds``: each node's ``NodeKind``; ``dep_start``/``deps``: the nodes each node waits
-    for (node ``i``'s are ``deps[dep_start[i]:dep_start[i + 1]]``). Per kernel:
-    ``kernel_function`` (an index into ``functions``: library, name, dynamic shared
-    memory allowed), ``launch`` (grid, block, shared bytes), its argument bytes at
-    ``args_start`` in ``args`` (8-byte words, each kernel's from a word boundary;
-    ``arg_size`` of them its own), its
-    parameters' offsets at ``param_start`` in ``param_offsets``. Each address in the
-    arguments: the word ``pointer_word`` of ``args`` is ``pointer_offset`` bytes into
-    ``regions[pointer_region]``. Per memset: ``memsets`` (pitch, value, element size,
-    width, height) and its destination the same way. ``copies``: each copy node by
-    node index (device-to-device copies are few)."""
-
-    node_count: int
-    functions: tuple[tuple[str, str, int], ...]
-    regions: tuple[str, ...]
-    clusters: tuple[tuple[int, tuple[int, int, int]], ...]
-    copies: tuple[tuple[int, Copy], ...]
-    kinds: bytes
-    dep_start: bytes
-    deps: bytes
-    kernel_function: bytes
-    launch: bytes
-    args_start: bytes
-    arg_size: bytes
-    param_start: bytes
-    param_offsets: bytes
-    args: bytes
-    pointer_word: bytes
-    pointer_region: bytes
-    pointer_offset: bytes
-    memsets: bytes
-    memset_region: bytes
-    memset_offset: bytes
-
-    def array(self, name: str) -> np.ndarray:
-        dtype, columns = _ARRAYS[name]
-        values = np.frombuffer(getattr(self, name), dtype=dtype)
-        return values.reshape(-1, columns) if columns else values
-
-    @property
-    def kernel_names(self) -> frozenset[tuple[str, str]]:
-        """Each kernel's (library, name)."""
-        return frozenset((library, name) for library, name, _ in self.functions)
-
-    def unpack(self) -> SavedGraph:
-        """The graph as one object per node."""
-        kinds, dep_start, deps = self.array("kinds"), self.array("dep_start"), self.array("deps")
-        args = self.array("args").tobytes()
-        args_start, param_start = self.array("args_start"), self.array("param_start")
-        offsets, launch, function = self.array("param_offsets"), self.array("launch"), self.array("kernel_function")
-        word, region, offset = self.array("pointer_word"), self.array("pointer_region"), self.array("pointer_offset")
-        sizes, clusters, copies = self.array("arg_size"), dict(self.clusters), dict(self.copies)
-        memsets = self.array("memsets")
-        memset_where = zip(self.array("memset_region"), self.array("memset_offset"))
-        nodes: list[Node] = []
-        kernel = memset = 0
-        for index, kind in enumerate(kinds):
-            if kind == NodeKind.KERNEL:
-                start, end = args_start[kernel], args_start[kernel + 1]
-                owned = (word >= start // 8) & (word < end // 8)
-                pointers = tuple(Pointer(int(w) * 8 - int(start), Place(self.regions[r], int(o)))
-                                 for w, r, o in zip(word[owned], region[owned], offset[owned]))
-                library, name, max_shared = self.functions[function[kernel]]
-                grid, block, shared = launch[kernel, 0:3], launch[kernel, 3:6], launch[kernel, 6]
-                own_offsets = offsets[param_start[kernel]:param_start[kernel + 1]]
-                size = int(sizes[kernel])
-                nodes.append(Kernel(name, tuple(int(n) for n in grid), tuple(int(n) for n in block), int(shared),
-                                    args[start:start + size], tuple(int(o) for o in own_offsets), pointers, library,
-                                    clusters.get(kernel), max_shared))
-                kernel += 1
-            elif kind == NodeKind.MEMSET:
-                r, o = next(memset_where)
-                pitch, value, element, width, height = (int(n) for n in memsets[memset])
-                nodes.append(Memset(Place(self.regions[r], int(o)), pitch, value, element, width, height))
-                memset += 1
-            elif kind == NodeKind.COPY:
-                nodes.append(copies[index])
-            else:
-                nodes.append(Empty())
-        after = tuple(tuple(int(d) for d in deps[dep_start[i]:dep_start[i + 1]]) for i in range(self.node_count))
-        return SavedGraph(tuple(nodes), after)
-
-
-
 def pack(graph: SavedGraph) -> PackedGraph:
     """``graph`` packed; an address that is not at a word of its kernel's arguments is
     refused (``ValueError``: the driver lays every pointer parameter on one)."""
     functions: dict[tuple[str, str, int], int] = {}
     regions: dict[str, int] = {}
-    arrays: dict[str, list] = {name: [] for name in _ARRAYS if name != "args"}
+    arrays: dict[str, list] = {name: [] for name in ARRAYS if name != "args"}
     arrays["dep_start"].append(0)
     arrays["args_start"].append(0)
     arrays["param_start"].append(0)
@@ -183,7 +82,7 @@ def pack(graph: SavedGraph) -> PackedGraph:
             copies.append((index, node))
         else:
             arrays["kinds"].append(NodeKind.EMPTY)
-    packed = {name: np.asarray(values, dtype=_ARRAYS[name][0]).tobytes() for name, values in arrays.items()}
+    packed = {name: np.asarray(values, dtype=ARRAYS[name][0]).tobytes() for name, values in arrays.items()}
     return PackedGraph(len(graph.nodes), tuple(functions), tuple(regions), tuple(clusters), tuple(copies),
                        args=bytes(args), **packed)
 

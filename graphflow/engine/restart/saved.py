@@ -7,19 +7,19 @@ those bytes, and every memset's or copy's, is kept as a place in a named region 
 parameter of the model, a static buffer, a block of the graph pool, a block of memory
 something else allocated) and an offset into it, so that it can be written again where
 that region lives in the new process (``graphflow.engine.restart.regions``).
+
+A graph is read as one object per node (``SavedGraph``) and stored packed into flat
+arrays (``PackedGraph``, ``graphflow.engine.restart.packed``), the form a new process
+builds it from quickly.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
+import numpy as np
 
-if TYPE_CHECKING:
-    from graphflow.engine.restart.packed import PackedGraph
-
-__all__ = ["Copy", "Empty", "Kernel", "Memset", "Output", "Place", "Pointer", "Region", "SavedDescriptor",
-           "SavedGraph", "SavedRun"]
+__all__ = ["Copy", "Empty", "Kernel", "Memset", "NodeKind", "Output", "PackedGraph", "Place", "Pointer", "Region",
+           "SavedDescriptor", "SavedGraph", "SavedRun"]
 
 
 @attrs.frozen
@@ -96,6 +96,109 @@ class SavedGraph:
 
     nodes: tuple[Node, ...]
     after: tuple[tuple[int, ...], ...]
+
+
+class NodeKind:
+    KERNEL, MEMSET, COPY, EMPTY = range(4)
+
+
+
+#: Each array of a packed graph, by field: its dtype, and its columns where it is a table.
+ARRAYS = {"kinds": ("u1", 0), "dep_start": ("<i8", 0), "deps": ("<i8", 0), "kernel_function": ("<i4", 0),
+           "launch": ("<u4", 7), "args_start": ("<i8", 0), "arg_size": ("<i8", 0), "param_start": ("<i8", 0),
+           "param_offsets": ("<u4", 0), "args": ("<u8", 0), "pointer_word": ("<i8", 0),
+           "pointer_region": ("<i4", 0), "pointer_offset": ("<i8", 0), "memsets": ("<u8", 5),
+           "memset_region": ("<i4", 0), "memset_offset": ("<i8", 0)}
+
+
+@attrs.frozen
+class PackedGraph:
+    """One graph, packed. Every array is kept as bytes (``array`` reads it as numpy) so
+    that a saved run unpickles as plain values. Kernels, memsets and the other nodes
+    are numbered in node order within their kind.
+
+    ``kinds``: each node's ``NodeKind``; ``dep_start``/``deps``: the nodes each node waits
+    for (node ``i``'s are ``deps[dep_start[i]:dep_start[i + 1]]``). Per kernel:
+    ``kernel_function`` (an index into ``functions``: library, name, dynamic shared
+    memory allowed), ``launch`` (grid, block, shared bytes), its argument bytes at
+    ``args_start`` in ``args`` (8-byte words, each kernel's from a word boundary;
+    ``arg_size`` of them its own), its
+    parameters' offsets at ``param_start`` in ``param_offsets``. Each address in the
+    arguments: the word ``pointer_word`` of ``args`` is ``pointer_offset`` bytes into
+    ``regions[pointer_region]``. Per memset: ``memsets`` (pitch, value, element size,
+    width, height) and its destination the same way. ``copies``: each copy node by
+    node index (device-to-device copies are few)."""
+
+    node_count: int
+    functions: tuple[tuple[str, str, int], ...]
+    regions: tuple[str, ...]
+    clusters: tuple[tuple[int, tuple[int, int, int]], ...]
+    copies: tuple[tuple[int, Copy], ...]
+    kinds: bytes
+    dep_start: bytes
+    deps: bytes
+    kernel_function: bytes
+    launch: bytes
+    args_start: bytes
+    arg_size: bytes
+    param_start: bytes
+    param_offsets: bytes
+    args: bytes
+    pointer_word: bytes
+    pointer_region: bytes
+    pointer_offset: bytes
+    memsets: bytes
+    memset_region: bytes
+    memset_offset: bytes
+
+    def array(self, name: str) -> np.ndarray:
+        dtype, columns = ARRAYS[name]
+        values = np.frombuffer(getattr(self, name), dtype=dtype)
+        return values.reshape(-1, columns) if columns else values
+
+    @property
+    def kernel_names(self) -> frozenset[tuple[str, str]]:
+        """Each kernel's (library, name)."""
+        return frozenset((library, name) for library, name, _ in self.functions)
+
+    def unpack(self) -> SavedGraph:
+        """The graph as one object per node."""
+        kinds, dep_start, deps = self.array("kinds"), self.array("dep_start"), self.array("deps")
+        args = self.array("args").tobytes()
+        args_start, param_start = self.array("args_start"), self.array("param_start")
+        offsets, launch, function = self.array("param_offsets"), self.array("launch"), self.array("kernel_function")
+        word, region, offset = self.array("pointer_word"), self.array("pointer_region"), self.array("pointer_offset")
+        sizes, clusters, copies = self.array("arg_size"), dict(self.clusters), dict(self.copies)
+        memsets = self.array("memsets")
+        memset_where = zip(self.array("memset_region"), self.array("memset_offset"))
+        nodes: list[Node] = []
+        kernel = memset = 0
+        for index, kind in enumerate(kinds):
+            if kind == NodeKind.KERNEL:
+                start, end = args_start[kernel], args_start[kernel + 1]
+                owned = (word >= start // 8) & (word < end // 8)
+                pointers = tuple(Pointer(int(w) * 8 - int(start), Place(self.regions[r], int(o)))
+                                 for w, r, o in zip(word[owned], region[owned], offset[owned]))
+                library, name, max_shared = self.functions[function[kernel]]
+                grid, block, shared = launch[kernel, 0:3], launch[kernel, 3:6], launch[kernel, 6]
+                own_offsets = offsets[param_start[kernel]:param_start[kernel + 1]]
+                size = int(sizes[kernel])
+                nodes.append(Kernel(name, tuple(int(n) for n in grid), tuple(int(n) for n in block), int(shared),
+                                    args[start:start + size], tuple(int(o) for o in own_offsets), pointers, library,
+                                    clusters.get(kernel), max_shared))
+                kernel += 1
+            elif kind == NodeKind.MEMSET:
+                r, o = next(memset_where)
+                pitch, value, element, width, height = (int(n) for n in memsets[memset])
+                nodes.append(Memset(Place(self.regions[r], int(o)), pitch, value, element, width, height))
+                memset += 1
+            elif kind == NodeKind.COPY:
+                nodes.append(copies[index])
+            else:
+                nodes.append(Empty())
+        after = tuple(tuple(int(d) for d in deps[dep_start[i]:dep_start[i + 1]]) for i in range(self.node_count))
+        return SavedGraph(tuple(nodes), after)
+
 
 
 @attrs.frozen

@@ -11,13 +11,12 @@ import pickle
 
 import attrs
 
-from graphflow.engine.restart import packed, saved
+from graphflow.engine.restart import saved
 
 __all__ = ["SavedGraphsError", "load", "write"]
 
 MANIFEST, GRAPHS = "manifest.json", "graphs.pickle"
-_CLASSES = {(module.__name__, name): getattr(module, name) for module in (saved, packed)
-            for name in module.__all__}
+_CLASSES = {name: getattr(saved, name) for name in saved.__all__}
 
 
 class SavedGraphsError(Exception):
@@ -50,8 +49,8 @@ def load(directory: pathlib.Path) -> saved.SavedRun:
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) in _CLASSES and attrs.has(_CLASSES[module, name]):
-            return _CLASSES[module, name]
+        if module == saved.__name__ and name in _CLASSES and attrs.has(_CLASSES[name]):
+            return _CLASSES[name]
         if (module, name) in (("copyreg", "_reconstructor"), ("builtins", "object")):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of saved graphs")
