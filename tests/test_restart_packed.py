@@ -152,6 +152,7 @@ class _Driver:
     """The few bindings calls a build makes around its nodes."""
 
     CUresult = bindings.CUresult
+    CUfunction_attribute = bindings.CUfunction_attribute
 
     def __init__(self) -> None:
         self.graphs, self.destroyed = 0, []
@@ -175,6 +176,15 @@ class _Driver:
     def cuGraphDestroy(self, graph):  # noqa: N802
         self.destroyed.append(graph)
         return (0,)
+
+    def CUfunction(self, value):  # noqa: N802
+        return value
+
+    def cuFuncGetAttribute(self, attribute, func):  # noqa: N802
+        return 0, 49152
+
+    def cuFuncGetParamInfo(self, func, index):  # noqa: N802 - a function of two 8-byte parameters
+        return (0, 8 * index, 8) if index < 2 else (1, 0, 0)
 
 
 class _Functions:
@@ -202,8 +212,10 @@ def test_graphs_build_on_threads_and_a_refused_node_is_named_for_its_graph_alone
     assert len(refused) == 1 and sum(isinstance(result, int) for result in built) == 2
     if workers == 1:
         assert built[1] is refused[0]
-        assert str(refused[0]) == ("adding node 2 of 3 (kernel gemm, grid (1, 1, 1), block (32, 1, 1), shared 0): "
-                                   "CUDA_ERROR_INVALID_VALUE")
+        assert str(refused[0]) == (
+            "adding node 2 of 3 (kernel gemm, grid (1, 1, 1), block (32, 1, 1), shared 0; parameters at [0], the "
+            "function found here takes them at [0, 8], dynamic shared memory allowed 49152; after 2 nodes): "
+            "CUDA_ERROR_INVALID_VALUE")
     assert sorted(stand_in.destroyed) == [1, 2, 3]
     assert spent["threads"] == min(workers, 3) and spent["nodes"] == 6  # the two graphs built
 

@@ -448,8 +448,8 @@ def _build(driver, calls: _Calls, context: int, packed: PackedGraph, places: Map
             else:
                 error = _add_copy(driver, graph, context, laid, index, count)
             if error:
-                raise DriverError(f"adding node {index} of {packed.node_count} ({_what(packed, index)}): "
-                                  f"{_result(driver, error)}")
+                raise DriverError(f"adding node {index} of {packed.node_count} "
+                                  f"({_what(driver, packed, index, functions, laid)}): {_result(driver, error)}")
         for index, dims in laid.clusters.items():
             value = driver.CUkernelNodeAttrValue()
             value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = dims
@@ -495,12 +495,28 @@ def _result(driver, error: int) -> str:
         return f"CUresult {error}"
 
 
-def _what(packed: PackedGraph, index: int) -> str:
-    """A node as an error names it."""
-    node = packed.unpack().nodes[index]
-    if isinstance(node, Kernel):
-        return f"kernel {node.name[:80]}, grid {node.grid}, block {node.block}, shared {node.shared}"
-    return type(node).__name__.lower()
+def _what(driver, packed: PackedGraph, index: int, functions: Mapping[tuple[str, str], int], laid: Laid) -> str:
+    """A node the driver refused, as an error names it: a kernel with its launch, the
+    parameters it was saved with against those the function found here takes, and the
+    dynamic shared memory that function allows; the handles of the nodes it waits for."""
+    kinds = packed.array("kinds")
+    _, _, waits, count, _, _, _ = laid.rows[index]
+    after = [int(h) for h in np.frombuffer(ctypes.string_at(waits, 8 * count), dtype=np.uint64)] if count else []
+    waiting = f"after {count} node{'s' if count != 1 else ''}" + (" (one not added)" if 0 in after else "")
+    if kinds[index] != NodeKind.KERNEL:
+        return f"{('kernel', 'memset', 'copy', 'empty')[kinds[index]]}, {waiting}"
+    kernel = int(np.count_nonzero(kinds[:index] == NodeKind.KERNEL))
+    library, name, _ = packed.functions[packed.array("kernel_function")[kernel]]
+    grid, block, shared = (tuple(int(n) for n in row) for row in np.split(packed.array("launch")[kernel], [3, 6]))
+    start, end = packed.array("param_start")[kernel:kernel + 2]
+    saved = [int(o) for o in packed.array("param_offsets")[start:end]]
+    func = driver.CUfunction(functions[library, name])
+    here = [offset for offset, _ in _layout(driver, func)]
+    allowed = _ok(driver.cuFuncGetAttribute(
+        driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func))
+    return (f"kernel {name[:80]}, grid {grid}, block {block}, shared {shared[0]}; parameters at {saved}"
+            + ("" if here == saved else f", the function found here takes them at {here}")
+            + f", dynamic shared memory allowed {allowed}; {waiting}")
 
 
 def launcher(executable: int):
