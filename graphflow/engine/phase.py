@@ -99,6 +99,9 @@ class Tally:
     #: Per mode, what a pool of its own reserved for the first descriptor's step
     #: (``Warmed.pool_probe_bytes``): the capture pool forecast before any capture.
     pool_probe: dict[str, int] = attrs.field(factory=dict)
+    #: A run that saves its graphs: each descriptor's distinct matrix multiplications, as
+    #: its capture made them (``graphflow.engine.restart.matmuls``).
+    matmuls: dict[Descriptor, tuple] = attrs.field(factory=dict)
 
 
 @attrs.frozen

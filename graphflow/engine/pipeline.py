@@ -102,6 +102,7 @@ from graphflow.engine.phase import Hooks, Tally, run_descriptor, run_phase, run_
 from graphflow.engine.locus import Where
 from graphflow.engine.options import RunOptions
 from graphflow.engine.restart.driver import DriverError, check_available
+from graphflow.engine.restart.matmuls import Recorder
 from graphflow.engine.restart.run import Restart, restore, save
 from graphflow.engine.rollback import UndoError
 from graphflow.engine.verify import HINT as VERIFY_HINT
@@ -208,10 +209,15 @@ def _allocate(ctx: Context, model: object | None, channels: ChannelRuntimeProtoc
 def _capture_all(ctx: Context, alloc: Allocation, tally: Tally) -> Captured:
     """Step 3 for every descriptor in turn; then verify's snapshots freed and the capture
     closed (gc unfrozen, tripwires removed)."""
-    hooks = Hooks(behind=alloc.behind)
+    # A run that saves its graphs records each capture's multiplications: a restart runs
+    # them to load the libraries of their kernels.
+    recorder = Recorder() if ctx.options.save_graphs is not None else None
+    hooks = Hooks(behind=alloc.behind, record=recorder and recorder.recording)
     captured = waiting = None
     for index, descriptor in enumerate(ctx.descriptors, 1):
         captured, waiting = run_descriptor(ctx, alloc, captured, descriptor, index, tally, hooks, waiting)
+        if recorder is not None:
+            tally.matmuls[descriptor] = recorder.taken()
     if waiting is not None:
         run_verify(ctx, alloc, captured, waiting, tally, hooks)
     alloc.owned.free_snapshots()
@@ -238,7 +244,7 @@ def _finish(ctx: Context, alloc: Allocation, captured: Captured, tally: Tally, r
                        lambda: commit(ctx, alloc, captured, tuple(tally.verified), tuple(tally.times)),
                        pool=lambda _: captured.pool_bytes)
     if ctx.options.save_graphs is not None:
-        restart = save(ctx, alloc, captured, ctx.options.save_graphs)
+        restart = save(ctx, alloc, captured, ctx.options.save_graphs, tally.matmuls)
     report = attrs.evolve(report, phases=summarize(tally.phases), prewarm=tally.prewarm,
                           pool_probe=dict(tally.pool_probe), restart=restart)
     live = background = None

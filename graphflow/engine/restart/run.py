@@ -26,7 +26,7 @@ import functools
 import pathlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import attrs
 import torch
@@ -39,10 +39,11 @@ from graphflow.engine.context import Context
 from graphflow.engine.execute import bind
 from graphflow.engine.phase import Tally, Waiting, run_descriptor, run_phase, run_verify
 from graphflow.engine.restart import driver, store
+from graphflow.engine.restart import matmuls as multiplications
 from graphflow.engine.restart.key import differs, restart_key
 from graphflow.engine.restart.packed import pack
 from graphflow.engine.restart.regions import AddressBook, model_tensors, pool_blocks
-from graphflow.engine.restart.saved import Output, Region, SavedDescriptor, SavedRun
+from graphflow.engine.restart.saved import Matmul, Output, Region, SavedDescriptor, SavedRun
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.warmup import DescriptorTime, warmup
 from graphflow.events import Phase
@@ -78,9 +79,10 @@ class Restart:
     recaptured: tuple[str, ...] = ()
 
 
-def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib.Path) -> Restart:
-    """Write every committed descriptor's graphs to ``directory``; a descriptor whose
-    graphs hold what a new process cannot build is left out, with why."""
+def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib.Path,
+         matmuls: Mapping[Descriptor, tuple[Matmul, ...]] | None = None) -> Restart:
+    """Write every committed descriptor's graphs, and its ``matmuls``, to ``directory``;
+    a descriptor whose graphs hold what a new process cannot build is left out, with why."""
     began = time.perf_counter()
     device = next(iter(alloc.pools))
     book = _book(alloc, device)
@@ -92,7 +94,8 @@ def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib
         except driver.Unsupported as exc:
             left_out.append((descriptor.size, descriptor.mode.value, f"its graph holds {exc}"))
             continue
-        descriptors.append(SavedDescriptor(descriptor.size, descriptor.mode.value, graphs, outputs))
+        descriptors.append(SavedDescriptor(descriptor.size, descriptor.mode.value, graphs, outputs,
+                                           (matmuls or {}).get(descriptor, ())))
     read = time.perf_counter()
     regions = book.with_contents(functools.partial(_read_bytes, device))
     contents = time.perf_counter()
@@ -204,6 +207,8 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
                if (descriptor.size, descriptor.mode.value) not in saved]
     pending = {index: (descriptor, saved[descriptor.size, descriptor.mode.value]) for index, descriptor in order[:-1]
                if (descriptor.size, descriptor.mode.value) in saved}
+    _load_libraries(functions, [entry for _, entry in pending.values() if functions.missing(_kernels(entry))],
+                    device, spent)
     recaptured = []
     for index, why in _lacking(functions, pending):
         descriptor = pending.pop(index)[0]
@@ -238,6 +243,34 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     alloc.owned.free_snapshots()
     captured.close()
     return captured, len(restored), tuple(recaptured)
+
+
+def _load_libraries(functions: driver.Functions, entries: list[SavedDescriptor], device: torch.device,
+                    spent: dict) -> None:
+    """The libraries of kernels ``entries`` launch that no graph of this process shows
+    yet, loaded and their kernels found: each distinct multiplication of theirs run once
+    eagerly and once in a throwaway graph, whose kernels ``functions`` then knows
+    (``graphflow.engine.restart.matmuls``). What this cannot find, capturing finds
+    (``_lacking``); a failure here only leaves more to capture, and says why in
+    ``spent["matmuls_failed"]``."""
+    wanted = list(dict.fromkeys(m for entry in entries for m in entry.matmuls))
+    if not wanted or device.type != "cuda":
+        return
+    began = time.perf_counter()
+    try:
+        stream = torch.cuda.Stream(device)
+        multiplications.run(wanted, device, stream)  # loads the libraries
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        multiplications.run(wanted, device, stream, graph)
+        try:
+            functions.add_graph(graph.raw_cuda_graph())
+        finally:
+            graph.reset()
+    except Exception as exc:  # noqa: BLE001 - the descriptors are captured instead
+        spent["matmuls_failed"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+    spent["matmuls"] = len(wanted)
+    spent["matmuls_s"] = time.perf_counter() - began
 
 
 def _lacking(functions: driver.Functions, pending: dict[int, tuple[Descriptor, SavedDescriptor]]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-__all__ = ["Copy", "Empty", "Kernel", "Memset", "NodeKind", "Output", "PackedGraph", "Place", "Pointer", "Region",
-           "SavedDescriptor", "SavedGraph", "SavedRun"]
+__all__ = ["Copy", "Empty", "Kernel", "Matmul", "Memset", "NodeKind", "Output", "PackedGraph", "Place", "Pointer",
+           "Region", "SavedDescriptor", "SavedGraph", "SavedRun", "TensorLayout"]
 
 
 @attrs.frozen
@@ -228,14 +228,37 @@ class Output:
 
 
 @attrs.frozen
+class TensorLayout:
+    """A tensor as a matrix library sees it: shape, strides, dtype (as torch names it),
+    and how its address is aligned (``graphflow.engine.restart.matmuls.alignment``)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    alignment: int
+
+
+@attrs.frozen
+class Matmul:
+    """One call of a multiplication operator (``mm.default``), its arguments with each
+    tensor as its ``TensorLayout`` (``graphflow.engine.restart.matmuls``)."""
+
+    operator: str
+    args: tuple
+    kwargs: tuple[tuple[str, object], ...] = ()
+
+
+@attrs.frozen
 class SavedDescriptor:
     """One descriptor: its size and mode (as ``Descriptor``'s fields), its regions'
-    graphs in the order its step replays them, and the outputs kept where they are."""
+    graphs in the order its step replays them, the outputs kept where they are, and the
+    distinct multiplications its step makes (run again to load their libraries)."""
 
     size: int
     mode: str
     graphs: tuple[PackedGraph, ...]
     outputs: tuple[Output, ...] = ()
+    matmuls: tuple[Matmul, ...] = ()
 
 
 @attrs.frozen
