@@ -220,7 +220,8 @@ class _FakeDriver:
     CUfunction_attribute = CUfunction_attribute()
 
     def __init__(self, modules, libraries):
-        self.modules, self.libraries = modules, libraries  # handle -> [(name, regs)], handle -> [names]
+        # handle -> [(name, regs, parameters)], handle -> [names]
+        self.modules, self.libraries = modules, libraries
 
     def CUkernel(self, value):  # noqa: N802 - the driver's name
         return value
@@ -239,6 +240,9 @@ class _FakeDriver:
 
     def cuFuncGetAttribute(self, attribute, func):  # noqa: N802
         return 0, self.modules[func // 100][func % 100][1] if attribute.endswith("NUM_REGS") else 0
+
+    def cuFuncGetParamInfo(self, func, index):  # noqa: N802 - 8-byte parameters, one after another
+        return (0, 8 * index, 8) if index < self.modules[func // 100][func % 100][2] else (1, 0, 0)
 
     def cuKernelGetLibrary(self, kernel):  # noqa: N802
         return 0, kernel // 100
@@ -260,10 +264,11 @@ class _Node:
 
 def test_kernels_of_one_name_are_told_apart_by_their_library_or_jit_specialization(monkeypatch):
     monkeypatch.setattr(restart_driver, "_LIBRARIES", {})
-    fake = _FakeDriver(modules={1: [("rms", 32)], 2: [("rms", 40)], 3: [("rms", 32)]},
+    fake = _FakeDriver(modules={1: [("rms", 32, 5)], 2: [("rms", 40, 5)], 3: [("rms", 32, 5)], 7: [("rms", 32, 4)]},
                        libraries={4: ["cos", "sin"], 5: ["cos", "exp"], 6: ["sin", "cos"]})
-    jit = [restart_driver.siblings(fake, _Node(func=module * 100))[0] for module in (1, 2, 3)]
+    jit = [restart_driver.siblings(fake, _Node(func=module * 100))[0] for module in (1, 2, 3, 7)]
     assert jit[0] != jit[1] and jit[0] == jit[2]  # two specializations of "rms"; the same one in another module
+    assert jit[0] != jit[3]  # one with a parameter fewer (an argument the compiler made a constant)
     library, found = restart_driver.siblings(fake, _Node(kern=400))
     assert found == {"cos": 400, "sin": 401}
     assert library != restart_driver.siblings(fake, _Node(kern=500))[0]  # "cos" of another library

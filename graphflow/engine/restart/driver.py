@@ -310,7 +310,7 @@ def siblings(driver, params) -> tuple[str, dict[str, int]]:
         functions = _ok(driver.cuModuleEnumerateFunctions(count, module)) if count else ()
         names = [_ok(driver.cuFuncGetName(f)).decode() for f in functions]
         found = {name: int(f) for name, f in zip(names, functions)}
-        shapes = [f"{name}:{_resources(driver, f)}" for name, f in zip(names, functions)]
+        shapes = [f"{name}:{_resources(driver, f)}:{_layout(driver, f)}" for name, f in zip(names, functions)]
         _LIBRARIES[key] = (_fingerprint(shapes), found)
     return _LIBRARIES[key]
 
