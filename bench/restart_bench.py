@@ -291,6 +291,9 @@ def _print(results: dict) -> None:
         built = restart.get("built") or {}
         said = (f"{built['nodes']} nodes: add {built['add_s']:.2f} s, instantiate {built['instantiate_s']:.2f} s, "
                 f"{built['wall_s']:.2f} s on {built['threads']} threads" if built.get("nodes") else "")
+        if built.get("matmuls"):
+            said += (f"; {built['matmuls']} multiplications run to load libraries in {built['matmuls_s']:.2f} s"
+                     + (f" ({built['matmuls_failed']})" if built.get("matmuls_failed") else ""))
         print(f"{role:<10}{row['live_s']:>22.2f}{ratio:>12}  {counts:<20}  {str(exact):<26}  {said}")
         for line in restart.get("recaptured") or ():
             print(f"{'':<10}captured {line}")
