@@ -1,15 +1,19 @@
 """Save a committed run's graphs; bring a new process's run live from them.
 
 ``save`` reads every graph of a committed foreground run into plain data
-(``graphflow.engine.restart.driver.read``) with the regions its addresses point into,
+(``graphflow.engine.restart.driver.read``, packed: ``graphflow.engine.restart.packed``)
+with the regions its addresses point into and the multiplications each capture made,
 and writes them beside the key of what must match (``graphflow.engine.restart.key``).
 
 ``restore`` is step 3 of a run that has saved graphs: after allocate (the model built,
 the static buffers made), it checks the key, places every region (the model's tensors
 and the buffers where this process has them, the pool's blocks and other memory
 allocated afresh), captures one descriptor for real (its kernels, and every kernel of
-the modules they are in, are then found by name, ``Functions``), and builds every other
-descriptor's graphs from the saved nodes. A descriptor that cannot be built (not saved,
+the modules they are in, are then found by name, ``Functions``), loads the libraries
+of kernels still missing by running the multiplications that launch them
+(``_load_libraries``), captures the fewest descriptors that find the rest (``_lacking``),
+and builds every other descriptor's graphs from the saved nodes, on several threads
+(``_build``). A descriptor that cannot be built (not saved,
 a kernel not found here, a node or a graph the driver refuses) is captured instead, and
 ``Restart.recaptured`` says why: the restore keeps the largest part that works, and one
 run shows every node that cannot be rebuilt, not only the first. The usual sample is
@@ -214,23 +218,8 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
         descriptor = pending.pop(index)[0]
         captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
         recaptured.append(f"{descriptor}: {why}")
-    buildable = [(index, descriptor, entry) for index, (descriptor, entry) in pending.items()]
-    built = iter(driver.build_all([graph for *_, entry in buildable for graph in entry.graphs], places, functions,
-                                  spent))
-    restored = []
-    for index, descriptor, entry in buildable:
-        results = [next(built) for _ in entry.graphs]
-        graphs = [_Rebuilt(result) for result in results if isinstance(result, int)]
-        undos = [ctx.stack.push(f"destroy a restored graph of {descriptor}", graph.destroy) for graph in graphs]
-        refused = next((result for result in results if isinstance(result, driver.DriverError)), None)
-        if refused is None:
-            tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, functools.partial(
-                _publish, ctx, alloc, captured, descriptor, index, entry, graphs, places)))
-            restored.append((index, descriptor))
-            continue
-        for undo in undos:
-            ctx.stack.run_now(undo)
-        unbuilt.append((index, descriptor, f"graph {results.index(refused)}: {refused}"))
+    restored, refused = _build(ctx, alloc, captured, pending, places, functions, spent, tally)
+    unbuilt += refused
     for index, descriptor, why in sorted(unbuilt, key=lambda item: item[0]):
         captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
         recaptured.append(f"{descriptor}: {why}")
@@ -243,6 +232,33 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     alloc.owned.free_snapshots()
     captured.close()
     return captured, len(restored), tuple(recaptured)
+
+
+def _build(ctx: Context, alloc: Allocation, captured: Captured,
+           pending: dict[int, tuple[Descriptor, SavedDescriptor]], places: dict[str, int],
+           functions: driver.Functions, spent: dict, tally: Tally
+           ) -> tuple[list[tuple[int, Descriptor]], list[tuple[int, Descriptor, str]]]:
+    """Every pending descriptor's graphs built at once (``driver.build_all``); each
+    descriptor published whole, or, where the driver refused one of its graphs, its
+    other graphs destroyed at once and the descriptor given back with why."""
+    buildable = list(pending.items())
+    built = iter(driver.build_all([graph for _, (_, entry) in buildable for graph in entry.graphs], places,
+                                  functions, spent))
+    restored, refused = [], []
+    for index, (descriptor, entry) in buildable:
+        results = [next(built) for _ in entry.graphs]
+        graphs = [_Rebuilt(result) for result in results if isinstance(result, int)]
+        undos = [ctx.stack.push(f"destroy a restored graph of {descriptor}", graph.destroy) for graph in graphs]
+        error = next((result for result in results if isinstance(result, driver.DriverError)), None)
+        if error is None:
+            tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, functools.partial(
+                _publish, ctx, alloc, captured, descriptor, index, entry, graphs, places)))
+            restored.append((index, descriptor))
+            continue
+        for undo in undos:
+            ctx.stack.run_now(undo)
+        refused.append((index, descriptor, f"graph {results.index(error)}: {error}"))
+    return restored, refused
 
 
 def _load_libraries(functions: driver.Functions, entries: list[SavedDescriptor], device: torch.device,
