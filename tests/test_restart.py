@@ -434,3 +434,29 @@ def test_the_fewest_descriptors_are_captured_to_find_every_kernel_library():
     assert chosen == [(2, "2 kernels not found here (k-gemm-tall, k-gemm-wide)"),
                       (6, "1 kernel not found here (k-gemm-small)")]
     assert sorted(pending) == [1, 3, 4, 5]
+
+
+def test_a_publish_that_fails_leaves_no_restored_graph_behind(monkeypatch):
+    """Every graph built is on the rollback stack before any descriptor is published:
+    a publish that raises part way, unwound, destroys the later descriptors' graphs too."""
+    import types
+
+    from graphflow.engine.restart import run as restart_run
+    from graphflow.engine.rollback import UndoStack
+
+    destroyed = []
+    monkeypatch.setattr(restart_driver, "build_all", lambda graphs, *a, **k: list(range(100, 100 + len(graphs))))
+    monkeypatch.setattr(restart_driver, "launcher", lambda executable: lambda: None)
+    monkeypatch.setattr(restart_driver, "destroy", destroyed.append)
+    monkeypatch.setattr(restart_run, "run_phase", lambda ctx, phases, phase, body: body())
+
+    def publish(ctx, alloc, captured, descriptor, index, entry, graphs, places):
+        if descriptor == "second":
+            raise RuntimeError("publishing failed")
+
+    monkeypatch.setattr(restart_run, "_publish", publish)
+    ctx, entry = types.SimpleNamespace(stack=UndoStack()), types.SimpleNamespace(graphs=(1, 2))
+    pending = {1: ("first", entry), 2: ("second", entry), 3: ("third", entry)}
+    with pytest.raises(RuntimeError, match="publishing failed"):
+        restart_run._build(ctx, None, None, pending, {}, None, {}, types.SimpleNamespace(times=[], phases=[]))
+    assert ctx.stack.unwind() is None and sorted(destroyed) == list(range(100, 106))

@@ -51,3 +51,38 @@ def test_recorded_multiplications_are_saved_and_read_back(tmp_path):
     run_ = saved.SavedRun({"gpu": "a"}, {}, (saved.SavedDescriptor(4, "FULL", (), (), (matmul,)),))
     store.write(run_, tmp_path)
     assert store.load(tmp_path).descriptors[0].matmuls == (matmul,)
+
+
+def test_scratch_tensors_hold_zeros():
+    """A grouped multiplication reads its groups' offsets from a tensor: garbage there
+    would read out of bounds."""
+    from graphflow.engine.restart.matmuls import _scratch
+
+    for align in (4, 16, 64, 256):
+        tensor = _scratch(saved.TensorLayout((3, 5), (1, 3), "int32", align), torch.device("cpu"))
+        assert tensor.shape == (3, 5) and tensor.stride() == (1, 3) and not tensor.any()
+        assert alignment(tensor.data_ptr()) == align
+
+
+def test_recording_leaves_torch_compile_compiling():
+    """A dispatch mode torch.compile does not know of makes it skip a frame for good;
+    recording tells it to look through."""
+    runs = []
+
+    def backend(graph_module, example_inputs):
+        def compiled(*args):
+            runs.append(1)
+            return graph_module.forward(*args)
+
+        return compiled
+
+    @torch.compile(backend=backend)
+    def step(x, w):
+        return torch.relu(x @ w)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    step(x, w)
+    recorder = Recorder()
+    recorder.recording(lambda: step(x, w))()
+    step(x, w)
+    assert len(runs) == 3 and [m.operator for m in recorder.taken()] == ["mm.default"]

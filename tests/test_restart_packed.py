@@ -239,3 +239,21 @@ def test_an_interrupted_build_destroys_every_graph_it_built(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         restart_driver.build_all([one, one, two, one, one], REGIONS, _Functions(), workers=2)
     assert len(made) >= 2 and sorted(destroyed) == sorted(made)
+
+
+def test_a_kernel_the_driver_will_not_give_refuses_only_the_graphs_that_launch_it(monkeypatch):
+    stand_in = _Driver()
+    monkeypatch.setattr(restart_driver, "_driver", lambda: stand_in)
+    monkeypatch.setattr(restart_driver, "_calls", lambda: _Calls())
+
+    class Functions:
+        def function(self, library, name):
+            if name == "gemm":
+                raise restart_driver.DriverError("cuKernelGetFunction: CUDA_ERROR_NOT_FOUND")
+            return FUNCTIONS[library, name]
+
+    with_gemm = pack(saved.SavedGraph((_kernel("norm"), _kernel("gemm")), ((), (0,))))
+    without = pack(saved.SavedGraph((_kernel("norm"),), ((),)))
+    refused, built = restart_driver.build_all([with_gemm, without], REGIONS, Functions(), workers=1)
+    assert str(refused) == "kernel gemm: cuKernelGetFunction: CUDA_ERROR_NOT_FOUND"
+    assert isinstance(built, int) and stand_in.destroyed == [1]  # only the graph built was made at all

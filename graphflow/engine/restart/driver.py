@@ -13,6 +13,7 @@ stream capture.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -351,19 +352,26 @@ def build_all(graphs: Sequence[PackedGraph], places: Mapping[str, int], function
     calls = _calls()
     context = int(_ok(driver.cuCtxGetCurrent()))
     wanted = {(library, name): max_shared for graph in graphs for library, name, max_shared in graph.functions}
-    handles = {}
+    handles, unusable = {}, {}
     for (library, name), max_shared in wanted.items():
-        func = functions.function(library, name)
-        if max_shared:  # a function found again by name has the default limit until it is raised
-            shared = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _ok(driver.cuFuncSetAttribute(func, shared, max_shared),
-                f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {max_shared}) of {name[:60]}")
+        try:
+            func = functions.function(library, name)
+            if max_shared:  # a function found again by name has the default limit until it is raised
+                shared = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _ok(driver.cuFuncSetAttribute(func, shared, max_shared),
+                    f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {max_shared})")
+        except DriverError as error:  # only the graphs that launch it are refused
+            unusable[library, name] = DriverError(f"kernel {name[:80]}: {error}")
+            continue
         handles[library, name] = int(func)
     totals = spent if spent is not None else {}
     lock = threading.Lock()
     threads = max(1, min(workers or WORKERS, len(graphs)))
 
     def attempt(graph: PackedGraph) -> int | DriverError:
+        refused = next((unusable[key] for key in sorted(graph.kernel_names) if key in unusable), None)
+        if refused is not None:
+            return refused
         took: dict = {}
         try:
             return _build(driver, calls, context, graph, places, handles, took)
@@ -387,7 +395,8 @@ def build_all(graphs: Sequence[PackedGraph], places: Mapping[str, int], function
             concurrent.futures.wait(futures)
             for future in futures:
                 if not future.cancelled() and future.exception() is None and isinstance(future.result(), int):
-                    destroy(future.result())
+                    with contextlib.suppress(DriverError):  # the others are destroyed all the same
+                        destroy(future.result())
             raise
     totals["wall_s"] = totals.get("wall_s", 0.0) + time.perf_counter() - began
     totals["threads"] = threads
@@ -432,6 +441,7 @@ def _build(driver, calls: _Calls, context: int, packed: PackedGraph, places: Map
            functions: Mapping[tuple[str, str], int], took: dict) -> int:
     began = time.perf_counter()
     graph = int(_ok(driver.cuGraphCreate(0), "cuGraphCreate"))
+    built = None
     try:
         laid = lay_out(packed, places, functions)
         handles, scratch, deps = laid.handles, laid.scratch, laid.deps
@@ -465,9 +475,13 @@ def _build(driver, calls: _Calls, context: int, packed: PackedGraph, places: Map
         took["add_s"] = added - began
         took["instantiate_s"] = time.perf_counter() - added
         took["nodes"] = packed.node_count
-        return int(executable.value)
+        built = int(executable.value)
     finally:
-        _ok(driver.cuGraphDestroy(driver.CUgraph(graph)))
+        error = int(driver.cuGraphDestroy(driver.CUgraph(graph))[0])
+        if error and built is not None:  # the graph is kept from leaking with the executable made from it
+            destroy(built)
+            raise DriverError(f"cuGraphDestroy: {_result(driver, error)}")
+    return built
 
 
 def _add_copy(driver, graph: int, context: int, laid: Laid, index: int, count: int) -> int:

@@ -63,6 +63,12 @@ class _Mode(TorchDispatchMode):
         super().__init__()
         self._seen = seen
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Recording leaves ``torch.compile`` as it is: a mode it does not know of makes it
+        skip a frame, and keep skipping it after the mode is gone."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func._schema.name.removeprefix("aten::") in OPERATORS and func.namespace == "aten":
@@ -90,9 +96,11 @@ def alignment(address: int) -> int:
 
 
 def run(matmuls: Iterable[Matmul], device: torch.device, stream, graph: torch.cuda.CUDAGraph | None = None) -> None:
-    """Each multiplication once on scratch tensors of its layout (their values are
-    whatever the memory held), on ``stream``; recorded into ``graph`` when one is given
-    (it must keep its graph: ``CUDAGraph(keep_graph=True)``)."""
+    """Each multiplication once on zeroed scratch tensors of its layout, on ``stream``;
+    recorded into ``graph`` when one is given (it must keep its graph:
+    ``CUDAGraph(keep_graph=True)``). Zeros, not whatever memory held: a grouped
+    multiplication reads its groups' offsets from a tensor, and garbage there would read
+    out of bounds."""
     calls = [(_operator(m.operator), m) for m in matmuls]
     with torch.no_grad(), torch.cuda.stream(stream) if device.type == "cuda" else contextlib.nullcontext():
         inputs = [(op, tuple(_value(a, device) for a in m.args), {k: _value(v, device) for k, v in m.kwargs})
@@ -123,7 +131,7 @@ def _scratch(layout: TensorLayout, device: torch.device) -> torch.Tensor:
     dtype = getattr(torch, layout.dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     extent = 1 + sum((n - 1) * s for n, s in zip(layout.shape, layout.stride)) if all(layout.shape) else 0
-    base = torch.empty(extent * itemsize + 2 * ALIGNMENT, dtype=torch.uint8, device=device)
+    base = torch.zeros(extent * itemsize + 2 * ALIGNMENT, dtype=torch.uint8, device=device)
     skip = -base.data_ptr() % ALIGNMENT + (layout.alignment if layout.alignment < ALIGNMENT else 0)
     storage = base[skip:skip + extent * itemsize]
     return storage.view(dtype).as_strided(layout.shape, layout.stride)

@@ -172,8 +172,10 @@ def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Pa
     try:
         spent: dict = {}
         captured, restored, recaptured = _restore(own, alloc, mine, directory, spent)
-    except Exception as exc:  # noqa: BLE001 - every failure falls back to a capture, said in one line
+    except BaseException as exc:  # noqa: BLE001 - every failure falls back to a capture, said in one line
         failures = own.stack.unwind()
+        if not isinstance(exc, Exception):  # Ctrl-C: the restore undone, and the run stops
+            raise
         for pools in alloc.pool_sets.values():  # a pool the restore captured into is not captured into again
             pools.failed()
         first = (str(exc).splitlines() or [""])[0]
@@ -244,11 +246,16 @@ def _build(ctx: Context, alloc: Allocation, captured: Captured,
     buildable = list(pending.items())
     built = iter(driver.build_all([graph for _, (_, entry) in buildable for graph in entry.graphs], places,
                                   functions, spent))
-    restored, refused = [], []
-    for index, (descriptor, entry) in buildable:
+    # Every graph built is on the stack before any is published: a publish that fails
+    # leaves none of the later descriptors' graphs behind.
+    each = []
+    for _, (descriptor, entry) in buildable:
         results = [next(built) for _ in entry.graphs]
         graphs = [_Rebuilt(result) for result in results if isinstance(result, int)]
-        undos = [ctx.stack.push(f"destroy a restored graph of {descriptor}", graph.destroy) for graph in graphs]
+        each.append((results, graphs, [ctx.stack.push(f"destroy a restored graph of {descriptor}", graph.destroy)
+                                       for graph in graphs]))
+    restored, refused = [], []
+    for (index, (descriptor, entry)), (results, graphs, undos) in zip(buildable, each):
         error = next((result for result in results if isinstance(result, driver.DriverError)), None)
         if error is None:
             tally.times.append(run_phase(ctx, tally.phases, Phase.CAPTURE, functools.partial(
