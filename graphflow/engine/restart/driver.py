@@ -493,13 +493,17 @@ def _add_copy(driver, graph: int, context: int, laid: Laid, index: int, count: i
     params.srcDevice, params.dstDevice = source, destination
     params.srcPitch, params.dstPitch = copy.src_pitch, copy.dst_pitch
     params.WidthInBytes, params.Height, params.Depth = copy.width, copy.height, 1
-    waits = laid.rows[index][2]
-    after = [driver.CUgraphNode(int(handle)) for handle in
-             np.frombuffer(ctypes.string_at(waits, 8 * count), dtype=np.uint64)] if count else None
+    after = [driver.CUgraphNode(handle) for handle in _waited(laid, index)] or None
     error, node = driver.cuGraphAddMemcpyNode(driver.CUgraph(graph), after, count, params, driver.CUcontext(context))
     if int(error) == 0:
         laid.handles[index] = int(node)
     return int(error)
+
+
+def _waited(laid: Laid, index: int) -> list[int]:
+    """The handles of the nodes node ``index`` waits for, where ``laid.rows`` points."""
+    _, _, waits, count, _, _, _ = laid.rows[index]
+    return [int(h) for h in np.frombuffer(ctypes.string_at(waits, 8 * count), dtype=np.uint64)] if count else []
 
 
 def _result(driver, error: int) -> str:
@@ -514,11 +518,10 @@ def _what(driver, packed: PackedGraph, index: int, functions: Mapping[tuple[str,
     parameters it was saved with against those the function found here takes, and the
     dynamic shared memory that function allows; the handles of the nodes it waits for."""
     kinds = packed.array("kinds")
-    _, _, waits, count, _, _, _ = laid.rows[index]
-    after = [int(h) for h in np.frombuffer(ctypes.string_at(waits, 8 * count), dtype=np.uint64)] if count else []
-    waiting = f"after {count} node{'s' if count != 1 else ''}" + (" (one not added)" if 0 in after else "")
+    after = _waited(laid, index)
+    waiting = f"after {len(after)} node{'s' if len(after) != 1 else ''}" + (" (one not added)" if 0 in after else "")
     if kinds[index] != NodeKind.KERNEL:
-        return f"{('kernel', 'memset', 'copy', 'empty')[kinds[index]]}, {waiting}"
+        return f"{NodeKind(kinds[index]).name.lower()}, {waiting}"
     kernel = int(np.count_nonzero(kinds[:index] == NodeKind.KERNEL))
     library, name, _ = packed.functions[packed.array("kernel_function")[kernel]]
     grid, block, shared = (tuple(int(n) for n in row) for row in np.split(packed.array("launch")[kernel], [3, 6]))

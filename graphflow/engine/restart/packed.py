@@ -40,6 +40,7 @@ MEMSET_PARAMS = np.dtype({
     "formats": ["<u8", "<u8", "<u4", "<u4", "<u8", "<u8"],
     "offsets": [0, 8, 16, 20, 24, 32], "itemsize": 40})
 
+
 def pack(graph: SavedGraph) -> PackedGraph:
     """``graph`` packed; an address that is not at a word of its kernel's arguments is
     refused (``ValueError``: the driver lays every pointer parameter on one)."""
@@ -61,7 +62,7 @@ def pack(graph: SavedGraph) -> PackedGraph:
             arrays["kernel_function"].append(functions.setdefault((node.library, node.name, node.max_shared),
                                                                   len(functions)))
             arrays["launch"].append((*node.grid, *node.block, node.shared))
-            for pointer in node.pointers:
+            for pointer in sorted(node.pointers, key=lambda p: p.at):  # ascending: unpack searches them
                 if pointer.at % 8 or not 0 <= pointer.at <= len(node.args) - 8:
                     raise ValueError(f"kernel {node.name}: an address at byte {pointer.at}, not at a word")
                 arrays["pointer_word"].append((len(args) + pointer.at) // 8)

@@ -209,10 +209,10 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     order = list(enumerate(ctx.descriptors, 1))
     functions = driver.Functions()
     captured = _capture(ctx, alloc, None, *order[-1], tally, functions)
-    unbuilt = [(index, descriptor, "not saved") for index, descriptor in order[:-1]
-               if (descriptor.size, descriptor.mode.value) not in saved]
-    pending = {index: (descriptor, saved[descriptor.size, descriptor.mode.value]) for index, descriptor in order[:-1]
-               if (descriptor.size, descriptor.mode.value) in saved}
+    entries = {index: (descriptor, saved.get((descriptor.size, descriptor.mode.value)))
+               for index, descriptor in order[:-1]}
+    unbuilt = [(index, descriptor, "not saved") for index, (descriptor, entry) in entries.items() if entry is None]
+    pending = {index: found for index, found in entries.items() if found[1] is not None}
     _load_libraries(functions, [entry for _, entry in pending.values() if functions.missing(_kernels(entry))],
                     device, spent)
     recaptured = []

@@ -15,6 +15,8 @@ builds it from quickly.
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 import numpy as np
 
@@ -98,9 +100,11 @@ class SavedGraph:
     after: tuple[tuple[int, ...], ...]
 
 
-class NodeKind:
-    KERNEL, MEMSET, COPY, EMPTY = range(4)
-
+class NodeKind(enum.IntEnum):
+    KERNEL = 0
+    MEMSET = 1
+    COPY = 2
+    EMPTY = 3
 
 
 #: Each array of a packed graph, by field: its dtype, and its columns where it is a table.
@@ -122,12 +126,12 @@ class PackedGraph:
     ``kernel_function`` (an index into ``functions``: library, name, dynamic shared
     memory allowed), ``launch`` (grid, block, shared bytes), its argument bytes at
     ``args_start`` in ``args`` (8-byte words, each kernel's from a word boundary;
-    ``arg_size`` of them its own), its
-    parameters' offsets at ``param_start`` in ``param_offsets``. Each address in the
-    arguments: the word ``pointer_word`` of ``args`` is ``pointer_offset`` bytes into
-    ``regions[pointer_region]``. Per memset: ``memsets`` (pitch, value, element size,
-    width, height) and its destination the same way. ``copies``: each copy node by
-    node index (device-to-device copies are few)."""
+    ``arg_size`` of them its own), its parameters' offsets at ``param_start`` in
+    ``param_offsets``. Each address in the arguments: the word ``pointer_word`` of
+    ``args`` (ascending) is ``pointer_offset`` bytes into ``regions[pointer_region]``.
+    Per memset: ``memsets`` (pitch, value, element size, width, height) and its
+    destination the same way. ``copies``: each copy node by node index
+    (device-to-device copies are few)."""
 
     node_count: int
     functions: tuple[tuple[str, str, int], ...]
@@ -169,14 +173,14 @@ class PackedGraph:
         offsets, launch, function = self.array("param_offsets"), self.array("launch"), self.array("kernel_function")
         word, region, offset = self.array("pointer_word"), self.array("pointer_region"), self.array("pointer_offset")
         sizes, clusters, copies = self.array("arg_size"), dict(self.clusters), dict(self.copies)
-        memsets = self.array("memsets")
-        memset_where = zip(self.array("memset_region"), self.array("memset_offset"))
+        memsets, memset_region, memset_offset = (self.array(name) for name in ("memsets", "memset_region",
+                                                                               "memset_offset"))
         nodes: list[Node] = []
         kernel = memset = 0
         for index, kind in enumerate(kinds):
             if kind == NodeKind.KERNEL:
                 start, end = args_start[kernel], args_start[kernel + 1]
-                owned = (word >= start // 8) & (word < end // 8)
+                owned = slice(*np.searchsorted(word, [start // 8, end // 8]))
                 pointers = tuple(Pointer(int(w) * 8 - int(start), Place(self.regions[r], int(o)))
                                  for w, r, o in zip(word[owned], region[owned], offset[owned]))
                 library, name, max_shared = self.functions[function[kernel]]
@@ -188,9 +192,9 @@ class PackedGraph:
                                     clusters.get(kernel), max_shared))
                 kernel += 1
             elif kind == NodeKind.MEMSET:
-                r, o = next(memset_where)
                 pitch, value, element, width, height = (int(n) for n in memsets[memset])
-                nodes.append(Memset(Place(self.regions[r], int(o)), pitch, value, element, width, height))
+                where = Place(self.regions[memset_region[memset]], int(memset_offset[memset]))
+                nodes.append(Memset(where, pitch, value, element, width, height))
                 memset += 1
             elif kind == NodeKind.COPY:
                 nodes.append(copies[index])
