@@ -257,3 +257,39 @@ def test_a_kernel_the_driver_will_not_give_refuses_only_the_graphs_that_launch_i
     refused, built = restart_driver.build_all([with_gemm, without], REGIONS, Functions(), workers=1)
     assert str(refused) == "kernel gemm: cuKernelGetFunction: CUDA_ERROR_NOT_FOUND"
     assert isinstance(built, int) and stand_in.destroyed == [1]  # only the graph built was made at all
+
+
+def test_a_function_found_by_name_is_loaded_before_a_node_is_made_of_it(monkeypatch):
+    """Under lazy module loading, a handle from enumerating a module (a JIT kernel) or from
+    a library's kernel may be only partly loaded: the driver loads such a function when it
+    is launched, and a graph node is no launch. Each function is loaded once, before use."""
+    calls = []
+
+    class Driver:
+        CUfunctionLoadingState = bindings.CUfunctionLoadingState
+
+        def CUfunction(self, value):  # noqa: N802 - the driver's names
+            return value
+
+        def CUkernel(self, value):  # noqa: N802
+            return value
+
+        def cuKernelGetFunction(self, kernel):  # noqa: N802
+            return 0, kernel + 1
+
+        def cuFuncIsLoaded(self, func):  # noqa: N802
+            calls.append(("is_loaded", func))
+            loaded = func != 0x5101
+            return 0, self.CUfunctionLoadingState(int(loaded))
+
+        def cuFuncLoad(self, func):  # noqa: N802
+            calls.append(("load", func))
+            return (0,)
+
+    monkeypatch.setattr(restart_driver, "_driver", lambda: Driver())
+    functions = restart_driver.Functions()
+    functions._functions[("jit", "norm")] = 0x5000
+    functions._kernels[("lib", "gemm")] = 0x5100
+    for _ in range(2):
+        assert functions.function("jit", "norm") == 0x5000 and functions.function("lib", "gemm") == 0x5101
+    assert calls == [("is_loaded", 0x5000), ("is_loaded", 0x5101), ("load", 0x5101)]

@@ -260,6 +260,7 @@ class Functions:
         self._kernels: dict[tuple[str, str], int] = {}  # (library, name) -> CUkernel
         self._functions: dict[tuple[str, str], int] = {}  # (library, name) -> CUfunction
         self._seen: set[int] = set()
+        self._loaded: set[int] = set()
 
     def add_graph(self, handle: int) -> None:
         driver = _driver()
@@ -276,12 +277,20 @@ class Functions:
                     table.setdefault((library, name), sibling)
 
     def function(self, library: str, name: str):
-        """The ``CUfunction`` to launch ``name`` of ``library`` with in the current context."""
+        """The ``CUfunction`` to launch ``name`` of ``library`` with in the current context,
+        loaded: under lazy module loading (torch's default) a handle from enumerating a
+        module or from a library's kernel may be only partly loaded, and the driver loads
+        such a function when it is launched, which adding a graph node is not."""
         driver = _driver()
         func = self._functions.get((library, name))
         if func is None:
             kernel = driver.CUkernel(self._kernels[library, name])
             func = self._functions[library, name] = int(_ok(driver.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
+        if func not in self._loaded:
+            state = _ok(driver.cuFuncIsLoaded(driver.CUfunction(func)), "cuFuncIsLoaded")
+            if state != driver.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED:
+                _ok(driver.cuFuncLoad(driver.CUfunction(func)), "cuFuncLoad")
+            self._loaded.add(func)
         return driver.CUfunction(func)
 
     def missing(self, kernels) -> list[tuple[str, str]]:
