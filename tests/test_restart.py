@@ -408,7 +408,7 @@ def test_the_fewest_descriptors_are_captured_to_find_every_kernel_library():
     that launches it; capturing a descriptor teaches every kernel of its libraries. The
     descriptor whose missing libraries the most others lack goes first, and once every
     library is known no more are captured."""
-    from graphflow.engine.restart.run import _lacking
+    from graphflow.engine.restart.run import fewest_captures
     from graphflow.plan import Descriptor, Mode
 
     class Functions:
@@ -427,7 +427,7 @@ def test_the_fewest_descriptors_are_captured_to_find_every_kernel_library():
     pending = {1: entry(64, "gemm-wide"), 2: entry(32, "gemm-wide", "gemm-tall"), 3: entry(16, "gemm-tall"),
                4: entry(8), 5: entry(4, "gemm-small"), 6: entry(2, "gemm-small")}
     chosen = []
-    for index, why in _lacking(functions, pending):
+    for index, why in fewest_captures(functions, pending):
         chosen.append((index, why))
         descriptor, captured = pending.pop(index)
         functions.known |= {lib for lib, _ in captured.graphs[0].kernel_names}

@@ -11,7 +11,7 @@ and the buffers where this process has them, the pool's blocks and other memory
 allocated afresh), captures one descriptor for real (its kernels, and every kernel of
 the modules they are in, are then found by name, ``Functions``), loads the libraries
 of kernels still missing by running the multiplications that launch them
-(``_load_libraries``), captures the fewest descriptors that find the rest (``_lacking``),
+(``_load_libraries``), captures the fewest descriptors that find the rest (``fewest_captures``),
 and builds every other descriptor's graphs from the saved nodes, on several threads
 (``_build``). A descriptor that cannot be built (not saved,
 a kernel not found here, a node or a graph the driver refuses) is captured instead, and
@@ -53,7 +53,8 @@ from graphflow.engine.warmup import DescriptorTime, warmup
 from graphflow.events import Phase
 from graphflow.plan import Descriptor, Segment
 
-__all__ = ["Restart", "SavedGraphsNotUsed", "restore", "save"]
+__all__ = ["RebuiltGraph", "Refused", "RegionsDiffer", "Restart", "SavedGraphsNotUsed", "fewest_captures",
+           "kernels_of", "place_regions", "read_bytes", "refused_line", "restore", "save"]
 
 
 class SavedGraphsNotUsed(UserWarning):
@@ -101,7 +102,7 @@ def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib
         descriptors.append(SavedDescriptor(descriptor.size, descriptor.mode.value, graphs, outputs,
                                            (matmuls or {}).get(descriptor, ())))
     read = time.perf_counter()
-    regions = book.with_contents(functools.partial(_read_bytes, device))
+    regions = book.with_contents(functools.partial(read_bytes, device))
     contents = time.perf_counter()
     store.write(SavedRun(restart_key(ctx.plan, alloc.model, device), regions, tuple(descriptors), tuple(left_out)),
                 directory)
@@ -152,14 +153,19 @@ def _outputs(alloc: Allocation, descriptor: Descriptor, book: AddressBook) -> tu
     return tuple(outputs)
 
 
-def _read_bytes(device: torch.device, start: int, size: int) -> bytes:
+def read_bytes(device: torch.device, start: int, size: int) -> bytes:
+    """``size`` bytes of device memory at ``start``, once the device is done writing them."""
     storage = torch._C._construct_storage_from_data_pointer(start, device, size)
     torch.cuda.synchronize(device)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage).cpu().numpy().tobytes()
 
 
-class _Refused(Exception):
-    pass
+class Refused(Exception):
+    """Saved graphs that cannot be used here: the message says why, in one line."""
+
+
+class RegionsDiffer(Refused):
+    """A model tensor or static buffer the saved graphs point into is not here as it was saved."""
 
 
 def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Path
@@ -178,11 +184,7 @@ def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Pa
             raise
         for pools in alloc.pool_sets.values():  # a pool the restore captured into is not captured into again
             pools.failed()
-        first = (str(exc).splitlines() or [""])[0]
-        why = first if isinstance(exc, (_Refused, store.SavedGraphsError)) else f"{type(exc).__name__}: {first}"
-        line = f"saved graphs in {directory} not used ({why}); capturing instead"
-        if failures is not None:
-            line += f" (undoing the restore: {failures})"
+        line = refused_line(directory, exc, failures)
         warnings.warn(line, SavedGraphsNotUsed, stacklevel=2)
         return None, Restart(str(directory), refused=line, seconds=time.perf_counter() - began)
     ctx.stack.adopt(own.stack)
@@ -194,17 +196,26 @@ def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Pa
                              seconds=time.perf_counter() - began, built=spent, recaptured=recaptured)
 
 
+def refused_line(directory: pathlib.Path, exc: Exception, failures: BaseException | None = None) -> str:
+    """The one line saying why saved graphs were not used, ``exc`` being why (and
+    ``failures`` what undoing the restore raised)."""
+    first = (str(exc).splitlines() or [""])[0]
+    why = first if isinstance(exc, (Refused, store.SavedGraphsError)) else f"{type(exc).__name__}: {first}"
+    line = f"saved graphs in {directory} not used ({why}); capturing instead"
+    return line if failures is None else f"{line} (undoing the restore: {failures})"
+
+
 def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Path, spent: dict
              ) -> tuple[Captured, int, tuple[str, ...]]:
     run = store.load(directory)
     if not ctx.backend.captures_graphs:
-        raise _Refused(f"the {ctx.backend.name} backend replays no graphs")
+        raise Refused(f"the {ctx.backend.name} backend replays no graphs")
     device = next(iter(alloc.pools))
     why = differs(run.key, restart_key(ctx.plan, alloc.model, device))
     if why is not None:
-        raise _Refused(f"{why} differ{'s' if ';' not in why else ''}")
+        raise Refused(f"{why} differ{'s' if ';' not in why else ''}")
     saved = {(d.size, d.mode): d for d in run.descriptors}
-    places = _places(ctx, alloc, run.regions, device)
+    places = place_regions(_book(alloc, device), run.regions, device, ctx.stack)
     # One real capture, the smallest descriptor's: this process's kernels are then found by name.
     order = list(enumerate(ctx.descriptors, 1))
     functions = driver.Functions()
@@ -213,10 +224,10 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
                for index, descriptor in order[:-1]}
     unbuilt = [(index, descriptor, "not saved") for index, (descriptor, entry) in entries.items() if entry is None]
     pending = {index: found for index, found in entries.items() if found[1] is not None}
-    _load_libraries(functions, [entry for _, entry in pending.values() if functions.missing(_kernels(entry))],
+    _load_libraries(functions, [entry for _, entry in pending.values() if functions.missing(kernels_of(entry))],
                     device, spent)
     recaptured = []
-    for index, why in _lacking(functions, pending):
+    for index, why in fewest_captures(functions, pending):
         descriptor = pending.pop(index)[0]
         captured = _capture(ctx, alloc, captured, index, descriptor, tally, functions)
         recaptured.append(f"{descriptor}: {why}")
@@ -251,7 +262,7 @@ def _build(ctx: Context, alloc: Allocation, captured: Captured,
     each = []
     for _, (descriptor, entry) in buildable:
         results = [next(built) for _ in entry.graphs]
-        graphs = [_Rebuilt(result) for result in results if isinstance(result, int)]
+        graphs = [RebuiltGraph(result) for result in results if isinstance(result, int)]
         each.append((results, graphs, [ctx.stack.push(f"destroy a restored graph of {descriptor}", graph.destroy)
                                        for graph in graphs]))
     restored, refused = [], []
@@ -274,7 +285,7 @@ def _load_libraries(functions: driver.Functions, entries: list[SavedDescriptor],
     yet, loaded and their kernels found: each distinct multiplication of theirs run once
     eagerly and once in a throwaway graph, whose kernels ``functions`` then knows
     (``graphflow.engine.restart.matmuls``). What this cannot find, capturing finds
-    (``_lacking``); a failure here only leaves more to capture, and says why in
+    (``fewest_captures``); a failure here only leaves more to capture, and says why in
     ``spent["matmuls_failed"]``."""
     wanted = list(dict.fromkeys(m for entry in entries for m in entry.matmuls))
     if not wanted or device.type != "cuda":
@@ -296,8 +307,8 @@ def _load_libraries(functions: driver.Functions, entries: list[SavedDescriptor],
     spent["matmuls_s"] = time.perf_counter() - began
 
 
-def _lacking(functions: driver.Functions, pending: dict[int, tuple[Descriptor, SavedDescriptor]]
-             ) -> Iterator[tuple[int, str]]:
+def fewest_captures(functions: driver.Functions, pending: Mapping[int, tuple[object, SavedDescriptor]]
+                    ) -> Iterator[tuple[int, str]]:
     """The descriptors to capture because kernels their graphs launch are not found here,
     and why, the next chosen once the last is captured (``Functions`` has then learnt its
     kernels' libraries): a library the process has loaded lists all its kernels, but
@@ -306,23 +317,24 @@ def _lacking(functions: driver.Functions, pending: dict[int, tuple[Descriptor, S
     descriptor whose missing kernels' libraries the most descriptors lack, the smallest
     of equals: the fewest captures find every library."""
     while True:
-        missing = {index: functions.missing(_kernels(entry)) for index, (_, entry) in pending.items()}
+        missing = {index: functions.missing(kernels_of(entry)) for index, (_, entry) in pending.items()}
         missing = {index: found for index, found in missing.items() if found}
         if not missing:
             return
         lacked = collections.Counter(library for found in missing.values() for library in {lib for lib, _ in found})
         index = max(missing, key=lambda i: (sum(lacked[lib] for lib in {lib for lib, _ in missing[i]}),
-                                            -pending[i][0].size))
+                                            -pending[i][1].size))
         yield index, _said(missing[index])
 
 
-def _kernels(entry: SavedDescriptor) -> set[tuple[str, str]]:
+def kernels_of(entry: SavedDescriptor) -> set[tuple[str, str]]:
+    """The (library, name) of every kernel ``entry``'s graphs launch."""
     return set().union(*(graph.kernel_names for graph in entry.graphs))
 
 
 def _missing(functions: driver.Functions, entry: SavedDescriptor) -> str | None:
     """Why ``entry``'s graphs cannot be built here for want of kernels, or None."""
-    missing = functions.missing(_kernels(entry))
+    missing = functions.missing(kernels_of(entry))
     return _said(missing) if missing else None
 
 
@@ -342,16 +354,17 @@ def _capture(ctx: Context, alloc: Allocation, captured: Captured | None, index: 
     return captured
 
 
-def _places(ctx: Context, alloc: Allocation, regions: dict[str, Region], device: torch.device) -> dict[str, int]:
+def place_regions(here: AddressBook, regions: dict[str, Region], device: torch.device, stack: UndoStack
+                  ) -> dict[str, int]:
     """Where each saved region lives in this process: the model's tensors and the static
-    buffers where they are (the same size, or the saved graphs are refused); the pool's
-    blocks and other memory allocated here, held until the run is closed."""
-    here = _book(alloc, device)
+    buffers where ``here`` has them (the same size, or the saved graphs are refused:
+    ``RegionsDiffer``); the pool's blocks and other memory allocated here, held until
+    ``stack`` unwinds."""
     places, held = {}, []
     for name, region in regions.items():
         if region.kind in ("model", "buffer"):
             if name not in here.regions or here.regions[name].size != region.size:
-                raise _Refused(f"{region.kind} tensor {name.split(':', 1)[1]} is not here as it was saved")
+                raise RegionsDiffer(f"{region.kind} tensor {name.split(':', 1)[1]} is not here as it was saved")
             places[name] = here.starts[name]
             continue
         memory = torch.empty(region.size, dtype=torch.uint8, device=device)
@@ -359,11 +372,11 @@ def _places(ctx: Context, alloc: Allocation, regions: dict[str, Region], device:
             memory.copy_(torch.frombuffer(bytearray(region.content), dtype=torch.uint8))
         held.append(memory)
         places[name] = memory.data_ptr()
-    ctx.stack.push("free the memory restored graphs use", held.clear)
+    stack.push("free the memory restored graphs use", held.clear)
     return places
 
 
-class _Rebuilt(Graph):
+class RebuiltGraph(Graph):
     """A graph built from saved nodes; replays on the current stream, as torch's do."""
 
     __slots__ = ("_executable", "replay")
@@ -384,7 +397,7 @@ def _destroyed() -> None:
 
 
 def _publish(ctx: Context, alloc: Allocation, captured: Captured, descriptor: Descriptor, index: int,
-             entry: SavedDescriptor, graphs: list[_Rebuilt], places: dict[str, int]) -> DescriptorTime:
+             entry: SavedDescriptor, graphs: list[RebuiltGraph], places: dict[str, int]) -> DescriptorTime:
     """``descriptor``'s program, its graphs built from ``entry``, published in ``captured``."""
     with ctx.descriptor(descriptor, index) as block:
         replays = iter(graph.replay for graph in graphs)

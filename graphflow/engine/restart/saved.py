@@ -256,13 +256,16 @@ class Matmul:
 class SavedDescriptor:
     """One descriptor: its size and mode (as ``Descriptor``'s fields), its regions'
     graphs in the order its step replays them, the outputs kept where they are, and the
-    distinct multiplications its step makes (run again to load their libraries)."""
+    distinct multiplications its step makes (run again to load their libraries). A
+    server's key is saved as one too: its query tokens as ``size``, and ``key`` the key
+    as its plan names it."""
 
     size: int
     mode: str
     graphs: tuple[PackedGraph, ...]
     outputs: tuple[Output, ...] = ()
     matmuls: tuple[Matmul, ...] = ()
+    key: str = ""
 
 
 @attrs.frozen

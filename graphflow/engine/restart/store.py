@@ -26,8 +26,9 @@ class SavedGraphsError(Exception):
 def write(run: saved.SavedRun, directory: pathlib.Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / GRAPHS).write_bytes(pickle.dumps(run, protocol=5))
-    manifest = {"key": run.key, "descriptors": [{"size": d.size, "mode": d.mode, "graphs": len(d.graphs),
-                                                "nodes": sum(g.node_count for g in d.graphs)} for d in run.descriptors],
+    manifest = {"key": run.key, "descriptors": [{"size": d.size, "mode": d.mode, **({"key": d.key} if d.key else {}),
+                                                "graphs": len(d.graphs), "nodes": sum(g.node_count for g in d.graphs)}
+                                               for d in run.descriptors],
                 "left out": [{"size": size, "mode": mode, "why": why} for size, mode, why in run.left_out],
                 "regions": {kind: sum(r.kind == kind for r in run.regions.values())
                             for kind in ("model", "buffer", "pool", "memory")}}

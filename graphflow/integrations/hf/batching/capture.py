@@ -214,6 +214,24 @@ class KeyCapture:
             self.coverage.mark(key, KeyState.FAILED, _reason(exc))
             log.warning("graphflow: %s serves eagerly: %s", key, _reason(exc))
 
+    def capture_one(self, key: ServingKey) -> None:
+        """Foreground: one more key before serving, a transaction as in ``capture_all``
+        (unchecked: its first batch checks it); failed, it is served eagerly."""
+        self._capture_foreground(key, check=False)
+        self._instantiated((key,))
+        self.processor.inputs_and_outputs.reset()
+
+    def held(self) -> dict[ServingKey, KeyGraph]:
+        """Every key's graph captured or adopted, and not destroyed."""
+        return dict(self._mine)
+
+    def adopt(self, held: KeyGraph) -> None:
+        """A key's graph made elsewhere (built from saved nodes) served as if captured here,
+        before serving: unchecked, its first batch checks it against the engine's eager step."""
+        held.checked = not self.verify
+        self._mine[held.key] = self.graphs[held.key] = held
+        self.coverage.mark(held.key, KeyState.LIVE if held.checked else KeyState.CAPTURED)
+
     def _instantiated(self, keys: tuple[ServingKey, ...]) -> None:
         """Wait for the graphs of ``keys`` to be instantiated (the CUDA backend instantiates a
         long capture on a worker thread, beside the next captures: ``Graph.ready``); one

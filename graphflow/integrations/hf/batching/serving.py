@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import pathlib
 
 import attrs
 
@@ -78,6 +80,8 @@ class Serving:
         self.lazy = lazy
         self.verify = capture.verify
         self._stack = stack
+        #: What restoring saved keys did (``serve(..., graphs_from=...)``), else None.
+        self.restart = None
 
     @property
     def checks(self) -> Checks:
@@ -113,6 +117,17 @@ class Serving:
         whole between two steps, until it succeeded or ran out of tries)."""
         return 0 if self.core is None else len(self.core.tries)
 
+    def save_graphs(self, directory: str | os.PathLike):
+        """Write the graph of every FULL key captured so far to ``directory``, for a new
+        process to serve from (``serve(manager, graphs_from=directory)``): after the
+        traffic a server sees, those are the keys it uses (``wait_captured()`` first saves
+        them all). What was saved and left out, with why
+        (``graphflow.integrations.hf.batching.restart``)."""
+        from graphflow.integrations.hf.batching.restart import save_keys
+
+        with self.turns.recording(pausing=False):  # no step and no capture while graphs are read
+            return save_keys(self.capture, pathlib.Path(directory))
+
     def report(self) -> str:
         """The coverage table, its warnings and the memory, for the end of a run."""
         lines = [self.coverage.table()]
@@ -145,7 +160,7 @@ class Serving:
 
 def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
           backend: BackendKind | str = BackendKind.AUTO, longest: int | None = None, keys=None, progress=None,
-          full_in_background: bool = True) -> Serving:
+          full_in_background: bool = True, graphs_from: str | os.PathLike | None = None) -> Serving:
     """Put graphflow in place of ``manager``'s graph capture (a ``ContinuousBatchingManager``,
     before ``start()``, or after it with ``lazy``); see the module docstring. ``longest``:
     the most tokens a request holds on this server (prompt and new tokens), which bounds
@@ -156,11 +171,19 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
     lazy capture captures them (``full_in_background=False``: all before serving).
     ``verify``: ``True`` or ``"sample"`` (each mode's largest key captured before serving
     verified then, the others on their first batch), ``"all"`` (every key captured before
-    serving verified then), ``False`` or ``"off"`` (graphs go live unchecked).
+    serving verified then), ``False`` or ``"off"`` (graphs go live unchecked). ``graphs_from``:
+    a directory a server of the same model, settings and versions wrote
+    (``Serving.save_graphs``): its FULL keys are built from it instead of captured, each
+    checked on its first batch (foreground only; ``Serving.restart`` says what was
+    restored, and a directory that cannot be used is refused in one line and the keys
+    captured).
     """
     if not lazy and manager.is_running():
         raise PlanError("a foreground capture runs before the engine serves: call serve(manager) before "
                         "manager.start(), or serve(manager, lazy=True) on a running one", element="lazy")
+    if lazy and graphs_from is not None:
+        raise PlanError("graphs_from builds the saved keys before serving: use it with a foreground serve "
+                        "(lazy=False), whose FULL keys not saved are captured beside serving", element="graphs_from")
     if lazy and not full_in_background:
         raise PlanError("full_in_background=False captures every key before serving; lazy=True captures every key "
                         "beside serving: ask for one", element="full_in_background")
@@ -223,16 +246,39 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
             log.info("graphflow: verify is off")
         elif sampling:
             log.info("graphflow: sampling is on, so new graphs go live unchecked (sampled tokens differ by design)")
+        restart = None
         if not lazy:
-            capture.capture_all(progress, [k for k in plan.keys if not background or k.mode is Mode.PIECEWISE])
+            first = background or graphs_from is not None  # the PIECEWISE keys first
+            capture.capture_all(progress, [k for k in plan.keys if not first or k.mode is Mode.PIECEWISE])
+            if graphs_from is not None:
+                restart = _restore(capture, pathlib.Path(graphs_from), stack, progress)
+                if not background:
+                    held = capture.held()
+                    capture.capture_all(progress, [k for k in plan.keys if k.mode is Mode.FULL and k not in held
+                                                   and coverage.state(k) is KeyState.PLANNED])
         core = _capture_thread(capture, turns, pausing) if beside else None
         serving = Serving(plan, runner, capture, stack, core, lazy=lazy)
+        serving.restart = restart
         if core is not None:
             core.start()
         return serving
     except BaseException:
         stack.unwind()
         raise
+
+
+def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, progress):
+    """The saved FULL keys built (``restart.restore_keys``), said in one line."""
+    from graphflow.integrations.hf.batching.restart import restore_keys
+
+    restart = restore_keys(capture, directory, stack)
+    if restart.refused is None:
+        built = restart.built
+        (progress or log.info)(
+            f"restored {restart.restored} keys from {directory} in {restart.seconds:.2f} s "
+            f"({built.get('nodes', 0)} nodes), {restart.captured} captured to find their kernels"
+            + (f", {len(restart.left_out)} refused by the driver (captured instead)" if restart.left_out else ""))
+    return restart
 
 
 def _capture_thread(capture: KeyCapture, turns: Turns, pausing: bool) -> LazyCapture:
