@@ -128,6 +128,26 @@ def test_on_the_cpu_backend_a_foreground_install_serves_at_once(restored, caplog
     assert answered_s < 60
 
 
+def test_with_a_graphs_directory_a_stopping_manager_saves_and_a_failed_save_is_said(restored, caplog, tmp_path):
+    """``install(graphs=DIR)`` (``GRAPHFLOW_GRAPHS``): each manager saves its FULL keys'
+    graphs there when it stops, and a foreground one serves from them once a server saved
+    some. The CPU records no graph: the save is refused, said in one line, and the manager
+    stops and is given back as without; with nothing saved, nothing is served from there."""
+    installed = server.install(lazy=True, graphs=tmp_path / "graphs")
+    model = llama()
+    with caplog.at_level(logging.INFO, logger="graphflow.serving"):
+        tokens = _session(model)
+    assert len(tokens) == 4 and not installed.serving
+    assert (f"graphflow: the graphs were not saved to {tmp_path / 'graphs'}: save_graphs: saving graphs needs graphs "
+            "recorded on a GPU; this engine runs on cpu") in caplog.text
+    assert "graphflow coverage of" in caplog.text
+    assert not (tmp_path / "graphs").exists()
+    assert not server._holds_graphs(str(tmp_path / "graphs"))
+    (tmp_path / "graphs").mkdir()
+    (tmp_path / "graphs" / "manifest.json").write_text("{}")
+    assert server._holds_graphs(str(tmp_path / "graphs"))
+
+
 def test_a_manager_graphflow_cannot_serve_is_marked_dead(restored):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA: the cuda backend is what cannot serve here")

@@ -24,8 +24,11 @@ checked) would only keep the server from answering for minutes.
 
 ``python -m graphflow.integrations.hf.batching.server [transformers serve arguments]``
 is ``transformers serve`` with the hook installed (``GRAPHFLOW_SERVE=lazy|foreground``,
-default lazy). It refuses bad arguments and says what it starts before it imports
-transformers and the model (seconds; torch has loaded with this package). transformers' server leaves its manager's thread running when
+default lazy; ``GRAPHFLOW_GRAPHS=DIR``: the server saves its FULL keys' graphs into DIR
+when it stops, and a foreground server started later serves from them,
+``Serving.save_graphs`` and ``serve(..., graphs_from=...)``). It refuses bad arguments
+and says what it starts before it imports transformers and the model (seconds; torch has
+loaded with this package). transformers' server leaves its manager's thread running when
 it shuts down (which keeps the process alive after Ctrl-C); this entry point stops it, so
 the coverage is logged and the process exits: 130 after Ctrl-C, 143 after SIGTERM (128 and
 the signal's number, as a shell reports a process the signal ended). A process started
@@ -48,7 +51,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from graphflow.integrations.hf.batching.serving import Serving
 
-__all__ = ["ENV", "MODES", "Installed", "install", "main"]
+__all__ = ["ENV", "GRAPHS_ENV", "MODES", "Installed", "install", "main"]
 
 log = logging.getLogger("graphflow.serving")
 
@@ -56,6 +59,8 @@ log = logging.getLogger("graphflow.serving")
 ENV = "GRAPHFLOW_SERVE"
 #: Its values: whether ``serve`` captures lazily.
 MODES = {"lazy": True, "foreground": False}
+#: The environment variable naming the directory a server's graphs are saved to and served from.
+GRAPHS_ENV = "GRAPHFLOW_GRAPHS"
 
 _installed: Installed | None = None
 
@@ -63,12 +68,15 @@ _installed: Installed | None = None
 class Installed:
     """The hook in place (``install``): the managers it serves now, by manager."""
 
-    def __init__(self, options: dict) -> None:
+    def __init__(self, options: dict, graphs: str | None = None) -> None:
         from transformers.generation.continuous_batching.continuous_api import (
             ContinuousBatchingManager,
         )
 
         self.options = options
+        #: Where each manager's FULL keys are saved when it stops, and served from when a
+        #: foreground one starts (``install(graphs=...)``).
+        self.graphs = graphs
         self.serving: dict[object, Serving] = {}
         self._lock = threading.Lock()
         self._cls = ContinuousBatchingManager
@@ -107,6 +115,8 @@ class Installed:
             options = {**options, "lazy": True}
             log.info("graphflow: the CPU backend captures no graph, so no key is captured before serving: serving "
                      "at once, keys recorded beside it (GRAPHFLOW_SERVE=foreground captures first on a GPU)")
+        if self.graphs is not None and not options["lazy"] and _holds_graphs(self.graphs):
+            options = {**options, "graphs_from": self.graphs}
         try:
             # The first request's handler thread starts the manager: the model's device, as
             # the engine's own thread sets it.
@@ -127,11 +137,12 @@ class Installed:
         if serving is None:
             return
         if not manager.is_running():
-            _close(serving)
+            _close(serving, self.graphs)
             return
         # transformers' stop waited a bounded time and the engine still runs a step:
         # close once its thread has ended.
-        threading.Thread(target=_close_after, args=(manager, serving), name="graphflow-serving-close").start()
+        threading.Thread(target=_close_after, args=(manager, serving, self.graphs),
+                         name="graphflow-serving-close").start()
 
     def stop_all(self) -> None:
         """Stop every manager still served, failing its pending requests (the server's exit:
@@ -149,16 +160,25 @@ class Installed:
         _installed = None
 
 
-def install(*, lazy: bool = True, **options) -> Installed:
+def install(*, lazy: bool = True, graphs: str | os.PathLike | None = None, **options) -> Installed:
     """graphflow attached to every ``ContinuousBatchingManager`` this process starts (see
     the module docstring); ``lazy`` and ``options`` (``verify``, ``backend``, ``longest``,
-    ``keys``) go to ``serve``, ``lazy`` always on the CPU backend."""
+    ``keys``) go to ``serve``, ``lazy`` always on the CPU backend. ``graphs``: a directory
+    each manager saves its FULL keys' graphs into when it stops, and a foreground one
+    serves from when it starts, once a manager saved there."""
     global _installed
     if _installed is not None:
         raise RuntimeError("graphflow is already installed in transformers' continuous batching "
                            "(uninstall() the first one)")
-    _installed = Installed({"lazy": lazy, **options})
+    _installed = Installed({"lazy": lazy, **options}, None if graphs is None else os.fspath(graphs))
     return _installed
+
+
+def _holds_graphs(directory: str) -> bool:
+    """Whether a server saved graphs into ``directory`` (the first server finds none)."""
+    from graphflow.engine.restart.store import MANIFEST
+
+    return os.path.isfile(os.path.join(directory, MANIFEST))
 
 
 def _on_the_cpu_backend(backend) -> bool:
@@ -170,14 +190,30 @@ def _on_the_cpu_backend(backend) -> bool:
     return kind == "cpu" or (kind == "auto" and not torch.cuda.is_available())
 
 
-def _close(serving: Serving) -> None:
+def _close(serving: Serving, graphs: str | None) -> None:
     log.info("graphflow coverage of %s:\n%s", serving.plan.name, serving.report())
-    serving.close()
+    try:
+        if graphs is not None:
+            _save(serving, graphs)
+    finally:
+        serving.close()
 
 
-def _close_after(manager, serving: Serving) -> None:
+def _save(serving: Serving, graphs: str) -> None:
+    """The FULL keys' graphs saved for the next server; a save that fails is said, and
+    the server stops as it would have."""
+    try:
+        saved = serving.save_graphs(graphs)
+    except Exception as exc:  # noqa: BLE001 - the next server captures instead
+        log.warning("graphflow: the graphs were not saved to %s: %s", graphs, exc)
+        return
+    log.info("graphflow: %d FULL keys' graphs saved to %s in %.2f s%s", saved.saved, graphs, saved.seconds,
+             f" ({len(saved.left_out)} left out: {saved.left_out[0]}, ...)" if saved.left_out else "")
+
+
+def _close_after(manager, serving: Serving, graphs: str | None) -> None:
     manager.join(time.perf_counter())
-    _close(serving)
+    _close(serving, graphs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,7 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     if not helping:
         log.info("graphflow: starting transformers serve, graphs captured %s; loading transformers and the model",
                  "in the background" if MODES[mode] else "before serving")
-    installed = install(lazy=MODES[mode])
+    graphs = os.environ.get(GRAPHS_ENV) or None
+    if graphs is not None and not helping:
+        log.info("graphflow: the FULL keys' graphs are saved to %s when the server stops%s", graphs,
+                 ", and served from there when it starts" if not MODES[mode] else
+                 " (a foreground server, GRAPHFLOW_SERVE=foreground, serves from them when it starts)")
+    installed = install(lazy=MODES[mode], graphs=graphs)
     # uvicorn shuts down on SIGINT and SIGTERM, then raises the signal again with the
     # handler it found: an exit, not click's "Aborted!" (status 1) or the default kill,
     # so that the managers below are stopped and the status says which signal it was.
