@@ -47,6 +47,7 @@ def test_a_directory_that_cannot_be_used_is_refused_in_one_line_and_the_keys_are
     assert restart.refused == (f"saved graphs in {tmp_path / 'none'} not used ({tmp_path / 'none'} holds no saved "
                                "graphs (graphs.pickle missing)); capturing instead")
     assert restart.restored == 0 and result.tokens == reference
+    assert f"restart: {restart.refused}" in result.serving.report()
     assert result.serving.coverage.as_dict()["graph_steps"] > 0
 
 

@@ -67,7 +67,9 @@ class KeysRestart:
     (each with why in ``recaptured``); ``left_out``: keys not saved, or not restored
     (the driver refused their graph; they are captured as without saved graphs), with
     why; ``refused`` the one line saying why the saved graphs were not used at all.
-    ``built``: nodes, seconds adding and instantiating."""
+    ``built``: nodes, seconds adding and instantiating, and the device memory the
+    restored graphs hold (``memory_bytes``: their pool blocks and workspaces, allocated
+    outside the graph pools)."""
 
     directory: str
     saved: int = 0
@@ -180,6 +182,7 @@ def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, bui
     pending = {index: (planned[entry.key], entry) for index, entry in enumerate(run.descriptors)
                if entry.key in planned and planned[entry.key] not in held}
     places = place_regions(_book(capture, device, pools=False), run.regions, device, stack)
+    built["memory_bytes"] = sum(r.size for r in run.regions.values() if r.kind not in ("model", "buffer"))
     functions = driver.Functions()
     for graph in held.values():
         graph.graph.ready()

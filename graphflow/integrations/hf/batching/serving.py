@@ -142,6 +142,12 @@ class Serving:
         if self.core is not None:
             lines.append(f"lazy capture: recordings paused {self.turns.pauses} times for the engine's steps; "
                          f"{self.retried} keys failed a capture and were recorded again whole between two steps")
+        restart = self.restart
+        if restart is not None:
+            lines.append(f"restart: {restart.refused}" if restart.refused is not None else
+                         f"restart: {restart.restored} keys built from {restart.directory}, {restart.captured} "
+                         f"captured to find their kernels; their graphs hold "
+                         f"{_mib(restart.built.get('memory_bytes'))} outside the pool")
         estimated, pool = self.memory.get("estimated_pool_bytes"), self.memory.get("pool_bytes")
         lines.append(f"graph memory: pool {_mib(pool)}" + (f", estimated {_mib(estimated)} before capture"
                                                            if estimated is not None else "")
