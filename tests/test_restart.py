@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from graphflow.engine import RunOptions, run_pipeline
 from graphflow.engine.restart import driver as restart_driver
+from graphflow.engine.restart import regions as restart_regions
 from graphflow.engine.restart import saved, store
 from graphflow.engine.restart.driver import _args, _topological
 from graphflow.engine.restart.key import differs
@@ -334,7 +335,7 @@ def test_a_descriptor_the_driver_refuses_is_captured_and_the_others_are_restored
     monkeypatch.setattr(restart_driver, "launcher", lambda executable: lambda: None)
     monkeypatch.setattr(restart_driver, "destroy", destroyed.append)
     monkeypatch.setattr(restart_run, "_handle", lambda graph: 0)
-    monkeypatch.setattr(restart_run, "pool_blocks", lambda pool: [])
+    monkeypatch.setattr(restart_regions, "pool_blocks", lambda pool: [])
     monkeypatch.setattr(restart_run, "restart_key", lambda plan, model, device: {"gpu": "stand-in"})
     plan = toy_plan(layers=2, sizes=(1, 2, 4))
     good = pack(saved.SavedGraph((saved.Empty(),), ((),)))

@@ -58,6 +58,19 @@ class AddressBook:
         self.regions[name] = Region(name, kind, size)
         self.starts[name] = start
 
+    def add_tensors(self, kind: str, named: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> None:
+        """Each tensor on ``device`` as the region ``kind:name``, its whole storage."""
+        for name, tensor in named:
+            if tensor.device == device:
+                storage = tensor.untyped_storage()
+                self.add(f"{kind}:{name}", kind, storage.data_ptr(), storage.nbytes())
+
+    def add_pool_blocks(self, pools: Iterable[object]) -> None:
+        """Each block of each graph pool as the region ``pool:N.B``, by pool and address."""
+        for number, pool in enumerate(pools):
+            for block, (start, size) in enumerate(pool_blocks(pool)):
+                self.add(f"pool:{number}.{block}", "pool", start, size)
+
     def where(self, address: int) -> Place | None:
         """``address`` as a region and an offset; a new ``memory`` region for an
         allocation nothing named; None for a value that is no device address."""

@@ -46,7 +46,7 @@ from graphflow.engine.restart import driver, store
 from graphflow.engine.restart import matmuls as multiplications
 from graphflow.engine.restart.key import differs, restart_key
 from graphflow.engine.restart.packed import pack
-from graphflow.engine.restart.regions import AddressBook, model_tensors, pool_blocks
+from graphflow.engine.restart.regions import AddressBook, model_tensors
 from graphflow.engine.restart.saved import Matmul, Output, Region, SavedDescriptor, SavedRun
 from graphflow.engine.rollback import UndoStack
 from graphflow.engine.warmup import DescriptorTime, warmup
@@ -54,7 +54,7 @@ from graphflow.events import Phase
 from graphflow.plan import Descriptor, Segment
 
 __all__ = ["RebuiltGraph", "Refused", "RegionsDiffer", "Restart", "SavedGraphsNotUsed", "fewest_captures",
-           "kernels_of", "place_regions", "read_bytes", "refused_line", "restore", "save"]
+           "place_regions", "read_bytes", "refused_line", "restore", "save"]
 
 
 class SavedGraphsNotUsed(UserWarning):
@@ -125,17 +125,9 @@ def _book(alloc: Allocation, device: torch.device) -> AddressBook:
     """The regions a run's graphs may point into, named; the static buffers first (a
     model tensor a buffer adopted is the buffer's), the graph pools' blocks last."""
     book = AddressBook(driver.allocation)
-    for name, tensor in alloc.buffers.tensors.items():
-        if tensor.device == device:
-            storage = tensor.untyped_storage()
-            book.add(f"buffer:{name}", "buffer", storage.data_ptr(), storage.nbytes())
-    for name, tensor in model_tensors(alloc.model):
-        if tensor.device == device:
-            storage = tensor.untyped_storage()
-            book.add(f"model:{name}", "model", storage.data_ptr(), storage.nbytes())
-    for number, pool in enumerate(alloc.pool_sets[device]):
-        for block, (start, size) in enumerate(pool_blocks(pool)):
-            book.add(f"pool:{number}.{block}", "pool", start, size)
+    book.add_tensors("buffer", alloc.buffers.tensors.items(), device)
+    book.add_tensors("model", model_tensors(alloc.model), device)
+    book.add_pool_blocks(alloc.pool_sets[device])
     return book
 
 
@@ -224,7 +216,7 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
                for index, descriptor in order[:-1]}
     unbuilt = [(index, descriptor, "not saved") for index, (descriptor, entry) in entries.items() if entry is None]
     pending = {index: found for index, found in entries.items() if found[1] is not None}
-    _load_libraries(functions, [entry for _, entry in pending.values() if functions.missing(kernels_of(entry))],
+    _load_libraries(functions, [entry for _, entry in pending.values() if functions.missing(_kernels_of(entry))],
                     device, spent)
     recaptured = []
     for index, why in fewest_captures(functions, pending):
@@ -317,7 +309,7 @@ def fewest_captures(functions: driver.Functions, pending: Mapping[int, tuple[obj
     descriptor whose missing kernels' libraries the most descriptors lack, the smallest
     of equals: the fewest captures find every library."""
     while True:
-        missing = {index: functions.missing(kernels_of(entry)) for index, (_, entry) in pending.items()}
+        missing = {index: functions.missing(_kernels_of(entry)) for index, (_, entry) in pending.items()}
         missing = {index: found for index, found in missing.items() if found}
         if not missing:
             return
@@ -327,14 +319,14 @@ def fewest_captures(functions: driver.Functions, pending: Mapping[int, tuple[obj
         yield index, _said(missing[index])
 
 
-def kernels_of(entry: SavedDescriptor) -> set[tuple[str, str]]:
+def _kernels_of(entry: SavedDescriptor) -> set[tuple[str, str]]:
     """The (library, name) of every kernel ``entry``'s graphs launch."""
     return set().union(*(graph.kernel_names for graph in entry.graphs))
 
 
 def _missing(functions: driver.Functions, entry: SavedDescriptor) -> str | None:
     """Why ``entry``'s graphs cannot be built here for want of kernels, or None."""
-    missing = functions.missing(kernels_of(entry))
+    missing = functions.missing(_kernels_of(entry))
     return _said(missing) if missing else None
 
 

@@ -124,6 +124,7 @@ class KeyCapture:
         #: Seconds from ``serve`` until every key was captured or failed (lazy: a captured
         #: key's first step then checks it).
         self.all_captured_s: float | None = None
+        self._foreground_ready = False  # the cache filled, the capture stream warmed, the pool forecast
 
     # -- foreground ----------------------------------------------------------------------------
 
@@ -142,19 +143,22 @@ class KeyCapture:
         verify compares steps that attend to something. Left as allocated they may hold
         NaN, and an eager step and a wrong replay would then agree on every token. The
         engine's two blocks past them are left as it keeps them: the read-trash block,
-        which every padded KV read of every step reads, stays zero."""
-        generator = torch.Generator(device=self._device()).manual_seed(0)
-        cache = self.processor.cache
-        for tensor in (*cache.key_cache, *cache.value_cache):
-            tensor[: cache.num_pages].normal_(generator=generator)
+        which every padded KV read of every step reads, stays zero. The cache, the capture
+        stream and the forecast are made ready once, however many calls capture keys."""
+        if not self._foreground_ready:
+            generator = torch.Generator(device=self._device()).manual_seed(0)
+            cache = self.processor.cache
+            for tensor in (*cache.key_cache, *cache.value_cache):
+                tensor[: cache.num_pages].normal_(generator=generator)
+            _warm_stream(self._stream, self._device())
+            self._forecast()
+            self._foreground_ready = True
         keys = self.plan.keys if keys is None else tuple(keys)
         if len(keys) > AHEAD_MOST:
             log.warning("graphflow: capturing all %d keys of %s before serving; lazy=True captures the keys steps "
                         "ask for first, and longest= or the padding intervals bound the plan", len(keys),
                         self.plan.name)
         device = self._device()
-        _warm_stream(self._stream, device)
-        self._forecast()
         sample = self._sample(keys)
         for index, key in enumerate(keys):
             began = time.perf_counter()

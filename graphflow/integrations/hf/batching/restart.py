@@ -40,7 +40,7 @@ import torch
 from graphflow.engine.restart import driver, store
 from graphflow.engine.restart.key import differs, restart_key
 from graphflow.engine.restart.packed import pack
-from graphflow.engine.restart.regions import AddressBook, model_tensors, pool_blocks
+from graphflow.engine.restart.regions import AddressBook, model_tensors
 from graphflow.engine.restart.run import (
     RebuiltGraph,
     Refused,
@@ -94,15 +94,10 @@ def _book(capture: KeyCapture, device: torch.device, pools: bool) -> AddressBook
     then the model's, then (``pools``) the graph pools' blocks; anything else is found as
     the allocation it is in."""
     book = AddressBook(driver.allocation)
-    for kind, named in (("buffer", engine_tensors(capture.processor)), ("model", model_tensors(capture.model))):
-        for name, tensor in named:
-            if tensor.device == device:
-                storage = tensor.untyped_storage()
-                book.add(f"{kind}:{name}", kind, storage.data_ptr(), storage.nbytes())
+    book.add_tensors("buffer", engine_tensors(capture.processor), device)
+    book.add_tensors("model", model_tensors(capture.model), device)
     if pools:
-        for number, pool in enumerate(capture.pools):
-            for block, (start, size) in enumerate(pool_blocks(pool)):
-                book.add(f"pool:{number}.{block}", "pool", start, size)
+        book.add_pool_blocks(capture.pools)
     return book
 
 
@@ -208,6 +203,6 @@ def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, bui
         graph = RebuiltGraph(result)
         stack.push(f"destroy the restored graph of {key}", graph.destroy)
         restored.append(KeyGraph(key, graph, checked=False))
-    for held in restored:  # nothing fails from here on
-        capture.adopt(held)
+    for graph in restored:  # nothing fails from here on
+        capture.adopt(graph)
     return len(restored), tuple(recaptured), tuple(left)
