@@ -151,8 +151,9 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
     each step waits until the capture thread has dealt with its keys (the thread begins
     only once a step has asked for one, and records only between steps), so the first
     step of each key is eager ("no graph yet") and later ones are not left to timing. ``ahead`` (lazy): after the
-    engine's first step, the next waits until every key of the plan is captured, so each
-    later key's first step is its graph's check. ``before_serve(processor)``
+    engine's first step, the next waits until every key of the plan is captured but the
+    FULL keys no step asked for yet, so each later PIECEWISE key's first step is its
+    graph's check. ``before_serve(processor)``
     runs on the engine's batch processor before ``serve``; ``after_stop(serving)`` after
     ``stop()`` and before ``close()``.
     """
@@ -179,7 +180,7 @@ def run(model, prompt_list, new_tokens: int = 6, mode: str | None = None, *, que
         waiting_for = ()
         if serving is not None and serving.core is not None:
             if ahead and len(keys) == 1:
-                waiting_for = serving.plan.keys
+                assert serving.wait_captured(30), "the capture thread did not catch up in 30 s"
             elif settle:
                 waiting_for = tuple(k for k in keys[-1] if k in serving.plan.keys)
         deadline = time.monotonic() + 30

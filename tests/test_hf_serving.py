@@ -43,6 +43,7 @@ from transformers.generation.continuous_batching.utils import (
 
 from graphflow.engine.backend import CpuBackend, PoolProbe
 from graphflow.engine.first_use import Checks
+from graphflow.engine.lazy import LazyCapture
 from graphflow.errors import PlanError
 from graphflow.integrations.hf.batching import Fallback, ServingKey, serve, serving_keys
 from graphflow.integrations.hf.batching.keys import VARLEN, batch_keys, decode_only
@@ -486,22 +487,22 @@ def test_lazy_coverage_first_steps_have_no_graph_yet():
 
 def test_while_the_thread_records_a_decode_batch_replays_its_checked_piecewise_graph(monkeypatch):
     """A new graph's check is an eager step and a replay, host work the recordings would
-    wait for: while the capture thread is not done, a decode-only batch whose FULL graph
-    waits for its check replays its PIECEWISE key's checked graph, and no FULL graph is
-    checked; the tokens stay the engine's. The thread captures only the keys steps ask
-    for here (no plan is small enough to capture ahead), so it is never done, and which
-    graphs exist at each step does not depend on timing."""
+    wait for: while the capture thread has a key to record, a decode-only batch whose
+    FULL graph waits for its check replays its PIECEWISE key's checked graph, and no FULL
+    graph is checked; the tokens stay the engine's. The thread captures only the keys
+    steps ask for here (no plan is small enough to capture ahead), so it runs until
+    stopped, and is held busy, so which graphs exist at each step does not depend on
+    timing."""
     monkeypatch.setattr(serving_module, "AHEAD_MOST", 0)
+    monkeypatch.setattr(LazyCapture, "busy", property(lambda self: not self.done))
     seen = {}
 
     def after_stop(serving):
-        seen["capturing"] = serving.capturing
         seen["summary"] = serving.coverage.as_dict()
 
     model, _ = shared("llama")
     result = run(model, PROMPTS, 24, "lazy", queue_first=True, after_stop=after_stop)
     assert result.tokens == run(model, PROMPTS, 24).tokens
-    assert seen["capturing"], "the thread was not done while the engine served"
     keys = seen["summary"]["keys"]
     decoding = {keys_[0] for keys_ in result.keys if keys_[0].mode is Mode.FULL}
     assert decoding, "the workload has decode-only batches"
@@ -509,6 +510,31 @@ def test_while_the_thread_records_a_decode_batch_replays_its_checked_piecewise_g
         "a FULL graph was checked (or replayed) while the thread recorded"
     assert any(keys[str(k)]["state"] == "captured" for k in decoding), "their FULL graphs were captured"
     assert sum(keys[str(k_[-1])]["graph_steps"] for k_ in result.keys if k_[0] in decoding) > 0
+
+
+def test_full_keys_are_captured_once_a_step_asks_for_them_and_checked_when_the_thread_is_idle():
+    """A FULL key is recorded only after a decode-only batch of its sizes asked for it (the
+    others stay planned: nothing spent on a speed-up the workload never reached), and is
+    checked on a later batch once the thread has nothing to record; its tokens stay the
+    engine's."""
+    seen = {}
+
+    def after_stop(serving):
+        assert serving.wait_captured(30)
+        seen["summary"] = serving.coverage.as_dict()
+        seen["ready"] = serving.all_captured_s
+
+    model, _ = shared("llama")
+    result = run(model, PROMPTS, 24, "lazy", queue_first=True, after_stop=after_stop, num_blocks=64)
+    assert result.tokens == run(model, PROMPTS, 24, num_blocks=64).tokens
+    keys = seen["summary"]["keys"]
+    asked = {keys_[0] for keys_ in result.keys if keys_[0].mode is Mode.FULL}
+    planned_full = [k for k in result.serving.plan.keys if k.mode is Mode.FULL]
+    never = [k for k in planned_full if k not in asked]
+    assert asked and never, "the workload reaches some FULL keys and not others"
+    assert all(keys[str(k)]["state"] == "planned" for k in never), "a FULL key no step asked for was captured"
+    assert any(keys[str(k)]["state"] == "live" and keys[str(k)]["graph_steps"] > 0 for k in asked)
+    assert seen["ready"] is not None
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "llama"])
@@ -780,7 +806,10 @@ def test_a_key_failing_its_lazy_capture_is_served_eagerly(capture_flags, caplog)
     # the failure as "capture failed".
     _failed_from_its_first_steps(entry, hits)
     assert summary["steps"] == result.steps
-    assert all(e["state"] in ("live", "captured") for k, e in summary["keys"].items() if k != str(key))
+    full = {str(k) for k in result.serving.plan.keys if k.mode is Mode.FULL}
+    # The others are captured, but the FULL keys no step asked for (captured only once one does).
+    assert all(e["state"] in ("live", "captured") or (k in full and e["state"] == "planned")
+               for k, e in summary["keys"].items() if k != str(key))
     assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
@@ -828,8 +857,13 @@ def test_a_pool_left_by_failed_captures_is_released_at_once(capture_flags, monke
     result = run(model, PROMPTS, NEW, "lazy", queue_first=True, after_stop=after_stop)
     assert result.tokens == _engine_alone("llama").tokens
     summary = result.serving.coverage.as_dict()
-    assert all(e["state"] == "failed" for k, e in summary["keys"].items() if e["state"] != "unplanned")
-    assert len(pools) == len(result.serving.plan.keys) * LAZY_TRIES + 1  # one more per failure
+    full = {str(k) for k in result.serving.plan.keys if k.mode is Mode.FULL}
+    states = {k: e["state"] for k, e in summary["keys"].items() if e["state"] != "unplanned"}
+    # Every key tried failed; a FULL key no step asked for is never tried.
+    assert all(state == "failed" or (k in full and state == "planned") for k, state in states.items())
+    failed = sum(state == "failed" for state in states.values())
+    assert failed > len(full) / 2
+    assert len(pools) == failed * LAZY_TRIES + 1  # one more per failure
     assert before_close["pools"] == [pools[-1]] and before_close["released"] == pools[:-1]
     assert released == pools  # the last at close
 

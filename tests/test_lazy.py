@@ -128,6 +128,58 @@ def test_without_ahead_only_what_steps_ask_for_is_captured():
     assert core.done and recorder.finished
 
 
+def test_keys_on_demand_are_captured_only_once_a_step_asks_for_them():
+    core, recorder = _core("abcd", on_demand="cd", first_step_s=0.0)
+    core.start()
+    try:
+        assert core.wait(30), "caught up once every key not on demand is captured"
+        assert [k for k, _ in recorder.captured] == ["a", "b"] and not core.done and not core.busy
+        assert core.caught_up_at is not None
+        core.ask("d")
+        assert _eventually(lambda: core.states["d"] is KeyState.CAPTURED)
+        assert core.wait(30) and [k for k, _ in recorder.captured] == ["a", "b", "d"]
+        assert core.states["c"] is KeyState.PLANNED
+    finally:
+        core.stop()
+    assert core.done and recorder.finished and core.states["c"] is KeyState.PLANNED
+
+
+def test_once_every_key_on_demand_is_captured_the_thread_ends():
+    core, recorder = _core("abc", on_demand="c", first_step_s=0.0)
+    core.start()
+    try:
+        core.ask("c")
+        assert _eventually(lambda: core.done)
+    finally:
+        core.stop()
+    assert sorted(k for k, _ in recorder.captured) == ["a", "b", "c"]
+
+
+def test_busy_while_a_key_is_recorded_or_waits_to_be():
+    hold = threading.Event()
+    core, recorder = _core("ab", on_demand="b", hold=hold, first_step_s=0.0)
+    core.start()
+    try:
+        assert _eventually(lambda: core.busy), "recording a"
+        hold.set()
+        assert core.wait(30) and not core.busy
+    finally:
+        hold.set()
+        core.stop()
+    assert not core.busy
+
+
+def _eventually(condition, seconds: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.005)
+    return False
+
+
 def test_a_key_its_first_batch_rejects_is_undone_on_the_thread():
     core, recorder = _core("ab", first_step_s=0.0)
     hold, reached = threading.Event(), threading.Event()

@@ -12,8 +12,10 @@ differs between integrations is only how one key is captured and how it goes liv
   the first recording of the 61-layer FULL plan took up to 1.88x an eager step of their
   size on the H100); then the key that serves the first step asked for; then the keys
   steps asked for, most asked first, first asked on ties; then, with ``ahead``, the rest
-  in the integration's order. Without ``ahead`` (a plan too large to capture whole) the
-  thread waits for steps to ask.
+  in the integration's order, but for the keys ``on_demand`` names: those are captured
+  only once a step asks for them (speed-ups most of which a workload may never reach
+  are not recorded beside steps that wait for the GPU). Without ``ahead`` (a plan too
+  large to capture whole) the thread waits for steps to ask.
 * **Turns with the steps** (``graphflow.engine.turns``): a recording and a step never run
   at once. A recording gives way to a waiting step at its next pause point once it has
   run its slice (the integration sizes the slice to its eager steps); a turn that must
@@ -58,7 +60,7 @@ import contextlib
 import enum
 import threading
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -110,7 +112,8 @@ class LazyCapture(Generic[K]):
     """The capture thread of a lazy engine or server (see the module docstring)."""
 
     def __init__(self, capturer: Capturer[K], keys: Sequence[K], *, turns: Turns, first: K | None = None,
-                 ahead: bool = True, pausing: bool = True, tries: int = TRIES, first_step_s: float | None = None,
+                 ahead: bool = True, on_demand: Collection[K] = (), pausing: bool = True, tries: int = TRIES,
+                 first_step_s: float | None = None,
                  settled: Mapping[K, KeyState] | None = None, name: str = "graphflow-lazy-capture") -> None:
         self.capturer = capturer
         self.turns = turns
@@ -121,6 +124,10 @@ class LazyCapture(Generic[K]):
         self.tries: dict[K, int] = {}
         self._plan = list(keys)
         self._before_ready, self._ahead, self._pausing, self._most = first, ahead, pausing, tries
+        self._on_demand = frozenset(on_demand)
+        self._recording = False  # a key's capture is under way
+        #: When the thread first had nothing left to capture unless a step asks.
+        self.caught_up_at: float | None = None
         self._first_step_s = first_step_s
         self._asked: dict[K, int] = {}  # first asked first
         self._first: K | None = None
@@ -195,13 +202,25 @@ class LazyCapture(Generic[K]):
     def done(self) -> bool:
         return self.finished_at is not None
 
+    @property
+    def busy(self) -> bool:
+        """Whether the thread is recording a key or has one to record now (one asked for,
+        or, with ``ahead``, one not on demand): what a step leaves host work to."""
+        with self._changed:
+            return not self.done and not self._stopping and (self._recording or self._next() is not None)
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every key is captured or failed (without ``ahead``: until stopped);
+        """Wait until every key is captured or failed, but those captured only once asked
+        for (``on_demand``) that no step asked for yet (without ``ahead``: until stopped);
         False on timeout."""
         if self._thread is None:
             return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        with self._changed:
+            return self._changed.wait_for(lambda: self.done or self._caught_up(), timeout)
+
+    def _caught_up(self) -> bool:
+        """Under ``_changed``: nothing left to capture unless a step asks for it."""
+        return self.caught_up_at is not None and not self._recording and self._next() is None
 
     def stop(self) -> None:
         """Capture nothing more; returns once the key under way is done and the thread
@@ -239,7 +258,9 @@ class LazyCapture(Generic[K]):
                         self._undo_rejected()
                     finally:
                         self.capturer.finish()
-                        self.finished_at = time.perf_counter()
+                        with self._changed:
+                            self.finished_at = time.perf_counter()
+                            self._changed.notify_all()
 
     def _loop(self) -> None:
         with self._changed:
@@ -248,14 +269,27 @@ class LazyCapture(Generic[K]):
             self._undo_rejected()
             with self._changed:
                 key = self._next()
-                # Without ``ahead`` the keys to capture are those steps ask for: wait for one.
-                while key is None and not self._ahead and not self._stopping and not self._rejected:
+                # The keys only steps' asks bring (every key without ``ahead``): wait for one.
+                while key is None and self._asks_to_come() and not self._stopping and not self._rejected:
+                    if self.caught_up_at is None and self._ahead:
+                        self.caught_up_at = time.perf_counter()
+                    self._changed.notify_all()
                     self._changed.wait()
                     key = self._next()
-                if self._stopping or (key is None and self._ahead):
+                if self._stopping or (key is None and not self._asks_to_come()):
                     return
+                self._recording = key is not None
             if key is not None:
-                self._one(key)
+                try:
+                    self._one(key)
+                finally:
+                    with self._changed:
+                        self._recording = False
+                        self._changed.notify_all()
+
+    def _asks_to_come(self) -> bool:
+        """Under ``_changed``: whether a step's ask may still bring a key to capture."""
+        return not self._ahead or any(self.states[k] is KeyState.PLANNED for k in self._on_demand)
 
     def _next(self) -> K | None:
         """The next key to capture (see the module docstring), under ``_changed``."""
@@ -269,7 +303,7 @@ class LazyCapture(Generic[K]):
         chosen = (*first, *asked)
         if chosen:
             return chosen[0]
-        return open_[0] if self._ahead else None
+        return next((k for k in open_ if k not in self._on_demand), None) if self._ahead else None
 
     def _one(self, key: K) -> None:
         tries = self.tries.get(key, 0)

@@ -456,8 +456,12 @@ class KeyCapture:
 
     def _measured(self) -> None:
         self.all_captured_s = time.perf_counter() - self.started
-        self.memory["pool_bytes"] = self.pools.nbytes()
-        self.memory["attention_buffer_bytes"] = 0 if self.cut is None else self.cut.buffers.nbytes
+        self.memory.update(self.memory_now())
+
+    def memory_now(self) -> dict[str, int | None]:
+        """The graph pools' bytes and the static attention buffers' as they are now."""
+        return {"pool_bytes": self.pools.nbytes(),
+                "attention_buffer_bytes": 0 if self.cut is None else self.cut.buffers.nbytes}
 
     def _device(self) -> torch.device:
         return self.processor.inputs_and_outputs.device

@@ -101,7 +101,7 @@ class StepRunner:
         graphs = [graph for graph in map(self._graphs.get, keys) if graph is not None]
         if not graphs:
             return None
-        if not graphs[0].checked and core is not None and not core.done:
+        if not graphs[0].checked and core is not None and core.busy:
             return next((graph for graph in graphs if graph.checked), graphs[0])
         return graphs[0]
 

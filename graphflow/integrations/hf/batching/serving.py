@@ -17,12 +17,13 @@ its runner from its capture:
   **foreground** (``lazy=False``, the default), coverage first: the PIECEWISE keys before
   serving (they cover every batch: from the first step on, every step replays a graph),
   each a transaction (capture, verify, or undone, and served eagerly), and the FULL keys
-  on the lazy-capture thread beside serving, the speed-ups after
-  (``full_in_background=False``: every key before serving); **lazy**, serving starts at
-  once and the engine's lazy-capture thread (``graphflow.engine.lazy``: the keys steps ask
-  for first, most asked first, then the rest of the plan, largest first, for a plan of at
-  most ``AHEAD_MOST`` keys; recordings that give way to the engine's steps; a failed
-  capture tried again, whole, up to ``TRIES`` times) records every key beside the engine.
+  on the lazy-capture thread beside serving once a step asks for each, the speed-ups
+  after (``full_in_background=False``: every key before serving); **lazy**, serving
+  starts at once and the engine's lazy-capture thread (``graphflow.engine.lazy``: the
+  keys steps ask for first, most asked first, then the rest of the PIECEWISE keys,
+  largest first, for a plan of at most ``AHEAD_MOST`` keys, and a FULL key only once a
+  step asks for it; recordings that give way to the engine's steps; a failed capture
+  tried again, whole, up to ``TRIES`` times) records the keys beside the engine.
 
 Verification follows the engine's rule (``Verify``): before ``serve`` returns, a
 sample (the largest key of each mode captured then) is verified against the engine's
@@ -92,6 +93,10 @@ class Serving:
 
     @property
     def memory(self) -> dict[str, int | None]:
+        """The forecast and the graph memory: once the capture thread is done, as it was
+        then; while it may still capture the keys steps ask for, as it is now."""
+        if self.core is not None and not self.core.done:
+            return {**self.capture.memory, **self.capture.memory_now()}
         return self.capture.memory
 
     @property
@@ -100,15 +105,20 @@ class Serving:
 
     @property
     def all_captured_s(self) -> float | None:
+        """Seconds from ``serve`` to every key captured but the FULL keys no step asked for."""
+        if self.capture.all_captured_s is None and self.core is not None and self.core.caught_up_at is not None:
+            return self.core.caught_up_at - self.capture.started
         return self.capture.all_captured_s
 
     @property
     def capturing(self) -> bool:
-        """Whether the capture thread (lazy, or the FULL keys in the background) still records keys."""
-        return self.core is not None and not self.core.done
+        """Whether the capture thread (lazy, or the FULL keys in the background) records a
+        key now or has one to record."""
+        return self.core is not None and self.core.busy
 
     def wait_captured(self, timeout: float | None = None) -> bool:
-        """Wait until every key of the plan is captured or failed; whether it was."""
+        """Wait until every key of the plan is captured or failed, but the FULL keys no
+        step has asked for (captured once one does); whether it was."""
         return self.core is None or self.core.wait(timeout)
 
     @property
@@ -173,8 +183,9 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
     the keys (``serving_keys``; default: the model's ``max_position_embeddings``). ``keys`` limits the plan to
     some of its keys (the others are served eagerly as "key never captured"). Foreground
     capture reports each key to ``progress`` (a function of one line; default: the log);
-    it captures the PIECEWISE keys, and the FULL keys are captured beside serving, as a
-    lazy capture captures them (``full_in_background=False``: all before serving).
+    it captures the PIECEWISE keys, and the FULL keys are captured beside serving once a
+    step asks for each, as a lazy capture captures them (``full_in_background=False``:
+    all before serving).
     ``verify``: ``True`` or ``"sample"`` (each mode's largest key captured before serving
     verified then, the others on their first batch), ``"all"`` (every key captured before
     serving verified then), ``False`` or ``"off"`` (graphs go live unchecked). ``graphs_from``:
@@ -289,10 +300,15 @@ def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, pro
 
 def _capture_thread(capture: KeyCapture, turns: Turns, pausing: bool) -> LazyCapture:
     """The lazy-capture thread for the plan's keys a foreground capture did not settle
-    (all of them when lazy); coverage reads the thread's table from then on."""
+    (all of them when lazy), the FULL ones once a step asks for them: a FULL key is a
+    speed-up for decode-only batches of one KV size, most of which a workload may never
+    reach, and recording one runs its step eagerly on the GPU the steps wait for.
+    Coverage reads the thread's table from then on."""
     plan, coverage = capture.plan, capture.coverage
     settled = {key: state for key, state in coverage.states.items() if state is not KeyState.PLANNED}
+    full = [key for key in plan.keys if key.mode is Mode.FULL]
     core = LazyCapture(capture, plan.keys, turns=turns, ahead=len(plan.keys) - len(settled) <= AHEAD_MOST,
+                       on_demand=full,
                        pausing=pausing, settled=settled, name="graphflow-serving-capture")
     coverage.states = core.states
     capture.core = core
