@@ -30,6 +30,10 @@ the same prompts again, warm (the graphs of the first wave are there).
   every other key is captured inline the first time a step asks for it;
 * **graphflow foreground**: ``serve(manager)`` before ``start()``: every key captured and
   verified first;
+* **graphflow restart** (after the foreground row, which then saves its FULL keys'
+  graphs once its warm wave is served: ``Serving.save_graphs``): ``serve(manager,
+  graphs_from=...)``, the saved keys built from their nodes, in the same process (a new
+  process would also load the libraries' kernels; the PIECEWISE captures do that);
 * **graphflow lazy**: ``serve(manager, lazy=True)``: serving at once, keys captured beside it.
 
 Columns: tokens identical (both waves) to the eager row, to the padded eager row
@@ -71,8 +75,10 @@ import importlib.metadata
 import json
 import logging
 import pathlib
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from typing import NamedTuple
@@ -83,14 +89,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from graphflow.integrations.hf.batching import serve
 
-ROWS = ("engine eager", "engine eager padded", "engine graphs", "graphflow foreground", "graphflow lazy")
+ROWS = ("engine eager", "engine eager padded", "engine graphs", "graphflow foreground", "graphflow restart",
+        "graphflow lazy")
 WAVES = ("cold", "warm")
 
 #: The issue's settings and workload for the large shapes.
 _LARGE_SETTINGS = {"block_size": 32, "num_blocks": 2048, "max_batch_tokens": 1024, "max_requests_per_batch": 64,
                    "q_padding_interval_size": 64, "kv_padding_interval_size": 4096}
 _LARGE = {"settings": _LARGE_SETTINGS, "requests": "128", "prompt": "16,1024", "output": "32,128",
-          "rows": "engine eager,engine graphs,graphflow foreground,graphflow lazy"}
+          "rows": "engine eager,engine graphs,graphflow foreground,graphflow restart,graphflow lazy"}
 SHAPES = {
     "default": {"family": "llama", "layers": 8, "hidden": 1024, "vocab": 32000, "requests": "64,256",
                 "prompt": "16,384", "output": "16,128", "rows": ",".join(ROWS),
@@ -186,9 +193,11 @@ class _Progress:
             say(f"{self.label}: {line}")
 
 
-def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_wait: float, label: str) -> dict:
+def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_wait: float, label: str,
+            saved: pathlib.Path | None = None) -> dict:
     """One row: a fresh manager over ``model``, set up as ``row`` says, serving the workload
-    twice; everything it made is given back before it returns, or raises."""
+    twice; everything it made is given back before it returns, or raises. ``saved``: where
+    the foreground row saves its graphs and the restart row serves from."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -199,7 +208,7 @@ def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_w
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
     state = {"serving": None}
     try:
-        return _serve_row(row, manager, state, prompts, news, longest, lazy_wait, label, cuda)
+        return _serve_row(row, manager, state, prompts, news, longest, lazy_wait, label, cuda, saved)
     finally:
         if manager.is_running():
             manager.stop(block=True, hard_stop=True)
@@ -216,7 +225,7 @@ def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_w
 
 
 def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy_wait: float, label: str,
-               cuda: bool) -> dict:
+               cuda: bool, saved: pathlib.Path | None) -> dict:
     graphs = row == "engine graphs"
     manager.batch_processor = manager._create_batch_processor()
     processor = manager.batch_processor
@@ -230,6 +239,8 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
         manager.warmup()
     elif row == "graphflow foreground":
         serving = state["serving"] = serve(manager, longest=longest, progress=_Progress(label))
+    elif row == "graphflow restart":
+        serving = state["serving"] = serve(manager, longest=longest, progress=_Progress(label), graphs_from=saved)
     elif row == "graphflow lazy":
         serving = state["serving"] = serve(manager, lazy=True, longest=longest)
     setup_s = time.perf_counter() - began
@@ -301,6 +312,12 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
         if serving.capturing:
             say(f"{label}: waiting up to {lazy_wait:.0f} s for the lazy capture to finish the plan")
         lazy_done = serving.wait_captured(lazy_wait)
+    saving = None
+    if serving is not None and row == "graphflow foreground" and saved is not None and cuda:  # graphs to save
+        serving.wait_captured(lazy_wait)
+        saving = serving.save_graphs(saved)
+        say(f"{label}: saved {saving.saved} FULL keys' graphs for the restart row"
+            + (f"; left out {list(saving.left_out)}" if saving.left_out else ""))
     _sync(cuda)
     memory = _graph_memory(processor, serving) if cuda else None
     checking = [s.took for s in steps if s.checking]
@@ -325,6 +342,15 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
         if row == "graphflow lazy":
             result.update(lazy_finished=lazy_done, recording_pauses=serving.turns.pauses,
                           retried_keys=serving.retried)
+        if saving is not None:
+            result["saved_keys"] = saving.saved
+        if serving.restart is not None:
+            restart = serving.restart
+            result["restart"] = {"restored": restart.restored, "captured": restart.captured,
+                                 "refused": restart.refused, "seconds": restart.seconds,
+                                 "left_out": list(restart.left_out), "built": restart.built}
+            if memory is not None:  # restored graphs hold their blocks outside the pools
+                result["graph_memory_bytes"] = memory + restart.built.get("memory_bytes", 0)
         state["serving"] = None
         serving.close()
     return result
@@ -550,6 +576,9 @@ def main() -> int:
               f"{output[0]}-{output[1]} new\n")
     tables: dict[int, str] = {}
     failed = False
+    if "graphflow restart" in rows and "graphflow foreground" not in rows:
+        parser.error("--rows: graphflow restart serves from the graphs the graphflow foreground row saves")
+    saved = pathlib.Path(tempfile.mkdtemp(prefix="serve-bench-graphs-"))
     for requests in (int(n) for n in args.requests.split(",")):
         prompts, news = workload(requests, args.vocab, prompt, output, seed=requests)
         longest = prompt[1] + output[1]
@@ -558,7 +587,7 @@ def main() -> int:
             say(f"== {requests} requests: {row}")
             try:
                 results.append(run_row(row, model, prompts, news, settings, longest, args.lazy_wait,
-                                       f"{requests} requests"))
+                                       f"{requests} requests", saved / str(requests)))
             except Exception as exc:  # noqa: BLE001 - the other rows still run; this one says why it failed
                 traceback.print_exc()
                 results.append({"row": row, "error": f"{type(exc).__name__}: {exc}"})
@@ -571,6 +600,7 @@ def main() -> int:
             everything["workloads"][requests] = [_recorded(r) for r in results]
             _write(out, stem, header + "\n\n".join(tables.values()) + "\n", everything)
         print(tables[requests], flush=True)
+    shutil.rmtree(saved, ignore_errors=True)
     text = header + "\n\n".join(tables.values()) + "\n"
     print(text, flush=True)
     say(f"wrote {out / stem}.txt and .json")
