@@ -194,10 +194,11 @@ class _Progress:
 
 
 def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_wait: float, label: str,
-            saved: pathlib.Path | None = None) -> dict:
+            saved: pathlib.Path | None = None, full_keys: str = "all") -> dict:
     """One row: a fresh manager over ``model``, set up as ``row`` says, serving the workload
     twice; everything it made is given back before it returns, or raises. ``saved``: where
-    the foreground row saves its graphs and the restart row serves from."""
+    the foreground row saves its graphs and the restart row serves from; ``full_keys``:
+    graphflow's ``serve(full_keys=...)``."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -208,7 +209,7 @@ def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_w
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
     state = {"serving": None}
     try:
-        return _serve_row(row, manager, state, prompts, news, longest, lazy_wait, label, cuda, saved)
+        return _serve_row(row, manager, state, prompts, news, longest, lazy_wait, label, cuda, saved, full_keys)
     finally:
         if manager.is_running():
             manager.stop(block=True, hard_stop=True)
@@ -225,7 +226,7 @@ def run_row(row: str, model, prompts, news, settings: dict, longest: int, lazy_w
 
 
 def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy_wait: float, label: str,
-               cuda: bool, saved: pathlib.Path | None) -> dict:
+               cuda: bool, saved: pathlib.Path | None, full_keys: str) -> dict:
     graphs = row == "engine graphs"
     manager.batch_processor = manager._create_batch_processor()
     processor = manager.batch_processor
@@ -238,11 +239,12 @@ def _serve_row(row: str, manager, state: dict, prompts, news, longest: int, lazy
     if graphs:
         manager.warmup()
     elif row == "graphflow foreground":
-        serving = state["serving"] = serve(manager, longest=longest, progress=_Progress(label))
+        serving = state["serving"] = serve(manager, longest=longest, progress=_Progress(label), full_keys=full_keys)
     elif row == "graphflow restart":
-        serving = state["serving"] = serve(manager, longest=longest, progress=_Progress(label), graphs_from=saved)
+        serving = state["serving"] = serve(manager, longest=longest, progress=_Progress(label), graphs_from=saved,
+                                           full_keys=full_keys)
     elif row == "graphflow lazy":
-        serving = state["serving"] = serve(manager, lazy=True, longest=longest)
+        serving = state["serving"] = serve(manager, lazy=True, longest=longest, full_keys=full_keys)
     setup_s = time.perf_counter() - began
     if serving is not None:
         say(f"{label}: {len(serving.plan.keys)} keys planned; serve returned in {setup_s:.2f} s")
@@ -531,6 +533,8 @@ def main() -> int:
     parser.add_argument("--rows", help=f"some of: {', '.join(ROWS)}")
     parser.add_argument("--lazy-wait", type=float, default=60.0,
                         help="seconds the lazy row waits after its warm wave for the rest of the plan (default 60)")
+    parser.add_argument("--full-keys", choices=("all", "asked"), default="all",
+                        help="graphflow's serve(full_keys=...): record every FULL key, or those steps ask for")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and workload: checks the script")
     args = parser.parse_args()
     shape = dict(SHAPES[args.shape])
@@ -568,9 +572,11 @@ def main() -> int:
     everything = {"device": device_name, "torch": torch.__version__,
                   "transformers": importlib.metadata.version("transformers"), "shape": args.shape,
                   "smoke": args.smoke, "model": described, "attention": "paged|sdpa", "settings": settings,
+                  "full_keys": args.full_keys,
                   "prompt": prompt, "output": output, "rows": rows, "workloads": {}}
     stem = "serve" if args.shape == "default" else f"serve-{args.shape}"
-    header = (f"# bench/serve_bench.py --shape {args.shape}{' --smoke' if args.smoke else ''} on {device_name}, "
+    flags = f"{' --smoke' if args.smoke else ''}{' --full-keys asked' if args.full_keys == 'asked' else ''}"
+    header = (f"# bench/serve_bench.py --shape {args.shape}{flags} on {device_name}, "
               f"torch {everything['torch']}, transformers {everything['transformers']}\n"
               f"# {everything['model']}, paged|sdpa; engine {settings}; prompts {prompt[0]}-{prompt[1]} tokens, "
               f"{output[0]}-{output[1]} new\n")
@@ -587,7 +593,7 @@ def main() -> int:
             say(f"== {requests} requests: {row}")
             try:
                 results.append(run_row(row, model, prompts, news, settings, longest, args.lazy_wait,
-                                       f"{requests} requests", saved / str(requests)))
+                                       f"{requests} requests", saved / str(requests), args.full_keys))
             except Exception as exc:  # noqa: BLE001 - the other rows still run; this one says why it failed
                 traceback.print_exc()
                 results.append({"row": row, "error": f"{type(exc).__name__}: {exc}"})

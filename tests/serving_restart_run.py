@@ -37,7 +37,9 @@ def main(role: str, directory: pathlib.Path) -> dict:
             assert serving.wait_captured(120), serving.report()
             saved.update(attrs.asdict(serving.save_graphs(directory)))
 
-        tokens, serving = generate(model, prompts, batching(), attach=serve, after=save)
+        # Every FULL key captured before serving: saved whether or not a step asked for it.
+        tokens, serving = generate(model, prompts, batching(), attach=lambda m: serve(m, full_in_background=False),
+                                   after=save)
         return {"eager": eager, "tokens": tokens, "saved": saved, "report": serving.report()}
     config = batching(num_blocks=96) if role == "changed" else batching()
     tokens, serving = generate(model, prompts, config, attach=lambda manager: serve(manager, graphs_from=directory))

@@ -512,11 +512,12 @@ def test_while_the_thread_records_a_decode_batch_replays_its_checked_piecewise_g
     assert sum(keys[str(k_[-1])]["graph_steps"] for k_ in result.keys if k_[0] in decoding) > 0
 
 
-def test_full_keys_are_captured_once_a_step_asks_for_them_and_checked_when_the_thread_is_idle():
-    """A FULL key is recorded only after a decode-only batch of its sizes asked for it (the
-    others stay planned: nothing spent on a speed-up the workload never reached), and is
-    checked on a later batch once the thread has nothing to record; its tokens stay the
-    engine's."""
+@pytest.mark.parametrize("lazy", [True, False])
+def test_full_keys_asked_are_captured_once_a_step_asks_for_them_and_checked_when_the_thread_is_idle(lazy):
+    """``full_keys="asked"``: a FULL key is recorded only after a decode-only batch of its
+    sizes asked for it (the others stay planned: nothing spent on a speed-up the workload
+    never reached), and is checked on a later batch once the thread has nothing to
+    record; its tokens stay the engine's."""
     seen = {}
 
     def after_stop(serving):
@@ -525,7 +526,8 @@ def test_full_keys_are_captured_once_a_step_asks_for_them_and_checked_when_the_t
         seen["ready"] = serving.all_captured_s
 
     model, _ = shared("llama")
-    result = run(model, PROMPTS, 24, "lazy", queue_first=True, after_stop=after_stop, num_blocks=64)
+    result = run(model, PROMPTS, 24, "lazy" if lazy else "fg", queue_first=True, after_stop=after_stop,
+                 serve_kwargs=dict(full_keys="asked"), num_blocks=64)
     assert result.tokens == run(model, PROMPTS, 24, num_blocks=64).tokens
     keys = seen["summary"]["keys"]
     asked = {keys_[0] for keys_ in result.keys if keys_[0].mode is Mode.FULL}
@@ -553,6 +555,14 @@ def test_a_lazy_graphs_check_leaves_the_cache_as_the_eager_step_does(name, lengt
     assert summary["graph_steps"] > 0
     assert not [k for k, e in summary["keys"].items() if e["state"] == "failed"], result.serving.report()
     assert result.tokens == hf_generate(reference, chosen, NEW)
+
+
+def test_full_keys_is_all_or_asked_and_asked_needs_a_thread():
+    model, _ = shared("llama")
+    with pytest.raises(PlanError, match="full_keys='some'"):
+        serve(manager(model, NEW), full_keys="some")
+    with pytest.raises(PlanError, match="full_keys='asked'"):
+        serve(manager(model, NEW), full_keys="asked", full_in_background=False)
 
 
 def test_a_key_outside_the_plan_is_served_eagerly_as_never_captured():
@@ -806,10 +816,7 @@ def test_a_key_failing_its_lazy_capture_is_served_eagerly(capture_flags, caplog)
     # the failure as "capture failed".
     _failed_from_its_first_steps(entry, hits)
     assert summary["steps"] == result.steps
-    full = {str(k) for k in result.serving.plan.keys if k.mode is Mode.FULL}
-    # The others are captured, but the FULL keys no step asked for (captured only once one does).
-    assert all(e["state"] in ("live", "captured") or (k in full and e["state"] == "planned")
-               for k, e in summary["keys"].items() if k != str(key))
+    assert all(e["state"] in ("live", "captured") for k, e in summary["keys"].items() if k != str(key))
     assert any(str(key) in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
@@ -857,13 +864,8 @@ def test_a_pool_left_by_failed_captures_is_released_at_once(capture_flags, monke
     result = run(model, PROMPTS, NEW, "lazy", queue_first=True, after_stop=after_stop)
     assert result.tokens == _engine_alone("llama").tokens
     summary = result.serving.coverage.as_dict()
-    full = {str(k) for k in result.serving.plan.keys if k.mode is Mode.FULL}
-    states = {k: e["state"] for k, e in summary["keys"].items() if e["state"] != "unplanned"}
-    # Every key tried failed; a FULL key no step asked for is never tried.
-    assert all(state == "failed" or (k in full and state == "planned") for k, state in states.items())
-    failed = sum(state == "failed" for state in states.values())
-    assert failed > len(full) / 2
-    assert len(pools) == failed * LAZY_TRIES + 1  # one more per failure
+    assert all(e["state"] == "failed" for k, e in summary["keys"].items() if e["state"] != "unplanned")
+    assert len(pools) == len(result.serving.plan.keys) * LAZY_TRIES + 1  # one more per failure
     assert before_close["pools"] == [pools[-1]] and before_close["released"] == pools[:-1]
     assert released == pools  # the last at close
 

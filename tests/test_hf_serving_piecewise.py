@@ -527,9 +527,9 @@ def test_a_failed_serve_gives_the_registry_back(monkeypatch):
 
 def test_foreground_captures_the_full_keys_in_the_background():
     """``serve(manager)`` returns once the PIECEWISE keys (which cover every batch) are
-    captured; the FULL keys are captured beside serving by the lazy-capture thread once a
-    decode-only step asks for them, each checked on a later batch, and the decode-only
-    steps move to them as they go live. Tokens: the engine's."""
+    captured; the FULL keys are captured beside serving by the lazy-capture thread, each
+    checked on its first batch, and the decode-only steps move to them as they go live.
+    Tokens: the engine's."""
     lines: list[str] = []
     model, _ = build("llama")
     mgr = manager(model, NEW)
@@ -543,8 +543,7 @@ def test_foreground_captures_the_full_keys_in_the_background():
         assert states_at_start[piecewise[0]] == "live"  # the sample, verified before serving
         assert all(states_at_start[k] == "captured" for k in piecewise[1:])  # checked on their first batch
         assert all(states_at_start[k] == "planned" for k in full)  # the thread waits for the first step
-        # The thread waits for steps: no FULL key is recorded before a step asks for it.
-        assert serving.core is not None and not serving.capturing and not serving.lazy
+        assert serving.capturing and not serving.lazy
     finally:
         serving.close()
     assert not serving.capturing

@@ -74,6 +74,17 @@ def test_an_address_off_a_word_is_refused_when_packing():
         pack(saved.SavedGraph((kernel,), ((),)))
 
 
+def _by_launch(library: str, name: str, block: tuple[int, int, int]) -> int:
+    """A handle per (library, name, block): a JIT kernel's specializations may differ by
+    their block alone."""
+    return FUNCTIONS[library, name] + 0x10 * (block[0] + 3 * block[1] + 7 * block[2])
+
+
+class _Launched(dict):
+    def __missing__(self, key):
+        return _by_launch(*key)
+
+
 def _address(place: saved.Place) -> int:
     return REGIONS[place.region] + place.offset
 
@@ -85,7 +96,7 @@ def test_each_node_is_laid_out_as_the_driver_reads_it(graph):
     shape and parameters whose bytes are the saved ones with each address where its
     region lives; each memset writes where its region lives; each node waits for the
     handles of the nodes it was saved after."""
-    laid = lay_out(pack(graph), REGIONS, FUNCTIONS)
+    laid = lay_out(pack(graph), REGIONS, _Launched())
     laid.handles[:] = 0x9000 + np.arange(len(graph.nodes), dtype=np.uint64)  # as the driver would write them
     for index, (node, after) in enumerate(zip(graph.nodes, graph.after)):
         kind, handle_at, waits, count, params, first, end = laid.rows[index]
@@ -97,7 +108,7 @@ def test_each_node_is_laid_out_as_the_driver_reads_it(graph):
         if isinstance(node, saved.Kernel):
             assert kind == NodeKind.KERNEL
             struct = bindings.CUDA_KERNEL_NODE_PARAMS(_ptr=params)
-            assert int(struct.func) == FUNCTIONS[node.library, node.name]
+            assert int(struct.func) == _by_launch(node.library, node.name, node.block)
             assert (struct.gridDimX, struct.gridDimY, struct.gridDimZ) == node.grid
             assert (struct.blockDimX, struct.blockDimY, struct.blockDimZ) == node.block
             assert struct.sharedMemBytes == node.shared and int(struct.extra or 0) == 0
@@ -188,7 +199,7 @@ class _Driver:
 
 
 class _Functions:
-    def function(self, library, name):
+    def function(self, library, name, block=None):
         return FUNCTIONS[library, name]
 
 
@@ -247,7 +258,7 @@ def test_a_kernel_the_driver_will_not_give_refuses_only_the_graphs_that_launch_i
     monkeypatch.setattr(restart_driver, "_calls", lambda: _Calls())
 
     class Functions:
-        def function(self, library, name):
+        def function(self, library, name, block=None):
             if name == "gemm":
                 raise restart_driver.DriverError("cuKernelGetFunction: CUDA_ERROR_NOT_FOUND")
             return FUNCTIONS[library, name]
@@ -293,3 +304,68 @@ def test_a_function_found_by_name_is_loaded_before_a_node_is_made_of_it(monkeypa
     for _ in range(2):
         assert functions.function("jit", "norm") == 0x5000 and functions.function("lib", "gemm") == 0x5101
     assert calls == [("is_loaded", 0x5000), ("is_loaded", 0x5101), ("load", 0x5101)]
+
+
+def test_a_jit_kernel_is_found_by_the_block_this_process_launched_it_with(monkeypatch):
+    """Two specializations of one Triton kernel, in modules that use the same resources
+    (the same fingerprint), differ by the block each is compiled for: a node is given the
+    function this process launched with that node's block. Found by name alone, the
+    16-warp RMSNorm was given to a 4-warp node and the driver refused it."""
+
+    class Params:
+        def __init__(self, func, threads):
+            self.kern, self.func = 0, func
+            self.blockDimX, self.blockDimY, self.blockDimZ = threads, 1, 1
+
+    launches = {1: Params(0x7000, 512), 2: Params(0x7100, 128), 3: Params(0x7000, 512)}
+    modules = {0x7000: 0xA000, 0x7100: 0xA100}
+
+    class Driver:
+        CUgraphNodeType = bindings.CUgraphNodeType
+        CUfunction_attribute = bindings.CUfunction_attribute
+        CUfunctionLoadingState = bindings.CUfunctionLoadingState
+
+        def CUgraph(self, value):  # noqa: N802 - the driver's names
+            return value
+
+        def CUfunction(self, value):  # noqa: N802
+            return value
+
+        def cuGraphGetNodes(self, graph, count):  # noqa: N802
+            return (0, list(launches)[:count], len(launches)) if count else (0, None, len(launches))
+
+        def cuGraphNodeGetType(self, node):  # noqa: N802
+            return 0, bindings.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+
+        def cuGraphKernelNodeGetParams(self, node):  # noqa: N802
+            return 0, launches[node]
+
+        def cuFuncGetModule(self, func):  # noqa: N802
+            return 0, modules[int(func)]
+
+        def cuModuleGetFunctionCount(self, module):  # noqa: N802
+            return 0, 1
+
+        def cuModuleEnumerateFunctions(self, count, module):  # noqa: N802
+            return 0, [next(f for f, m in modules.items() if m == module)]
+
+        def cuFuncGetName(self, func):  # noqa: N802
+            return 0, b"_rms_norm_rows"
+
+        def cuFuncGetAttribute(self, attribute, func):  # noqa: N802 - the same resources for both
+            return 0, 32
+
+        def cuFuncGetParamInfo(self, func, index):  # noqa: N802
+            return (0, 8 * index, 8) if index < 3 else (1, 0, 0)
+
+        def cuFuncIsLoaded(self, func):  # noqa: N802
+            return 0, bindings.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED
+
+    monkeypatch.setattr(restart_driver, "_driver", lambda: Driver())
+    monkeypatch.setattr(restart_driver, "_LIBRARIES", {})
+    functions = restart_driver.Functions()
+    functions.add_graph(1)
+    (library, name), = {(lib, n) for lib, n, _ in functions.launched}
+    assert restart_driver._LIBRARIES[0xA000][0] == restart_driver._LIBRARIES[0xA100][0], "one fingerprint"
+    assert functions.function(library, name, (128, 1, 1)) == 0x7100
+    assert functions.function(library, name, (512, 1, 1)) == 0x7000

@@ -42,11 +42,7 @@ def test_every_row_serves_a_cold_then_a_warm_wave_with_the_eager_tokens(default)
     assert lazy["worst_capturing_vs_eager_step"] == pytest.approx(lazy["worst_step_capturing_s"]
                                                                    / rows[0]["median_step_s"])
     foreground = next(r for r in rows if r["row"] == "graphflow foreground")
-    assert 0 < foreground["keys_captured"] <= foreground["keys_planned"]
-    # Every key is captured but the FULL keys no decode-only step asked for.
-    planned = [key for key, entry in foreground["coverage"]["keys"].items() if entry["state"] == "planned"]
-    assert foreground["keys_captured"] + len(planned) == foreground["keys_planned"]
-    assert not [key for key in planned if key.startswith("piecewise")], planned
+    assert foreground["keys_captured"] == foreground["keys_planned"] > 0
 
 
 def test_the_table_names_the_device_and_the_shape(default):
@@ -126,3 +122,14 @@ def test_a_difference_is_placed_at_the_step_that_made_the_first_differing_token(
     (line,) = serve_bench.differences([own, ours])
     assert line == ("graphflow foreground, cold wave: 2 of 3 requests differ from the engine's own graphs; first at "
                     "request 2 token 1, step 1 (decode check, a check); theirs: step 2 (own graph)")
+
+
+def test_full_keys_asked_leaves_the_fulls_no_step_asked_for(tmp_path):
+    out = _smoke(tmp_path, "--full-keys", "asked", "--rows", "engine eager,graphflow foreground")
+    results = json.loads((out / "serve.json").read_text())
+    assert results["full_keys"] == "asked"
+    foreground = results["workloads"]["6"][1]
+    planned = [key for key, entry in foreground["coverage"]["keys"].items() if entry["state"] == "planned"]
+    assert foreground["keys_captured"] + len(planned) == foreground["keys_planned"]
+    assert not [key for key in planned if key.startswith("piecewise")], planned
+    assert "--full-keys asked" in (out / "serve.txt").read_text().splitlines()[0]

@@ -247,7 +247,12 @@ class Functions:
     torch's libraries, with code that may round differently, and a JIT compiler names
     every specialization of a kernel alike; so a kernel is found in the library whose
     kernels are the ones it was saved with (``siblings``: their names, and for a JIT
-    module the resources each function uses).
+    module the resources each function uses). Two specializations may still use the same
+    resources: Triton's RMSNorm for rows of 8192 (16 warps) and of 1536 (4 warps) did, and
+    the wider one, found for the narrower one's node, was refused by the driver
+    (``CUDA_ERROR_INVALID_VALUE``: Triton fixes each specialization's thread count). A
+    JIT function is then found by the block a graph of this process launched it with
+    (``launched``).
 
     A kernel the runtime loaded as part of a library (``cudaLibrary``, how CUDA 12 and
     later load a program's kernels) is a ``CUkernel`` in its node, found again through
@@ -259,30 +264,36 @@ class Functions:
         # Handles as ints: a handle object the bindings return in a list may not outlive it.
         self._kernels: dict[tuple[str, str], int] = {}  # (library, name) -> CUkernel
         self._functions: dict[tuple[str, str], int] = {}  # (library, name) -> CUfunction
-        self._seen: set[int] = set()
+        self._seen: dict[int, tuple[str, str]] = {}  # handle -> (library, name)
         self._loaded: set[int] = set()
+        #: JIT functions by (library, name, block) as this process's graphs launch them.
+        self.launched: dict[tuple[str, str, tuple[int, int, int]], int] = {}
 
     def add_graph(self, handle: int) -> None:
         driver = _driver()
         for node in _graph_nodes(driver, driver.CUgraph(handle)):
             if _ok(driver.cuGraphNodeGetType(node)) == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
                 params = _ok(driver.cuGraphKernelNodeGetParams(node))
-                handle_of = int(params.kern or 0) or int(params.func)
-                if handle_of in self._seen:
-                    continue
-                self._seen.add(handle_of)
-                library, kernels = siblings(driver, params)
-                table = self._kernels if int(params.kern or 0) else self._functions
-                for name, sibling in kernels.items():
-                    table.setdefault((library, name), sibling)
+                jit = not int(params.kern or 0)
+                handle_of = int(params.func) if jit else int(params.kern)
+                if handle_of not in self._seen:
+                    library, kernels = siblings(driver, params)
+                    table = self._functions if jit else self._kernels
+                    for name, sibling in kernels.items():
+                        table.setdefault((library, name), sibling)
+                    self._seen[handle_of] = (library, _ok(driver.cuFuncGetName(params.func)).decode() if jit else "")
+                if jit:
+                    block = (int(params.blockDimX), int(params.blockDimY), int(params.blockDimZ))
+                    self.launched.setdefault((*self._seen[handle_of], block), handle_of)
 
-    def function(self, library: str, name: str):
-        """The ``CUfunction`` to launch ``name`` of ``library`` with in the current context,
-        loaded: under lazy module loading (torch's default) a handle from enumerating a
-        module or from a library's kernel may be only partly loaded, and the driver loads
-        such a function when it is launched, which adding a graph node is not."""
+    def function(self, library: str, name: str, block: tuple[int, int, int] | None = None):
+        """The ``CUfunction`` to launch ``name`` of ``library`` with ``block`` in the current
+        context (the one this process launched so, where it did), loaded: under lazy
+        module loading (torch's default) a handle from enumerating a module or from a
+        library's kernel may be only partly loaded, and the driver loads such a function
+        when it is launched, which adding a graph node is not."""
         driver = _driver()
-        func = self._functions.get((library, name))
+        func = self.launched.get((library, name, block)) or self._functions.get((library, name))
         if func is None:
             kernel = driver.CUkernel(self._kernels[library, name])
             func = self._functions[library, name] = int(_ok(driver.cuKernelGetFunction(kernel), "cuKernelGetFunction"))
@@ -360,11 +371,12 @@ def build_all(graphs: Sequence[PackedGraph], places: Mapping[str, int], function
     driver = _driver()
     calls = _calls()
     context = int(_ok(driver.cuCtxGetCurrent()))
-    wanted = {(library, name): max_shared for graph in graphs for library, name, max_shared in graph.functions}
+    wanted = {(library, name, block): max_shared for graph in graphs
+              for library, name, max_shared, block in graph.launches}
     handles, unusable = {}, {}
-    for (library, name), max_shared in wanted.items():
+    for (library, name, block), max_shared in wanted.items():
         try:
-            func = functions.function(library, name)
+            func = functions.function(library, name, block)
             if max_shared:  # a function found again by name has the default limit until it is raised
                 shared = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 _ok(driver.cuFuncSetAttribute(func, shared, max_shared),
@@ -372,7 +384,7 @@ def build_all(graphs: Sequence[PackedGraph], places: Mapping[str, int], function
         except DriverError as error:  # only the graphs that launch it are refused
             unusable[library, name] = DriverError(f"kernel {name[:80]}: {error}")
             continue
-        handles[library, name] = int(func)
+        handles[library, name, block] = int(func)
     totals = spent if spent is not None else {}
     lock = threading.Lock()
     threads = max(1, min(workers or WORKERS, len(graphs)))
@@ -447,7 +459,7 @@ def _calls() -> _Calls:
 
 
 def _build(driver, calls: _Calls, context: int, packed: PackedGraph, places: Mapping[str, int],
-           functions: Mapping[tuple[str, str], int], took: dict) -> int:
+           functions: Mapping[tuple[str, str, tuple[int, int, int]], int], took: dict) -> int:
     began = time.perf_counter()
     graph = int(_ok(driver.cuGraphCreate(0), "cuGraphCreate"))
     built = None
@@ -522,7 +534,8 @@ def _result(driver, error: int) -> str:
         return f"CUresult {error}"
 
 
-def _what(driver, packed: PackedGraph, index: int, functions: Mapping[tuple[str, str], int], laid: Laid) -> str:
+def _what(driver, packed: PackedGraph, index: int, functions: Mapping[tuple[str, str, tuple[int, int, int]], int],
+          laid: Laid) -> str:
     """A node the driver refused, as an error names it: a kernel with its launch, the
     parameters it was saved with against those the function found here takes, and the
     dynamic shared memory that function allows; the handles of the nodes it waits for."""
@@ -536,7 +549,7 @@ def _what(driver, packed: PackedGraph, index: int, functions: Mapping[tuple[str,
     grid, block, shared = (tuple(int(n) for n in row) for row in np.split(packed.array("launch")[kernel], [3, 6]))
     start, end = packed.array("param_start")[kernel:kernel + 2]
     saved = [int(o) for o in packed.array("param_offsets")[start:end]]
-    func = driver.CUfunction(functions[library, name])
+    func = driver.CUfunction(functions[library, name, block])
     here = [offset for offset, _ in _layout(driver, func)]
     allowed = _ok(driver.cuFuncGetAttribute(
         driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func))

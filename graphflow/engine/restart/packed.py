@@ -113,9 +113,11 @@ class Laid:
     clusters: dict[int, tuple[int, int, int]]
 
 
-def lay_out(graph: PackedGraph, places: Mapping[str, int], functions: Mapping[tuple[str, str], int]) -> Laid:
+def lay_out(graph: PackedGraph, places: Mapping[str, int],
+            functions: Mapping[tuple[str, str, tuple[int, int, int]], int]) -> Laid:
     """``graph``'s driver structs, its addresses where ``places`` says each region lives
-    and its kernels as ``functions`` (by library and name: a ``CUfunction`` handle)."""
+    and its kernels as ``functions`` (by library, name and block: a ``CUfunction`` handle;
+    see ``PackedGraph.launches``)."""
     # Addresses are computed as int64 (user-space addresses fit): numpy turns a mix of
     # unsigned and signed 64-bit integers into floats.
     kinds, dep_start = graph.array("kinds"), graph.array("dep_start")
@@ -129,9 +131,13 @@ def lay_out(graph: PackedGraph, places: Mapping[str, int], functions: Mapping[tu
     owner = np.repeat(np.arange(len(per_kernel)), per_kernel)
     pointers = words.ctypes.data + args_start[:-1][owner] + graph.array("param_offsets").astype(np.int64)
     kernels = np.zeros(len(per_kernel), dtype=KERNEL_PARAMS)
-    handle = np.array([functions[library, name] for library, name, _ in graph.functions], dtype=np.int64)
-    kernels["func"] = handle[graph.array("kernel_function")] if len(handle) else 0
     launch = graph.array("launch")
+    if len(kernels):
+        combos, each = np.unique(np.column_stack([graph.array("kernel_function").astype(np.int64),
+                                                  launch[:, 3:6].astype(np.int64)]), axis=0, return_inverse=True)
+        handle = np.array([functions[(*graph.functions[f][:2], (int(x), int(y), int(z)))] for f, x, y, z in combos],
+                          dtype=np.int64)
+        kernels["func"] = handle[each.reshape(-1)]
     kernels["grid"], kernels["block"], kernels["shared"] = launch[:, 0:3], launch[:, 3:6], launch[:, 6]
     kernels["params"] = np.where(per_kernel > 0, pointers.ctypes.data + 8 * param_start[:-1], 0)
     table = graph.array("memsets")

@@ -165,6 +165,17 @@ class PackedGraph:
         """Each kernel's (library, name)."""
         return frozenset((library, name) for library, name, _ in self.functions)
 
+    @property
+    def launches(self) -> frozenset[tuple[str, str, int, tuple[int, int, int]]]:
+        """Each kernel's (library, name, dynamic shared memory allowed) with each block it
+        is launched with: a JIT compiler fixes the block into each specialization of a
+        kernel (Triton's required thread count), which only the block then tells apart."""
+        if not len(self.array("kernel_function")):
+            return frozenset()
+        combos = np.unique(np.column_stack([self.array("kernel_function").astype(np.int64),
+                                            self.array("launch")[:, 3:6].astype(np.int64)]), axis=0)
+        return frozenset((*self.functions[f], (int(x), int(y), int(z))) for f, x, y, z in combos)
+
     def unpack(self) -> SavedGraph:
         """The graph as one object per node."""
         kinds, dep_start, deps = self.array("kinds"), self.array("dep_start"), self.array("deps")

@@ -17,13 +17,13 @@ its runner from its capture:
   **foreground** (``lazy=False``, the default), coverage first: the PIECEWISE keys before
   serving (they cover every batch: from the first step on, every step replays a graph),
   each a transaction (capture, verify, or undone, and served eagerly), and the FULL keys
-  on the lazy-capture thread beside serving once a step asks for each, the speed-ups
-  after (``full_in_background=False``: every key before serving); **lazy**, serving
-  starts at once and the engine's lazy-capture thread (``graphflow.engine.lazy``: the
-  keys steps ask for first, most asked first, then the rest of the PIECEWISE keys,
-  largest first, for a plan of at most ``AHEAD_MOST`` keys, and a FULL key only once a
-  step asks for it; recordings that give way to the engine's steps; a failed capture
-  tried again, whole, up to ``TRIES`` times) records the keys beside the engine.
+  on the lazy-capture thread beside serving, the speed-ups after
+  (``full_in_background=False``: every key before serving); **lazy**, serving starts at
+  once and the engine's lazy-capture thread (``graphflow.engine.lazy``: the keys steps ask
+  for first, most asked first, then the rest of the plan, largest first, for a plan of at
+  most ``AHEAD_MOST`` keys; recordings that give way to the engine's steps; a failed
+  capture tried again, whole, up to ``TRIES`` times) records every key beside the engine.
+  With ``full_keys="asked"`` the thread records a FULL key only once a step asks for it.
 
 Verification follows the engine's rule (``Verify``): before ``serve`` returns, a
 sample (the largest key of each mode captured then) is verified against the engine's
@@ -57,12 +57,15 @@ from graphflow.integrations.hf.batching.plan import ServingPlan, batch_processor
 from graphflow.integrations.hf.batching.runner import StepRunner
 from graphflow.plan import Mode
 
-__all__ = ["AHEAD_MOST", "LAZY_TRIES", "Serving", "serve"]
+__all__ = ["AHEAD_MOST", "FULL_KEYS", "LAZY_TRIES", "Serving", "serve"]
 
 log = logging.getLogger("graphflow.serving")
 
 #: Lazy capture tries a key this many times before serving it eagerly for good.
 LAZY_TRIES = TRIES
+
+#: Which FULL keys the capture thread records: every one, or those steps asked for.
+FULL_KEYS = ("all", "asked")
 
 
 class Serving:
@@ -105,7 +108,8 @@ class Serving:
 
     @property
     def all_captured_s(self) -> float | None:
-        """Seconds from ``serve`` to every key captured but the FULL keys no step asked for."""
+        """Seconds from ``serve`` to every key captured (with ``full_keys="asked"``, but the
+        FULL keys no step asked for)."""
         if self.capture.all_captured_s is None and self.core is not None and self.core.caught_up_at is not None:
             return self.core.caught_up_at - self.capture.started
         return self.capture.all_captured_s
@@ -117,8 +121,8 @@ class Serving:
         return self.core is not None and self.core.busy
 
     def wait_captured(self, timeout: float | None = None) -> bool:
-        """Wait until every key of the plan is captured or failed, but the FULL keys no
-        step has asked for (captured once one does); whether it was."""
+        """Wait until every key of the plan is captured or failed (with
+        ``full_keys="asked"``, but the FULL keys no step has asked for); whether it was."""
         return self.core is None or self.core.wait(timeout)
 
     @property
@@ -176,16 +180,19 @@ class Serving:
 
 def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
           backend: BackendKind | str = BackendKind.AUTO, longest: int | None = None, keys=None, progress=None,
-          full_in_background: bool = True, graphs_from: str | os.PathLike | None = None) -> Serving:
+          full_in_background: bool = True, graphs_from: str | os.PathLike | None = None,
+          full_keys: str = "all") -> Serving:
     """Put graphflow in place of ``manager``'s graph capture (a ``ContinuousBatchingManager``,
     before ``start()``, or after it with ``lazy``); see the module docstring. ``longest``:
     the most tokens a request holds on this server (prompt and new tokens), which bounds
     the keys (``serving_keys``; default: the model's ``max_position_embeddings``). ``keys`` limits the plan to
     some of its keys (the others are served eagerly as "key never captured"). Foreground
     capture reports each key to ``progress`` (a function of one line; default: the log);
-    it captures the PIECEWISE keys, and the FULL keys are captured beside serving once a
-    step asks for each, as a lazy capture captures them (``full_in_background=False``:
-    all before serving).
+    it captures the PIECEWISE keys, and the FULL keys are captured beside serving, as a
+    lazy capture captures them (``full_in_background=False``: all before serving).
+    ``full_keys``: ``"all"`` (the thread records every FULL key, those steps ask for
+    first) or ``"asked"`` (a FULL key only once a step asks for it: see docs/serving.md
+    for what each costs).
     ``verify``: ``True`` or ``"sample"`` (each mode's largest key captured before serving
     verified then, the others on their first batch), ``"all"`` (every key captured before
     serving verified then), ``False`` or ``"off"`` (graphs go live unchecked). ``graphs_from``:
@@ -201,6 +208,13 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
     if lazy and graphs_from is not None:
         raise PlanError("graphs_from builds the saved keys before serving: use it with a foreground serve "
                         "(lazy=False), whose FULL keys not saved are captured beside serving", element="graphs_from")
+    if full_keys not in FULL_KEYS:
+        raise PlanError(f"full_keys={full_keys!r}: expected one of {', '.join(map(repr, FULL_KEYS))}",
+                        element="full_keys")
+    if full_keys == "asked" and not lazy and not full_in_background:
+        raise PlanError("full_keys='asked' records a FULL key beside serving once a step asks for it; "
+                        "full_in_background=False captures every key before serving: ask for one",
+                        element="full_keys")
     if lazy and not full_in_background:
         raise PlanError("full_in_background=False captures every key before serving; lazy=True captures every key "
                         "beside serving: ask for one", element="full_in_background")
@@ -273,7 +287,7 @@ def serve(manager, *, lazy: bool = False, verify: bool | str | Verify = True,
                     held = capture.held()
                     capture.capture_all(progress, [k for k in plan.keys if k.mode is Mode.FULL and k not in held
                                                    and coverage.state(k) is KeyState.PLANNED])
-        core = _capture_thread(capture, turns, pausing) if beside else None
+        core = _capture_thread(capture, turns, pausing, asked=full_keys == "asked") if beside else None
         serving = Serving(plan, runner, capture, stack, core, lazy=lazy)
         serving.restart = restart
         if core is not None:
@@ -298,15 +312,15 @@ def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, pro
     return restart
 
 
-def _capture_thread(capture: KeyCapture, turns: Turns, pausing: bool) -> LazyCapture:
+def _capture_thread(capture: KeyCapture, turns: Turns, pausing: bool, *, asked: bool) -> LazyCapture:
     """The lazy-capture thread for the plan's keys a foreground capture did not settle
-    (all of them when lazy), the FULL ones once a step asks for them: a FULL key is a
-    speed-up for decode-only batches of one KV size, most of which a workload may never
-    reach, and recording one runs its step eagerly on the GPU the steps wait for.
-    Coverage reads the thread's table from then on."""
+    (all of them when lazy); with ``asked``, the FULL ones once a step asks for them (a
+    FULL key is a speed-up for decode-only batches of one KV size, many of which a
+    workload may never reach, and recording one runs its step eagerly on the GPU the
+    steps wait for). Coverage reads the thread's table from then on."""
     plan, coverage = capture.plan, capture.coverage
     settled = {key: state for key, state in coverage.states.items() if state is not KeyState.PLANNED}
-    full = [key for key in plan.keys if key.mode is Mode.FULL]
+    full = [key for key in plan.keys if key.mode is Mode.FULL] if asked else []
     core = LazyCapture(capture, plan.keys, turns=turns, ahead=len(plan.keys) - len(settled) <= AHEAD_MOST,
                        on_demand=full,
                        pausing=pausing, settled=settled, name="graphflow-serving-capture")
