@@ -53,7 +53,7 @@ from graphflow.engine.warmup import DescriptorTime, warmup
 from graphflow.events import Phase
 from graphflow.plan import Descriptor, Segment
 
-__all__ = ["RebuiltGraph", "Refused", "RegionsDiffer", "Restart", "SavedGraphsNotUsed", "fewest_captures",
+__all__ = ["RebuiltGraph", "Refused", "RegionsDiffer", "Restart", "SavedGraphsNotUsed", "check_key", "fewest_captures",
            "place_regions", "read_bytes", "refused_line", "restore", "save"]
 
 
@@ -188,6 +188,13 @@ def restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.Pa
                              seconds=time.perf_counter() - began, built=spent, recaptured=recaptured)
 
 
+def check_key(saved: dict, here: dict) -> None:
+    """``Refused``, saying which parts differ, unless the saved graphs' key is this process's."""
+    why = differs(saved, here)
+    if why is not None:
+        raise Refused(f"{why} differ{'s' if ';' not in why else ''}")
+
+
 def refused_line(directory: pathlib.Path, exc: Exception, failures: BaseException | None = None) -> str:
     """The one line saying why saved graphs were not used, ``exc`` being why (and
     ``failures`` what undoing the restore raised)."""
@@ -203,9 +210,7 @@ def _restore(ctx: Context, alloc: Allocation, tally: Tally, directory: pathlib.P
     if not ctx.backend.captures_graphs:
         raise Refused(f"the {ctx.backend.name} backend replays no graphs")
     device = next(iter(alloc.pools))
-    why = differs(run.key, restart_key(ctx.plan, alloc.model, device))
-    if why is not None:
-        raise Refused(f"{why} differ{'s' if ';' not in why else ''}")
+    check_key(run.key, restart_key(ctx.plan, alloc.model, device))
     saved = {(d.size, d.mode): d for d in run.descriptors}
     places = place_regions(_book(alloc, device), run.regions, device, ctx.stack)
     # One real capture, the smallest descriptor's: this process's kernels are then found by name.

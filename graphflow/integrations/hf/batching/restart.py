@@ -38,12 +38,13 @@ import attrs
 import torch
 
 from graphflow.engine.restart import driver, store
-from graphflow.engine.restart.key import differs, restart_key
+from graphflow.engine.restart.key import restart_key
 from graphflow.engine.restart.packed import pack
 from graphflow.engine.restart.regions import AddressBook, model_tensors
 from graphflow.engine.restart.run import (
     RebuiltGraph,
     Refused,
+    check_key,
     fewest_captures,
     place_regions,
     read_bytes,
@@ -111,6 +112,13 @@ def _handles(graph) -> list[int]:
     return [g.raw_cuda_graph() for g in graphs]
 
 
+def _learn(functions: driver.Functions, held: KeyGraph) -> None:
+    """The kernels ``held``'s graph launches, and their libraries', known to ``functions``."""
+    held.graph.ready()
+    for handle in _handles(held.graph):
+        functions.add_graph(handle)
+
+
 def save_keys(capture: KeyCapture, directory: pathlib.Path) -> KeysRestart:
     """Every FULL key ``capture`` holds, its graph written to ``directory`` (see the module
     docstring); a key whose graph holds what a new process cannot build is left out, with why."""
@@ -169,9 +177,7 @@ def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, bui
     device = capture.processor.inputs_and_outputs.device
     if device.type != "cuda":
         raise Refused(f"this engine runs on {device}, which replays no graphs")
-    why = differs(run.key, restart_key(capture.plan, capture.model, device))
-    if why is not None:
-        raise Refused(f"{why} differ{'s' if ';' not in why else ''}")
+    check_key(run.key, restart_key(capture.plan, capture.model, device))
     planned = {str(key): key for key in capture.plan.keys if key.mode is Mode.FULL}
     held = capture.held()
     pending = {index: (planned[entry.key], entry) for index, entry in enumerate(run.descriptors)
@@ -180,9 +186,7 @@ def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, bui
     built["memory_bytes"] = sum(r.size for r in run.regions.values() if r.kind not in ("model", "buffer"))
     functions = driver.Functions()
     for graph in held.values():
-        graph.graph.ready()
-        for handle in _handles(graph.graph):
-            functions.add_graph(handle)
+        _learn(functions, graph)
     recaptured = []
     for index, why in fewest_captures(functions, pending):
         key = pending.pop(index)[0]
@@ -190,8 +194,7 @@ def _restore(capture: KeyCapture, directory: pathlib.Path, stack: UndoStack, bui
         taught = capture.held().get(key)
         if taught is None:
             raise Refused(f"{key} could not be captured to find its kernels")
-        for handle in _handles(taught.graph):
-            functions.add_graph(handle)
+        _learn(functions, taught)
         recaptured.append(f"{key}: {why}")
     keys = [key for key, _ in pending.values()]
     results = driver.build_all([entry.graphs[0] for _, entry in pending.values()], places, functions, built)
