@@ -71,10 +71,11 @@ def test_an_allocation_nothing_names_becomes_a_memory_region_with_its_bytes_when
 
     book = AddressBook(discover)
     book.add("pool:0.0", "pool", 1000, 100)
+    assert book.where(1010) == saved.Place("pool:0.0", 10)
     assert book.where(5010) == saved.Place("memory:0", 10)
     assert book.where(9000 + 8) == saved.Place("memory:1", 8)
     assert book.where(1 << 40) is None
-    regions = book.with_contents(lambda start, size: bytes(size))
+    regions = book.pointed_into(lambda start, size: bytes(size))
     assert regions["memory:0"].content == bytes(64)
     assert regions["memory:1"].content is None  # too large to keep: restored as scratch
     assert regions["pool:0.0"].content is None
@@ -461,3 +462,18 @@ def test_a_publish_that_fails_leaves_no_restored_graph_behind(monkeypatch):
     with pytest.raises(RuntimeError, match="publishing failed"):
         restart_run._build(ctx, None, None, pending, {}, None, {}, types.SimpleNamespace(times=[], phases=[]))
     assert ctx.stack.unwind() is None and sorted(destroyed) == list(range(100, 106))
+
+
+def test_only_the_regions_saved_graphs_point_into_are_saved():
+    """A restart allocates every saved pool block afresh: the blocks only graphs that were
+    not saved used (a server's PIECEWISE keys, a descriptor left out) must not be among them."""
+    book = AddressBook(lambda address: (9000, 64) if 9000 <= address < 9064 else None)
+    book.add("model:w", "model", 100, 50)
+    book.add("buffer:unread", "buffer", 200, 50)
+    for block, start in enumerate((1000, 2000, 3000)):
+        book.add(f"pool:0.{block}", "pool", start, 1000)
+    for address in (120, 2500, 2600, 9010):
+        assert book.where(address) is not None
+    assert book.where(1 << 40) is None
+    regions = book.pointed_into(lambda start, size: bytes(size))
+    assert sorted(regions) == ["memory:0", "model:w", "pool:0.1"]

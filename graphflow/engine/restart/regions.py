@@ -44,6 +44,7 @@ class AddressBook:
         self.starts: dict[str, int] = {}
         self._discover = discover
         self._not_addresses: set[int] = set()
+        self._met: set[str] = set()  # the regions ``where`` found an address in
 
     def add(self, name: str, kind: str, start: int, size: int) -> None:
         """A named range; one that overlaps a range already named is left out (a view
@@ -86,14 +87,18 @@ class AddressBook:
             self.add(f"memory:{sum(r.kind == 'memory' for r in self.regions.values())}", "memory", start, end - start)
             found = self._at(address)
         start, _, name = found
+        self._met.add(name)
         return Place(name, address - start)
 
-    def with_contents(self, read: Callable[[int, int], bytes]) -> dict[str, Region]:
-        """Every region, ``memory`` ones with their bytes (``read(start, size)``) where
-        they are at most ``CONTENT_LIMIT``."""
+    def pointed_into(self, read: Callable[[int, int], bytes]) -> dict[str, Region]:
+        """Every region an address was found in (``where``), ``memory`` ones with their
+        bytes (``read(start, size)``) where they are at most ``CONTENT_LIMIT``. Only
+        those: a new process allocates each pool block and memory region saved, and the
+        blocks that only graphs left unsaved used (a server's PIECEWISE keys) are
+        memory no restored graph reads."""
         return {name: attrs.evolve(region, content=read(self.starts[name], region.size))
                 if region.kind == "memory" and region.size <= CONTENT_LIMIT else region
-                for name, region in self.regions.items()}
+                for name, region in self.regions.items() if name in self._met}
 
     def _gap(self, address: int, start: int, size: int) -> tuple[int, int]:
         """The part of the allocation ``[start, start + size)`` around ``address`` that no

@@ -102,7 +102,7 @@ def save(ctx: Context, alloc: Allocation, captured: Captured, directory: pathlib
         descriptors.append(SavedDescriptor(descriptor.size, descriptor.mode.value, graphs, outputs,
                                            (matmuls or {}).get(descriptor, ())))
     read = time.perf_counter()
-    regions = book.with_contents(functools.partial(read_bytes, device))
+    regions = book.pointed_into(functools.partial(read_bytes, device))
     contents = time.perf_counter()
     store.write(SavedRun(restart_key(ctx.plan, alloc.model, device), regions, tuple(descriptors), tuple(left_out)),
                 directory)

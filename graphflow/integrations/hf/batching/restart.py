@@ -140,7 +140,7 @@ def save_keys(capture: KeyCapture, directory: pathlib.Path) -> KeysRestart:
             left_out.append(f"{key}: its graph holds {exc}")
             continue
         saved.append(SavedDescriptor(key.q, key.mode.value, graphs, key=str(key)))
-    regions = book.with_contents(functools.partial(read_bytes, device))
+    regions = book.pointed_into(functools.partial(read_bytes, device))
     run = SavedRun(restart_key(capture.plan, capture.model, device), regions, tuple(saved))
     store.write(run, directory)
     return KeysRestart(str(directory), saved=len(saved), left_out=tuple(left_out),
