@@ -389,7 +389,7 @@ def test_the_restart_bench_runs_its_three_processes_on_the_cpu(tmp_path):
 
 
 def test_a_descriptor_whose_kernels_are_not_here_says_which():
-    from graphflow.engine.restart.run import _missing
+    from graphflow.engine.restart.run import fewest_captures
 
     class Functions:
         def __init__(self, absent):
@@ -399,10 +399,10 @@ def test_a_descriptor_whose_kernels_are_not_here_says_which():
             return sorted(k for k in kernels if k[1] in self.absent)
 
     kernels = tuple(saved.Kernel(name, (1, 1, 1), (32, 1, 1), 0, b"", (), (), "lib") for name in "abcde")
-    entry = saved.SavedDescriptor(4, "FULL", (pack(saved.SavedGraph(kernels, ((),) * 5)),))
-    assert _missing(Functions(set()), entry) is None
-    assert _missing(Functions({"b"}), entry) == "1 kernel not found here (b)"
-    assert _missing(Functions(set("abcde")), entry) == "5 kernels not found here (a, b, c, ...)"
+    pending = {0: (None, saved.SavedDescriptor(4, "FULL", (pack(saved.SavedGraph(kernels, ((),) * 5)),)))}
+    assert list(fewest_captures(Functions(set()), pending)) == []
+    assert next(fewest_captures(Functions({"b"}), pending)) == (0, "1 kernel not found here (b)")
+    assert next(fewest_captures(Functions(set("abcde")), pending)) == (0, "5 kernels not found here (a, b, c, ...)")
 
 
 def test_the_fewest_descriptors_are_captured_to_find_every_kernel_library():

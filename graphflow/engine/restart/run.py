@@ -329,12 +329,6 @@ def _kernels_of(entry: SavedDescriptor) -> set[tuple[str, str]]:
     return set().union(*(graph.kernel_names for graph in entry.graphs))
 
 
-def _missing(functions: driver.Functions, entry: SavedDescriptor) -> str | None:
-    """Why ``entry``'s graphs cannot be built here for want of kernels, or None."""
-    missing = functions.missing(_kernels_of(entry))
-    return _said(missing) if missing else None
-
-
 def _said(missing: list[tuple[str, str]]) -> str:
     names = ", ".join(name[:60] for _, name in missing[:3]) + (", ..." if len(missing) > 3 else "")
     return f"{len(missing)} kernel{'s' if len(missing) > 1 else ''} not found here ({names})"
