@@ -52,6 +52,7 @@ def test_an_address_in_a_named_range_is_that_range_and_its_offset(ranges, data):
     assert book.where(start + offset) == saved.Place(f"buffer:{number}", offset)
     end = ranges[-1][0] + ranges[-1][1]
     assert book.where(end + data.draw(st.integers(0, 1 << 20))) is None  # nothing allocated there
+    assert list(book.pointed_into(lambda start, size: b"")) == [f"buffer:{number}"]
 
 
 def test_a_range_overlapping_a_named_one_is_left_out():
