@@ -584,7 +584,8 @@ def main() -> int:
     failed = False
     if "graphflow restart" in rows and "graphflow foreground" not in rows:
         parser.error("--rows: graphflow restart serves from the graphs the graphflow foreground row saves")
-    saved = pathlib.Path(tempfile.mkdtemp(prefix="serve-bench-graphs-"))
+    # The foreground row saves its graphs only for a restart row to serve from.
+    saved = pathlib.Path(tempfile.mkdtemp(prefix="serve-bench-graphs-")) if "graphflow restart" in rows else None
     for requests in (int(n) for n in args.requests.split(",")):
         prompts, news = workload(requests, args.vocab, prompt, output, seed=requests)
         longest = prompt[1] + output[1]
@@ -593,7 +594,7 @@ def main() -> int:
             say(f"== {requests} requests: {row}")
             try:
                 results.append(run_row(row, model, prompts, news, settings, longest, args.lazy_wait,
-                                       f"{requests} requests", saved / str(requests), args.full_keys))
+                                       f"{requests} requests", saved and saved / str(requests), args.full_keys))
             except Exception as exc:  # noqa: BLE001 - the other rows still run; this one says why it failed
                 traceback.print_exc()
                 results.append({"row": row, "error": f"{type(exc).__name__}: {exc}"})
@@ -606,7 +607,8 @@ def main() -> int:
             everything["workloads"][requests] = [_recorded(r) for r in results]
             _write(out, stem, header + "\n\n".join(tables.values()) + "\n", everything)
         print(tables[requests], flush=True)
-    shutil.rmtree(saved, ignore_errors=True)
+    if saved is not None:
+        shutil.rmtree(saved, ignore_errors=True)
     text = header + "\n\n".join(tables.values()) + "\n"
     print(text, flush=True)
     say(f"wrote {out / stem}.txt and .json")

@@ -133,11 +133,10 @@ def lay_out(graph: PackedGraph, places: Mapping[str, int],
     kernels = np.zeros(len(per_kernel), dtype=KERNEL_PARAMS)
     launch = graph.array("launch")
     if len(kernels):
-        combos, each = np.unique(np.column_stack([graph.array("kernel_function").astype(np.int64),
-                                                  launch[:, 3:6].astype(np.int64)]), axis=0, return_inverse=True)
+        combos, each = graph.function_blocks()
         handle = np.array([functions[(*graph.functions[f][:2], (int(x), int(y), int(z)))] for f, x, y, z in combos],
                           dtype=np.int64)
-        kernels["func"] = handle[each.reshape(-1)]
+        kernels["func"] = handle[each]
     kernels["grid"], kernels["block"], kernels["shared"] = launch[:, 0:3], launch[:, 3:6], launch[:, 6]
     kernels["params"] = np.where(per_kernel > 0, pointers.ctypes.data + 8 * param_start[:-1], 0)
     table = graph.array("memsets")

@@ -170,11 +170,18 @@ class PackedGraph:
         """Each kernel's (library, name, dynamic shared memory allowed) with each block it
         is launched with: a JIT compiler fixes the block into each specialization of a
         kernel (Triton's required thread count), which only the block then tells apart."""
-        if not len(self.array("kernel_function")):
-            return frozenset()
-        combos = np.unique(np.column_stack([self.array("kernel_function").astype(np.int64),
-                                            self.array("launch")[:, 3:6].astype(np.int64)]), axis=0)
+        combos, _ = self.function_blocks()
         return frozenset((*self.functions[f], (int(x), int(y), int(z))) for f, x, y, z in combos)
+
+    def function_blocks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each distinct (index into ``functions``, block x, y, z) the kernels launch, and
+        each kernel's row among them."""
+        if not len(self.array("kernel_function")):
+            return np.zeros((0, 4), dtype=np.int64), np.zeros(0, dtype=np.int64)
+        combos, each = np.unique(np.column_stack([self.array("kernel_function").astype(np.int64),
+                                                  self.array("launch")[:, 3:6].astype(np.int64)]),
+                                 axis=0, return_inverse=True)
+        return combos, each.reshape(-1)
 
     def unpack(self) -> SavedGraph:
         """The graph as one object per node."""
